@@ -1,0 +1,141 @@
+"""Text <-> token ids: a `tokenizers` backend, special tokens, the chat template, streaming decode.
+
+Built from a Hugging Face directory (tokenizer.json + tokenizer_config.json) or, by the GGUF loader,
+from a GGUF file's vocabulary. Encoding follows transformers' fast tokenizers: `encode(text)` applies
+the backend's post-processor (which adds BOS where the model wants it); a chat-templated prompt is
+encoded without it, because the template already writes BOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    backend: tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        _check_messages(messages)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise_template_error
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"no tokenizer.json in {str(path)!r}")
+        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        gen_config: dict[str, Any] = {}
+        if (path / "generation_config.json").is_file():
+            gen_config = json.loads((path / "generation_config.json").read_text())
+        bos_token = _token_str(config.get("bos_token"))
+        eos_token = _token_str(config.get("eos_token"))
+        bos_id = backend.token_to_id(bos_token) if bos_token else None
+        eos_ids: list[int] = []
+        if eos_token and backend.token_to_id(eos_token) is not None:
+            eos_ids.append(backend.token_to_id(eos_token))
+        gen_eos = gen_config.get("eos_token_id")
+        for tid in gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []:
+            if tid not in eos_ids:
+                eos_ids.append(int(tid))
+        template = config.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(backend, bos_id, tuple(eos_ids), template, bos_token, eos_token)
+
+
+def _token_str(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of role/content dicts, got {messages!r:.100}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"each message needs 'role' and 'content', got {m!r:.100}")
+
+
+class IncrementalDetokenizer:
+    """Streams text as tokens arrive without re-decoding the whole output each step.
+
+    Keeps a short window of already-emitted tokens as context, because byte-level BPE pieces and
+    sentencepiece's leading-space handling only decode right next to their neighbours; text that
+    ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-6:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,10 @@
+"""Ragged paged attention: decode rows and prefill chunks of one step in one call.
+
+`ragged_paged_attention` dispatches to a backend; `ragged_paged_attention_reference` is the pure-jnp
+definition every kernel is tested against.
+"""
+
+from pallas_kernels.ragged_paged_attention.api import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]

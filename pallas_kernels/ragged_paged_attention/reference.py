@@ -1,0 +1,95 @@
+"""Pure-jnp ragged paged attention: the definition, the CPU path, and the oracle for the kernels.
+
+Inputs (S sequences, T tokens, P pages, MP pages per sequence):
+
+    q            [T, Hq, D]            the step's queries, sequences laid end to end
+    kv_pages     [P, Hkv, 2, PS, D]    one layer's pages (see kv_layout); already holding this step's K/V
+    kv_lens      int32[S]              tokens in each sequence's cache, this step's included
+    page_table   int32[S, MP]          page ids per sequence; unused entries may be anything in range
+    cu_q_lens    int32[S + 1]          query offsets; sequence s owns tokens [cu_q_lens[s], cu_q_lens[s+1])
+    distribution int32[2]              (num_decode_seqs, num_seqs): sequences [0, d) have one query
+                                       token each, [d, n) are prefill chunks, [n, S) are padding
+
+Query token i of sequence s sits at position kv_lens[s] - q_len[s] + i and attends causally to the
+cached positions [0, that position]. Tokens past cu_q_lens[num_seqs] are padding: output 0.
+
+The loop runs over page slots j, gathering for every token the j-th page of its own sequence, with an
+online softmax. Memory per iteration is T * Hkv * PS * D, whatever the context length; the cost is
+T * max_pages page reads, which is why the kernels exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_layout import K_INDEX, V_INDEX
+from pallas_kernels.ragged_paged_attention.validate import check_inputs
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def token_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, distribution: jax.Array, num_tokens: int):
+    """Per-token sequence id, query position and validity (shared with the kernels' wrappers)."""
+    num_seqs = distribution[1]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_ids = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq_ids = jnp.minimum(seq_ids, kv_lens.shape[0] - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_pos = kv_lens[seq_ids] - q_lens[seq_ids] + (t - cu_q_lens[seq_ids])
+    return seq_ids, jnp.where(valid, q_pos, -1), valid
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    num_tokens, hq, d = q.shape
+    _, hkv, _, page_size, _ = kv_pages.shape
+    group = hq // hkv
+    seq_ids, q_pos, valid = token_metadata(kv_lens, cu_q_lens, distribution, num_tokens)
+    qg = q.astype(jnp.float32).reshape(num_tokens, hkv, group, d) * sm_scale  # [T, K, G, D]
+    token_kv_len = jnp.where(valid, kv_lens[seq_ids], 0)  # [T]
+    num_page_slots = (jnp.max(token_kv_len) + page_size - 1) // page_size
+
+    def body(carry):
+        j, m, l, acc = carry
+        pages = page_table[seq_ids, j]  # [T]
+        kv = kv_pages[pages].astype(jnp.float32)  # [T, K, 2, PS, D]
+        k, v = kv[:, :, K_INDEX], kv[:, :, V_INDEX]  # [T, K, PS, D]
+        s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [PS]
+        mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < token_kv_len[:, None])
+        s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        p = jnp.where(mask[:, None, None, :], p, 0.0)
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("tkgp,tkpd->tkgd", p, v)
+        return j + 1, m_new, l_new, acc_new
+
+    init = (
+        jnp.int32(0),
+        jnp.full((num_tokens, hkv, group), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, hkv, group), jnp.float32),
+        jnp.zeros((num_tokens, hkv, group, d), jnp.float32),
+    )
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_page_slots, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, hq, d).astype(q.dtype)
