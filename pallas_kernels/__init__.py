@@ -6,12 +6,14 @@ defined once, in `kv_layout`.
 
 from pallas_kernels.kv_layout import KVLayout, write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
+    attention_step,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
 
 __all__ = [
     "KVLayout",
+    "attention_step",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "write_kv",

@@ -4,7 +4,7 @@
 definition every kernel is tested against.
 """
 
-from pallas_kernels.ragged_paged_attention.api import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.api import attention_step, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["attention_step", "ragged_paged_attention", "ragged_paged_attention_reference"]

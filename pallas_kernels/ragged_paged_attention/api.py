@@ -1,12 +1,21 @@
-"""Public entry point: pick the implementation of ragged paged attention by backend name."""
+"""Public entry points: the engine's attention step (KV write + attention) and the attention op alone.
+
+`backend` picks the implementation; every backend computes the function `reference.py` defines.
+"""
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels.kv_layout import write_kv_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 BACKENDS = ("reference",)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
 
 
 def ragged_paged_attention(
@@ -21,9 +30,36 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "reference",
 ) -> jax.Array:
-    """Attention of a ragged step over paged KV; see `reference.py` for the contract."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    """Attention of a ragged step over paged KV that already holds the step's K/V."""
+    _check_backend(backend)
     return ragged_paged_attention_reference(
         q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, sm_scale=sm_scale, soft_cap=soft_cap
     )
+
+
+def attention_step(
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]  this step's new keys (RoPE applied)
+    v: jax.Array,  # [T, Hkv, D]
+    kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
+    slot_mapping: jax.Array,  # int32[T]
+    kv_lens: jax.Array,  # int32[S]
+    page_table: jax.Array,  # int32[S, MP]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    distribution: jax.Array,  # int32[2]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    backend: str = "reference",
+) -> tuple[jax.Array, jax.Array]:
+    """What one model layer calls: write the step's K/V into the pages, then attend.
+
+    Returns (out [T, Hq, D], updated kv_pages). A backend may fuse the write into the kernel.
+    """
+    _check_backend(backend)
+    kv_pages = write_kv_reference(kv_pages, k, v, slot_mapping)
+    out = ragged_paged_attention(
+        q, kv_pages, kv_lens, page_table, cu_q_lens, distribution,
+        sm_scale=sm_scale, soft_cap=soft_cap, backend=backend,
+    )
+    return out, kv_pages
