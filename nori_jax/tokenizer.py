@@ -9,17 +9,49 @@ encoded without it, because the template already writes BOS.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
 
 def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters (<, >, &, '), which would change the prompt
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in, so prompts come out byte-identical."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
 
 
 @dataclasses.dataclass
@@ -30,6 +62,8 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    unk_token: str | None = None
+    pad_token: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -44,23 +78,41 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
+        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does.
+
+        As there, keys whose value is None are dropped from each message (OpenAI clients send
+        `content=None` with tool calls), the special tokens are template variables, and extra
+        keyword arguments (e.g. `enable_thinking=False`) reach the template.
+        """
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         _check_messages(messages)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_template_error
-        template = env.from_string(self.chat_template)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        special = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+        }
+        variables = {k: v for k, v in special.items() if v is not None} | template_kwargs
+        try:
+            template = _compile_template(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the model's chat template does not parse: {e}") from e
         return template.render(
             messages=messages,
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            **variables,
         )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -94,7 +146,16 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(backend, bos_id, tuple(eos_ids), template, bos_token, eos_token)
+        return cls(
+            backend,
+            bos_id,
+            tuple(eos_ids),
+            template,
+            bos_token,
+            eos_token,
+            unk_token=_token_str(config.get("unk_token")),
+            pad_token=_token_str(config.get("pad_token")),
+        )
 
 
 def _token_str(token: Any) -> str | None:

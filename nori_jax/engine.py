@@ -1,0 +1,208 @@
+"""LLMEngine: add_request / step / abort over scheduler -> runner -> scheduler.update.
+
+Single-threaded and synchronous: the offline `LLM` drives it in a loop and the server's engine
+thread does the same. Everything that touches JAX happens inside `step()` (and construction).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from nori_jax import compilation_cache, compile_counter
+from nori_jax.engine_config import EngineConfig
+from nori_jax.kv_cache import num_pages_for_memory
+from nori_jax.mesh import make_mesh
+from nori_jax.metrics import EngineMetrics
+from nori_jax.output_processor import OutputProcessor
+from nori_jax.outputs import RequestOutput
+from nori_jax.paging import PageAllocator
+from nori_jax.request import Request, RequestTimes
+from nori_jax.runner import ModelRunner
+from nori_jax.sampling_params import SamplingParams
+from nori_jax.scheduler import Scheduler
+from nori_jax.scheduler_config import SchedulerConfig
+from nori_jax.weights.loader import load_model
+from pallas_kernels.ragged_paged_attention.api import BACKENDS
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def resolve_attention_backend(name: str) -> str:
+    """'auto' is the Pallas kernel on GPU when it is built, the jnp reference elsewhere."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"attention_backend={name!r} is not available; built: {BACKENDS}")
+        return name
+    return "pallas" if jax.default_backend() == "gpu" and "pallas" in BACKENDS else "reference"
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        compilation_cache.enable(config.compilation_cache_dir)
+        self.mesh = make_mesh(config.mesh)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        start = time.perf_counter()
+        self.model = load_model(
+            config.model, dtype=config.dtype, load_format=config.load_format, mesh=self.mesh,
+            attention_backend=self.attention_backend, seed=config.seed, tokenizer=config.tokenizer,
+        )
+        self.load_seconds = time.perf_counter() - start
+        mcfg = self.model.config
+        config.mesh.check_model(mcfg)
+        self.tokenizer = self.model.tokenizer
+        self.max_model_len = self._max_model_len()
+        num_pages = config.num_pages or num_pages_for_memory(
+            mcfg, config.page_size, self.model.dtype, self.mesh, config.gpu_memory_utilization,
+            config.cpu_kv_cache_gib,
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=self.max_model_len, page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            long_prefill_threshold=config.long_prefill_threshold,
+            long_prefill_token_share=config.long_prefill_token_share,
+            kv_headroom=config.kv_headroom, max_num_waiting=config.max_num_waiting,
+        )
+        allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, allocator)
+        self.runner = ModelRunner(
+            self.model, self.mesh, num_pages, config.page_size, config.max_num_seqs,
+            self.scheduler_config.max_pages_per_seq, self.scheduler.buckets,
+        )
+        self.runner.compile_all()
+        self.processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+        self._rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
+        self._compiles_at_warmup = compile_counter.compile_count()
+        self._preemptions_seen = self._hits_seen = self._queries_seen = 0
+        logger.info(
+            "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
+            self.model.source, self.model.dtype.__name__ if hasattr(self.model.dtype, "__name__")
+            else self.model.dtype, num_pages, config.page_size, self.scheduler.buckets,
+            self.attention_backend,
+        )
+
+    def _max_model_len(self) -> int:
+        mcfg = self.model.config
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window:  # attention has no sliding window: stay inside it
+            limit = min(limit, mcfg.sliding_window)
+        want = self.config.max_model_len
+        if want is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if want > limit:
+            raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
+        return want
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    @property
+    def num_recompiles(self) -> int:
+        """XLA programs built since warm-up; anything but 0 is a bug."""
+        return compile_counter.compile_count() - self._compiles_at_warmup
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        """Validate a prompt and return (token ids, text or None)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt), prompt
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt is empty (no token ids)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return [int(t) for t in prompt], None
+
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError for bad input, QueueFullError when the queue is full."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids, text = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                f"room to generate"
+            )
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        req = Request(
+            request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids, params=params,
+            seed=seed, eos_token_ids=self._eos,
+            times=RequestTimes(arrival_time if arrival_time is not None else time.monotonic()),
+        )
+        self.scheduler.add_request(req)
+        self.processor.add(req, text)
+        return req.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now (reason "abort"); its pages return to the pool at once."""
+        req = self.scheduler.finish_request(request_id, "abort")
+        if req is None:
+            return None
+        self.metrics.observe_finished(req)
+        return self.processor.output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that gained tokens or finished."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if plan is not None:
+            tokens, logprobs = self.runner.step(plan)
+            for req in self.scheduler.update(plan, tokens, logprobs):
+                if self.processor.detokenize(req):
+                    self.scheduler.finish_request(req.request_id, "stop")
+                if len(req.output_token_ids) == 1 and req.times.first_token is not None:
+                    self.metrics.ttft.observe(req.times.first_token - req.times.arrival)
+                self.metrics.generation_tokens.inc()
+                if req.is_finished:
+                    self.metrics.observe_finished(req)
+                outputs.append(self.processor.output(req))
+            self.metrics.step_duration.observe(time.perf_counter() - t0)
+            self.metrics.scheduler_duration.observe(t1 - t0)
+        self._update_gauges()
+        return outputs
+
+    def _update_gauges(self) -> None:
+        m, s = self.metrics, self.scheduler
+        m.running.set(len(s.running))
+        m.waiting.set(s.num_waiting)
+        m.kv_usage.set(s.allocator.usage)
+        c = s.counters
+        m.preemptions.inc(c.num_preemptions - self._preemptions_seen)
+        m.prefix_hits.inc(c.prefix_cache_hits - self._hits_seen)
+        m.prefix_queries.inc(c.prefix_cache_queries - self._queries_seen)
+        self._preemptions_seen, self._hits_seen = c.num_preemptions, c.prefix_cache_hits
+        self._queries_seen = c.prefix_cache_queries
+        recompiles = self.num_recompiles
+        m.recompiles.inc(recompiles - m.recompiles._value.get())
+
+    def get_metrics(self) -> dict:
+        self._update_gauges()
+        return self.metrics.as_dict()

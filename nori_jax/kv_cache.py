@@ -1,0 +1,51 @@
+"""The KV page pool: how many pages fit, and allocating them on the mesh (one array per layer)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nori_jax.model_config import ModelConfig
+from pallas_kernels.kv_layout import KVLayout
+
+GIB = 1 << 30
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """KV heads split over `model`, like the q/k/v projections that produce them."""
+    spec = [None] * 5
+    spec[KVLayout.KV_HEAD_AXIS] = "model"
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """All layers' bytes for one page index across the whole mesh."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_pages_for_memory(
+    cfg: ModelConfig, page_size: int, dtype, mesh: Mesh, gpu_memory_utilization: float,
+    cpu_kv_cache_gib: float,
+) -> int:
+    """Pages that fit in the memory budget left after the weights (already on the devices).
+
+    On an accelerator: utilization x the allocator's limit, minus what is in use, per device (each
+    device holds 1/tp of every page). The rest stays free for the step's activations.
+    """
+    stats = mesh.devices.flat[0].memory_stats()
+    tp = mesh.shape["model"]
+    if stats and "bytes_limit" in stats:
+        budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"]
+        per_page = bytes_per_page(cfg, page_size, dtype) / tp
+    else:
+        budget = cpu_kv_cache_gib * GIB
+        per_page = bytes_per_page(cfg, page_size, dtype)
+    return int(budget // per_page)
+
+
+def allocate_kv_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh) -> list[jax.Array]:
+    layout = KVLayout(num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    sharding = kv_sharding(mesh)
+    zeros = jax.jit(lambda: jnp.zeros(layout.shape, dtype), out_shardings=sharding)
+    return [zeros() for _ in range(cfg.num_layers)]

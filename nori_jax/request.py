@@ -1,0 +1,85 @@
+"""A request's state as the scheduler sees it: tokens, pages, progress and stage timestamps."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from nori_jax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """Monotonic timestamps (time.monotonic) of a request's stages; None until reached."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    preemptions: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_token
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed actually used (params.seed or one drawn at arrival)
+    eos_token_ids: tuple[int, ...] = ()
+    times: RequestTimes = dataclasses.field(default_factory=lambda: RequestTimes(time.monotonic()))
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in `pages`
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    num_registered_pages: int = 0  # leading full pages already published to the prefix cache
+    page_hashes: list[int] = dataclasses.field(default_factory=list)  # hash chain of full pages
+    num_preemptions: int = 0
+    is_long: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,105 @@
+"""The device side: one jitted ragged step, compiled ahead of time for every token bucket.
+
+    step(state, kv_pages, batch) -> (next_tokens int32[S], logprobs float32[S], kv_pages)
+
+`state` is the model's parameters (nnx.split once; the graphdef is closed over), `kv_pages` is
+donated and comes back updated in place, and only S tokens + S logprobs return to the host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from nori_jax import compile_counter
+from nori_jax.kv_cache import allocate_kv_pages, kv_sharding
+from nori_jax.mesh import replicated
+from nori_jax.models.llama import AttentionInputs
+from nori_jax.sampler import sample
+from nori_jax.step_plan import StepPlan
+from nori_jax.weights.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def _step(graphdef, state, kv_pages, batch):
+    model = nnx.merge(graphdef, state)
+    meta = AttentionInputs(
+        slot_mapping=batch["slot_mapping"], kv_lens=batch["kv_lens"], page_table=batch["page_table"],
+        cu_q_lens=batch["cu_q_lens"], distribution=batch["distribution"],
+    )
+    hidden, kv_pages = model(batch["input_ids"], batch["positions"], kv_pages, meta)
+    logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
+    tokens, logprobs = sample(
+        logits, batch["temperature"], batch["top_p"], batch["top_k"], batch["seeds"],
+        batch["sample_index"],
+    )
+    return tokens, logprobs, kv_pages
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, mesh: Mesh, num_pages: int, page_size: int, max_num_seqs: int,
+        max_pages_per_seq: int, buckets: list[int],
+    ):
+        self.model = loaded
+        self.mesh = mesh
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq
+        self.buckets = list(buckets)
+        cfg = loaded.config
+        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, loaded.dtype, mesh)
+        # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
+        self._replicated = replicated(mesh)
+        self._kv_sharding = kv_sharding(mesh)
+        self._jitted = jax.jit(
+            functools.partial(_step, loaded.graphdef),
+            donate_argnums=(1,),
+            out_shardings=(self._replicated, self._replicated, [self._kv_sharding] * cfg.num_layers),
+        )
+        self._executables: dict[int, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+
+    def _abstract_batch(self, t: int) -> dict[str, jax.ShapeDtypeStruct]:
+        s, mp, rep = self.max_num_seqs, self.max_pages_per_seq, self._replicated
+        i32, f32 = jnp.int32, jnp.float32
+        shapes = {
+            "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
+            "cu_q_lens": ((s + 1,), i32), "kv_lens": ((s,), i32), "page_table": ((s, mp), i32),
+            "distribution": ((2,), i32), "logits_indices": ((s,), i32), "temperature": ((s,), f32),
+            "top_p": ((s,), f32), "top_k": ((s,), i32), "seeds": ((s,), i32),
+            "sample_index": ((s,), i32),
+        }
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()}
+
+    def compile_all(self) -> None:
+        """Lower every bucket, then compile them in parallel (XLA releases the GIL)."""
+        start = time.perf_counter()
+        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        state_abs = jax.tree.map(as_abstract, self.model.state)
+        kv_abs = [as_abstract(x) for x in self.kv_pages]
+        lowered = {t: self._jitted.lower(state_abs, kv_abs, self._abstract_batch(t)) for t in self.buckets}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+        self._executables.update(compiled)
+        self.compile_seconds = time.perf_counter() - start
+        logger.info("compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds)
+
+    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        executable = self._executables.get(plan.bucket)
+        if executable is None:
+            raise RuntimeError(f"bucket {plan.bucket} was not compiled (buckets: {self.buckets})")
+        batch = jax.device_put(plan.device_arrays(), self._replicated)
+        tokens, logprobs, self.kv_pages = executable(self.model.state, self.kv_pages, batch)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+
+compile_counter.install()

@@ -1,0 +1,49 @@
+"""Map Hugging Face Llama-family tensor names onto the NNX model's state paths.
+
+HF stores linear weights [out_features, in_features]; the model keeps kernels [in, out], so those
+are transposed on the way in. Every loader (safetensors, GGUF) yields HF names, so this table is the
+single place that knows the model's parameter layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_PARAMS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "self_attn.q_proj.weight": (("self_attn", "q_proj"), True),
+    "self_attn.k_proj.weight": (("self_attn", "k_proj"), True),
+    "self_attn.v_proj.weight": (("self_attn", "v_proj"), True),
+    "self_attn.o_proj.weight": (("self_attn", "o_proj"), True),
+    "self_attn.q_proj.bias": (("self_attn", "q_bias"), False),
+    "self_attn.k_proj.bias": (("self_attn", "k_bias"), False),
+    "self_attn.v_proj.bias": (("self_attn", "v_bias"), False),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj"), True),
+    "mlp.up_proj.weight": (("mlp", "up_proj"), True),
+    "mlp.down_proj.weight": (("mlp", "down_proj"), True),
+    "input_layernorm.weight": (("input_layernorm", "weight"), False),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False),
+}
+_TOP_PARAMS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "model.embed_tokens.weight": (("embed_tokens",), False),
+    "model.norm.weight": (("norm", "weight"), False),
+    "lm_head.weight": (("lm_head",), True),
+}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
+
+
+def state_path(hf_name: str) -> tuple[tuple[str | int, ...], bool] | None:
+    """(state path, transpose?) for a tensor name; None for buffers the model does not store.
+
+    Raises ValueError for a name the model does not know, so a wrong checkpoint fails loudly.
+    """
+    if _IGNORED.search(hf_name):
+        return None
+    if hf_name in _TOP_PARAMS:
+        return _TOP_PARAMS[hf_name]
+    m = _LAYER.match(hf_name)
+    if m and m.group(2) in _LAYER_PARAMS:
+        sub, transpose = _LAYER_PARAMS[m.group(2)]
+        return ("layers", int(m.group(1)), *sub), transpose
+    raise ValueError(f"tensor {hf_name!r} does not belong to a Llama-family model")
