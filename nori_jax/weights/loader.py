@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
+from nori_jax.dummy_tokenizer import byte_tokenizer
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights import hf_names
@@ -146,6 +147,7 @@ def load_model(
         if load_format != "dummy":
             raise ValueError(f"model={model!r} is a shape preset without weights; use load_format='dummy'")
         hf_config, source = load_preset(model), f"preset {model}"
+        tok = byte_tokenizer(int(hf_config["vocab_size"]))
     else:
         raise ValueError(
             f"model={model!r} is neither a Hugging Face directory (with config.json), a .gguf file, "
