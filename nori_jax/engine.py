@@ -82,7 +82,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
-        self._compiles_at_warmup = compile_counter.compile_count()
+        self._num_recompiles = 0
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
         logger.info(
             "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
@@ -107,8 +107,8 @@ class LLMEngine:
 
     @property
     def num_recompiles(self) -> int:
-        """XLA programs built since warm-up; anything but 0 is a bug."""
-        return compile_counter.compile_count() - self._compiles_at_warmup
+        """XLA programs built inside this engine's steps since warm-up; anything but 0 is a bug."""
+        return self._num_recompiles
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -174,7 +174,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         outputs: list[RequestOutput] = []
         if plan is not None:
+            compiles_before = compile_counter.compile_count()
             tokens, logprobs = self.runner.step(plan)
+            self._num_recompiles += compile_counter.compile_count() - compiles_before
             for req in self.scheduler.update(plan, tokens, logprobs):
                 if self.processor.detokenize(req):
                     self.scheduler.finish_request(req.request_id, "stop")
