@@ -51,9 +51,12 @@ def _optional_commands(sub) -> None:
             raise
         getattr(mod, fn)(sub)
     from nori_jax.bench.cli import add_bench_serve_parser
+    from nori_jax.bench.offline import add_bench_offline_parser
 
     bench = sub.add_parser("bench", help="benchmarks: load generator against a server, offline runs")
-    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(bench_sub)
+    add_bench_offline_parser(bench_sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ thread does the same. Everything that touches JAX happens inside `step()` (and c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,6 +34,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+@dataclasses.dataclass
+class StepTimes:
+    """Cumulative host wall time of the engine loop, split by stage (seconds)."""
+
+    steps: int = 0
+    tokens: int = 0  # real (unpadded) tokens run through the model
+    padded_tokens: int = 0  # tokens of the compiled buckets actually executed
+    schedule: float = 0.0  # Scheduler.schedule(): picking work and building the StepPlan
+    device: float = 0.0  # Runner.step(): transfer, the jitted step, fetching next tokens
+    postprocess: float = 0.0  # Scheduler.update(), detokenization, stop strings, metrics
+
+
 def resolve_attention_backend(name: str) -> str:
     """'auto' is the Pallas kernel on GPU when it is built, the jnp reference elsewhere."""
     if name != "auto":
@@ -52,6 +65,7 @@ class LLMEngine:
         self.model = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format, mesh=self.mesh,
             attention_backend=self.attention_backend, seed=config.seed, tokenizer=config.tokenizer,
+            param_cache=config.param_cache,
         )
         self.load_seconds = time.perf_counter() - start
         mcfg = self.model.config
@@ -83,6 +97,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self._num_recompiles = 0
+        self.step_times = StepTimes()
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
         logger.info(
             "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
@@ -177,6 +192,7 @@ class LLMEngine:
             compiles_before = compile_counter.compile_count()
             tokens, logprobs = self.runner.step(plan)
             self._num_recompiles += compile_counter.compile_count() - compiles_before
+            t2 = time.perf_counter()
             for req in self.scheduler.update(plan, tokens, logprobs):
                 if self.processor.detokenize(req):
                     self.scheduler.finish_request(req.request_id, "stop")
@@ -186,8 +202,16 @@ class LLMEngine:
                 if req.is_finished:
                     self.metrics.observe_finished(req)
                 outputs.append(self.processor.output(req))
-            self.metrics.step_duration.observe(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            self.metrics.step_duration.observe(t3 - t0)
             self.metrics.scheduler_duration.observe(t1 - t0)
+            st = self.step_times
+            st.steps += 1
+            st.tokens += plan.num_tokens
+            st.padded_tokens += plan.bucket
+            st.schedule += t1 - t0
+            st.device += t2 - t1
+            st.postprocess += t3 - t2
         self._update_gauges()
         return outputs
 

@@ -21,6 +21,7 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    param_cache: bool = True  # keep converted parameters in an orbax cache (see weights/checkpoint_cache.py)
     # KV cache
     page_size: int = 64
     num_pages: int | None = None  # None: sized from gpu_memory_utilization

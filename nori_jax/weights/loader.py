@@ -20,7 +20,7 @@ from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.dummy_tokenizer import byte_tokenizer
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.tokenizer import Tokenizer
-from nori_jax.weights import hf_names
+from nori_jax.weights import checkpoint_cache, hf_names
 from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors, read_hf_config
 
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
@@ -35,6 +35,7 @@ class LoadedModel:
     state: nnx.State  # parameters as device arrays on the mesh
     tokenizer: Tokenizer | None
     source: str
+    from_cache: bool = False  # parameters restored from the orbax cache, not converted
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -122,6 +123,7 @@ def load_model(
     attention_backend: str = "reference",
     seed: int = 0,
     tokenizer: str | None = None,
+    param_cache: bool = True,
 ) -> LoadedModel:
     """Build the model named by `model`: a HF directory, a .gguf file, or (dummy) a shape preset.
 
@@ -137,7 +139,7 @@ def load_model(
     path = Path(model).expanduser()
     tok: Tokenizer | None = None
     if path.suffix == ".gguf" or load_format == "gguf":
-        return _load_gguf(path, jdtype, load_format, mesh, attention_backend, seed)
+        return _load_gguf(path, jdtype, load_format, mesh, attention_backend, seed, param_cache)
     if is_hf_dir(path):
         hf_config = read_hf_config(path)
         source = str(path)
@@ -155,16 +157,33 @@ def load_model(
         )
     cfg = ModelConfig.from_hf_dict(hf_config)
     graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
+    from_cache = False
     if load_format == "dummy":
         state = dummy_state(abstract, mesh, seed)
     else:
-        state = place_tensors(iter_safetensors(path), abstract, mesh, source)
+        state, from_cache = _convert_or_restore(
+            path, cfg, jdtype, abstract, mesh, param_cache,
+            lambda: place_tensors(iter_safetensors(path), abstract, mesh, source),
+        )
     if tokenizer is not None:
         tok = Tokenizer.from_hf_dir(tokenizer)
-    return LoadedModel(cfg, jdtype, graphdef, state, tok, source)
+    return LoadedModel(cfg, jdtype, graphdef, state, tok, source, from_cache)
 
 
-def _load_gguf(path: Path, jdtype, load_format, mesh, attention_backend, seed) -> LoadedModel:
+def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, convert):
+    """Restore converted parameters from the orbax cache, or convert them and fill the cache."""
+    if not use_cache:
+        return convert(), False
+    key = checkpoint_cache.cache_key(path, jdtype, cfg)
+    state = checkpoint_cache.restore(key, abstract, _shardings(abstract, mesh))
+    if state is not None:
+        return state, True
+    state = convert()
+    checkpoint_cache.save(key, state)
+    return state, False
+
+
+def _load_gguf(path: Path, jdtype, load_format, mesh, attention_backend, seed, param_cache) -> LoadedModel:
     from nori_jax.weights.gguf import load_gguf
 
     if not path.is_file():
@@ -172,8 +191,12 @@ def _load_gguf(path: Path, jdtype, load_format, mesh, attention_backend, seed) -
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
     graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
+    from_cache = False
     if load_format == "dummy":
         state = dummy_state(abstract, mesh, seed)
     else:
-        state = place_tensors(ckpt.tensors(), abstract, mesh, str(path))
-    return LoadedModel(cfg, jdtype, graphdef, state, ckpt.tokenizer, str(path))
+        state, from_cache = _convert_or_restore(
+            path, cfg, jdtype, abstract, mesh, param_cache,
+            lambda: place_tensors(ckpt.tensors(), abstract, mesh, str(path)),
+        )
+    return LoadedModel(cfg, jdtype, graphdef, state, ckpt.tokenizer, str(path), from_cache)
