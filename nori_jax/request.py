@@ -62,6 +62,7 @@ class Request:
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # hash chain of full pages
     num_preemptions: int = 0
     is_long: bool = False
+    slot: int | None = None  # row in the scheduler's BatchSlots while running
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +80,10 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

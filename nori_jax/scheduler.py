@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from nori_jax.batch_slots import BatchSlots
 from nori_jax.paging import ROOT_HASH, PageAllocator, page_hash
 from nori_jax.request import Request, RequestStatus
 from nori_jax.scheduler_config import SchedulerConfig
@@ -51,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
+        self.slots = BatchSlots(config.max_num_seqs, config.max_pages_per_seq)
         self._preempted_this_step = False
 
     # ---- queue management -------------------------------------------------------------------
@@ -86,6 +88,7 @@ class Scheduler:
         return req
 
     def _release(self, req: Request, reason: str) -> None:
+        self.slots.release(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.status = RequestStatus.FINISHED
@@ -156,6 +159,7 @@ class Scheduler:
             pages = self.allocator.allocate(need)
             if pages is not None:
                 req.pages.extend(pages)
+                self.slots.add_pages(req, pages)
                 return True
             victim = self._newest_preemptible(req, scheduled)
             if victim is None:
@@ -175,6 +179,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.slots.release(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed_tokens = 0
@@ -206,6 +211,7 @@ class Scheduler:
                 break
             queue.popleft()
             req.pages = cached + new_pages
+            self.slots.acquire(req)
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             req.num_registered_pages = len(cached)
             req.status = RequestStatus.RUNNING
@@ -235,53 +241,63 @@ class Scheduler:
     # ---- the plan ---------------------------------------------------------------------------
 
     def _build_plan(self, rows: list[tuple[Request, int]]) -> StepPlan:
-        cfg, ps = self.config, self.page_size
-        rows = [r for r in rows if r[1] == 1] + [r for r in rows if r[1] != 1]  # decodes first
-        num_tokens = sum(n for _, n in rows)
+        cfg, ps, slots = self.config, self.page_size, self.slots
+        decodes = [req for req, n in rows if n == 1]
+        prefills = [(req, n) for req, n in rows if n != 1]
+        reqs = decodes + [req for req, _ in prefills]
+        counts = [1] * len(decodes) + [n for _, n in prefills]
+        num_rows, num_dec = len(reqs), len(decodes)
+        num_tokens = sum(counts)
         t, s = pick_bucket(self.buckets, num_tokens), cfg.max_num_seqs
+
+        row_slots = np.full(s, slots.padding_slot, np.int32)
+        row_slots[:num_rows] = [r.slot for r in reqs]
+        page_table = slots.page_table[row_slots]  # [S, MP]
+        start = np.zeros(s, np.int32)
+        start[:num_rows] = [r.num_computed_tokens for r in reqs]
+        q_lens = np.zeros(s, np.int32)
+        q_lens[:num_rows] = counts
+        kv_lens = start + q_lens
+        cu_q_lens = np.zeros(s + 1, np.int32)
+        np.cumsum(q_lens, out=cu_q_lens[1:])
+        logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+
         input_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slot_mapping = np.zeros(t, np.int32)  # padding -> page 0, slot 0
-        cu_q_lens = np.zeros(s + 1, np.int32)
-        kv_lens = np.zeros(s, np.int32)
-        page_table = np.zeros((s, cfg.max_pages_per_seq), np.int32)
-        logits_indices = np.zeros(s, np.int32)
-        temperature = np.zeros(s, np.float32)
-        top_p = np.ones(s, np.float32)
-        top_k = np.zeros(s, np.int32)
-        seeds = np.zeros(s, np.int32)
-        sample_index = np.zeros(s, np.int32)
-        samples = []
-        offset = 0
-        for i, (req, n) in enumerate(rows):
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            pages = np.asarray(req.pages, np.int32)
-            pos = np.arange(start, end, dtype=np.int32)
-            input_ids[offset : offset + n] = req.token_ids(start, end)
+        # Decode rows, vectorized: one token each, at position start.
+        # A one-token row is usually a decode (its token is the last one); it can also be a
+        # one-token prefill chunk cut short by the budget.
+        input_ids[:num_dec] = [
+            r.last_token if r.num_computed_tokens == r.num_tokens - 1
+            else r.token_ids(r.num_computed_tokens, r.num_computed_tokens + 1)[0]
+            for r in decodes
+        ]
+        pos = start[:num_dec]
+        positions[:num_dec] = pos
+        slot_mapping[:num_dec] = page_table[np.arange(num_dec), pos // ps] * ps + pos % ps
+        # Prefill chunks: few rows, many tokens each.
+        offset = num_dec
+        for i, (req, n) in enumerate(prefills, start=num_dec):
+            pos = np.arange(start[i], start[i] + n, dtype=np.int32)
+            input_ids[offset : offset + n] = req.token_ids(int(start[i]), int(start[i]) + n)
             positions[offset : offset + n] = pos
-            slot_mapping[offset : offset + n] = pages[pos // ps] * ps + pos % ps
+            slot_mapping[offset : offset + n] = page_table[i, pos // ps] * ps + pos % ps
             offset += n
-            cu_q_lens[i + 1] = offset
-            kv_lens[i] = end
-            page_table[i, : len(pages)] = pages
-            logits_indices[i] = offset - 1
-            p = req.params
-            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-            seeds[i] = req.seed
-            sample_index[i] = len(req.output_token_ids)
-            samples.append(end == req.num_tokens)
-        cu_q_lens[len(rows) + 1 :] = offset
-        num_decodes = sum(1 for _, n in rows if n == 1)
+        sample_index = np.zeros(s, np.int32)
+        sample_index[:num_rows] = [len(r.output_token_ids) for r in reqs]
         # JAX clips out-of-range indices silently, which would corrupt another request's KV.
-        assert page_table.min() >= 0 and page_table.max() < self.allocator.num_pages, "bad page id"
+        assert 0 <= page_table.min() and page_table.max() < self.allocator.num_pages, "bad page id"
         return StepPlan(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
             kv_lens=kv_lens, page_table=page_table,
-            distribution=np.asarray([num_decodes, len(rows)], np.int32),
-            logits_indices=logits_indices, temperature=temperature, top_p=top_p, top_k=top_k,
-            seeds=seeds, sample_index=sample_index,
-            request_ids=[r.request_id for r, _ in rows], num_scheduled_tokens=[n for _, n in rows],
-            samples=samples, num_tokens=num_tokens,
+            distribution=np.asarray([num_dec, num_rows], np.int32),
+            logits_indices=logits_indices, temperature=slots.temperature[row_slots],
+            top_p=slots.top_p[row_slots], top_k=slots.top_k[row_slots], seeds=slots.seeds[row_slots],
+            sample_index=sample_index,
+            request_ids=[r.request_id for r in reqs], num_scheduled_tokens=counts,
+            samples=[int(k) + n == r.num_tokens for r, k, n in zip(reqs, start, counts)],
+            num_tokens=num_tokens,
         )
 
     # ---- results ----------------------------------------------------------------------------
@@ -335,9 +351,14 @@ class Scheduler:
         """For tests: page accounting, queue states and limits hold."""
         self.allocator.check_invariants([r.pages for r in self.running])
         assert len(self.running) <= self.config.max_num_seqs
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
             assert len(r.pages) * self.page_size >= r.num_computed_tokens
             assert len(r.pages) <= self.config.max_pages_per_seq
+            row = self.slots.page_table[r.slot]
+            assert row[: len(r.pages)].tolist() == r.pages and not row[len(r.pages) :].any()
+        assert not self.slots.page_table[self.slots.padding_slot].any()
         for r in list(self.waiting) + list(self.waiting_long):
-            assert r.status is RequestStatus.WAITING and not r.pages
+            assert r.status is RequestStatus.WAITING and not r.pages and r.slot is None

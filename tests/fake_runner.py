@@ -46,6 +46,10 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
         req = s.requests[rid]
         lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
         pos = plan.positions[lo:hi]
+        start = req.num_computed_tokens
+        assert pos.tolist() == list(range(start, start + hi - lo))
+        assert plan.input_ids[lo:hi].tolist() == req.token_ids(start, start + hi - lo)
+        assert plan.kv_lens[i] == start + hi - lo
         pages = np.asarray(req.pages)
         assert (plan.slot_mapping[lo:hi] == pages[pos // ps] * ps + pos % ps).all()
         assert (plan.slot_mapping[lo:hi] >= ps).all(), "a real token writes into the null page"
