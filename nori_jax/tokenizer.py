@@ -1,9 +1,9 @@
 """Text <-> token ids: a `tokenizers` backend, special tokens, the chat template, streaming decode.
 
-Built from a Hugging Face directory (tokenizer.json + tokenizer_config.json) or, by the GGUF loader,
-from a GGUF file's vocabulary. Encoding follows transformers' fast tokenizers: `encode(text)` applies
-the backend's post-processor (which adds BOS where the model wants it); a chat-templated prompt is
-encoded without it, because the template already writes BOS.
+Built from a Hugging Face directory (tokenizer.json + tokenizer_config.json) or, by the GGUF
+loader, from a GGUF file's vocabulary. Encoding follows transformers' fast tokenizers:
+`encode(text)` applies the backend's post-processor (which adds BOS where the model wants it); a
+chat-templated prompt is encoded without it, because the template already writes BOS.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in, so prompts come out byte-identical."""
+    """The environment transformers renders chat templates in, so prompts come out identical."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -115,8 +115,12 @@ class Tokenizer:
             **variables,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -138,7 +142,9 @@ class Tokenizer:
         if eos_token and backend.token_to_id(eos_token) is not None:
             eos_ids.append(backend.token_to_id(eos_token))
         gen_eos = gen_config.get("eos_token_id")
-        for tid in gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []:
+        for tid in (
+            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        ):
             if tid not in eos_ids:
                 eos_ids.append(int(tid))
         template = config.get("chat_template")
@@ -166,7 +172,9 @@ def _token_str(token: Any) -> str | None:
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of role/content dicts, got {messages!r:.100}")
+        raise ValueError(
+            f"messages must be a non-empty list of role/content dicts, got {messages!r:.100}"
+        )
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each message needs 'role' and 'content', got {m!r:.100}")
@@ -180,7 +188,9 @@ class IncrementalDetokenizer:
     ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-6:])

@@ -20,7 +20,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 logger = logging.getLogger(__name__)
-# Bump when the conversion of any source changes what lands in the parameters.
+# Bump when the conversion of any source changes what lands in the parameters (the GGUF reader
+# has its own CONVERSION_VERSION, also part of the key).
 CONVERTER_VERSION = 1
 
 
@@ -35,7 +36,9 @@ def cache_key(source: Path, dtype, model_config: object) -> str:
         if f.is_file():
             st = f.stat()
             h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(f"{jax.numpy.dtype(dtype).name}|{CONVERTER_VERSION}|".encode())
+    from nori_jax.weights.gguf import CONVERSION_VERSION as GGUF_VERSION
+
+    h.update(f"{jax.numpy.dtype(dtype).name}|{CONVERTER_VERSION}|{GGUF_VERSION}|".encode())
     h.update(json.dumps(repr(model_config)).encode())
     return h.hexdigest()[:32]
 

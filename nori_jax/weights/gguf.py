@@ -1,16 +1,18 @@
 """GGUF checkpoints (llama.cpp's format) as Hugging Face names, HF config and a `Tokenizer`.
 
     ckpt = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
-    ckpt.hf_config["num_hidden_layers"]           # HF config.json keys
-    for name, array in ckpt.tensors(): ...        # ("model.layers.0.self_attn.q_proj.weight", float32)
+    ckpt.hf_config["num_hidden_layers"]  # HF config.json keys
+    for name, array in ckpt.tensors():   # "model.layers.0.self_attn.q_proj.weight", float32
+        ...
 
-`load_gguf` reads only the header; each tensor is dequantized when `tensors()` reaches it, so peak memory is
-one float32 tensor beyond what the caller keeps. Everything that can be checked without the data is checked
-up front: architecture, hyper-parameters, tensor names and shapes, quantization types, file length.
+`load_gguf` reads only the header; each tensor is dequantized when `tensors()` reaches it, so peak
+memory is one float32 tensor beyond what the caller keeps. Everything that can be checked without
+the data is checked up front: architecture, hyper-parameters, tensor names and shapes, quantization
+types, file length.
 
-llama.cpp's converter reorders the rows of Q and K for its rotary convention (pairs (i, i + d/2) become
-adjacent (2i, 2i + 1)); for `llama` files that is undone here so the weights use HF's rotate-half rotary.
-Qwen2 files are written without the reorder (llama.cpp runs Qwen2 in NeoX rotary mode).
+llama.cpp's converter reorders the rows of Q and K for its rotary convention (pairs (i, i + d/2)
+become adjacent (2i, 2i + 1)); for `llama` files that is undone here so the weights use HF's
+rotate-half rotary. Qwen2 files are written without the reorder (llama.cpp runs Qwen2 as NeoX).
 """
 
 from __future__ import annotations
@@ -49,10 +51,14 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Bump when the tensors or config this loader produces from the same file change, so caches of
+# converted parameters (keyed on the file) know to convert again.
+CONVERSION_VERSION = 1
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, folded into hf_config["rope_scaling"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity: holds a memmap
 class GGUFCheckpoint:
     path: Path
     hf_config: dict[str, Any]
@@ -81,7 +87,7 @@ class GGUFCheckpoint:
             yield hf_name, self.tensor(hf_name)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """All tensors at once (float32: 4 bytes per parameter); prefer `tensors()` for big models."""
+        """All tensors at once (4 bytes per parameter); prefer `tensors()` for big models."""
         return dict(self.tensors())
 
 
@@ -135,7 +141,11 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (h, i),
     }
     if config["attention_bias"]:
-        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        layer |= {
+            "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+        }
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)

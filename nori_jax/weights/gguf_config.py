@@ -1,7 +1,7 @@
 """A Hugging Face `config.json` dict rebuilt from a GGUF file's llama.cpp metadata.
 
-llama.cpp keys live under the architecture's prefix (`llama.embedding_length`, ...). Sizes the metadata may
-leave out (head_dim, vocab size) are checked against the tensor shapes, which cannot lie.
+llama.cpp keys live under the architecture's prefix (`llama.embedding_length`, ...). Sizes the
+metadata may leave out (head_dim, vocab size) are checked against the tensor shapes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original":
 
 
 def hf_config_from_gguf(file: GGUFFile, rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
-    """The HF config dict for `file`; `rope_freqs` is the file's `rope_freqs.weight`, if it has one."""
+    """The HF config dict for `file`; `rope_freqs`: its `rope_freqs.weight` tensor, if any."""
     md = file.metadata
     path = str(file.path)
     arch = md.get("general.architecture")
@@ -127,7 +127,10 @@ def _rope_scaling(
             "factor": _f32(factor),
             "original_max_position_embeddings": key("rope.scaling.original_context_length"),
         }
-        for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        for gguf_name, hf_name in (
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+        ):
             if (value := key(f"rope.scaling.{gguf_name}", None)) is not None:
                 scaling[hf_name] = _f32(value)
         return scaling
@@ -145,7 +148,9 @@ def _llama3_rope_scaling(
     """
     freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
     if freqs.shape != (head_dim // 2,):
-        raise ValueError(f"{path!r}: tensor 'rope_freqs.weight' has {freqs.shape=}, expected {head_dim // 2}")
+        raise ValueError(
+            f"{path!r}: tensor 'rope_freqs.weight' has {freqs.shape=}, expected {head_dim // 2}"
+        )
     factor = float(freqs.max())
     if np.allclose(freqs, 1.0):
         return None
@@ -157,7 +162,9 @@ def _llama3_rope_scaling(
         slope, intercept = np.polyfit(inv_wavelen[middle], smooth, 1)
         span = _LLAMA3_DEFAULTS["original"] / slope
         low = -intercept * span
-        candidates.append({"low_freq_factor": low, "high_freq_factor": low + span, "original": 8192})
+        candidates.append(
+            {"low_freq_factor": low, "high_freq_factor": low + span, "original": 8192}
+        )
     for c in candidates:
         if np.allclose(_llama3_divisors(inv_wavelen, factor, **c), freqs, rtol=1e-4, atol=0):
             return {
@@ -171,7 +178,11 @@ def _llama3_rope_scaling(
 
 
 def _llama3_divisors(
-    inv_wavelen: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
+    inv_wavelen: np.ndarray,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original: int,
 ) -> np.ndarray:
     smooth = (original * inv_wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth = np.clip(smooth, 0.0, 1.0)  # 0: long wavelengths, divided by factor; 1: kept

@@ -1,15 +1,15 @@
 """Reading a GGUF container: its metadata, its tensor table, and each tensor's raw bytes.
 
-The `gguf` package's `GGUFReader` is the format's reference reader, but it walks every element of the
-vocabulary and merge arrays through numpy views, which takes ~7 s for SmolLM2's 49k-token vocabulary.
-This reader parses the same layout with `struct` in ~0.2 s and checks every length and offset against the
-file size as it goes, so a corrupt or truncated file gives a ValueError naming the file and the field or
-tensor, never a numpy reshape error. Type ids, block sizes and the magic number come from `gguf.constants`;
-tests check it field for field against `GGUFReader`.
+The `gguf` package's `GGUFReader` is the format's reference reader, but it walks every element of
+the vocabulary and merge arrays through numpy views: ~7 s for SmolLM2's 49k-token vocabulary. This
+reader parses the same layout with `struct` in ~0.2 s and checks every length and offset against
+the file size as it goes, so a corrupt or truncated file gives a ValueError naming the file and the
+field or tensor, never a numpy reshape error. Type ids, block sizes and the magic number come from
+`gguf.constants`; tests check it field for field against `GGUFReader`.
 
-Layout (GGUF v2/v3, little-endian): magic, u32 version, u64 tensor count, u64 metadata count, the metadata
-key/value pairs, the tensor table (name, dims innermost first, ggml type, offset), padding to
-`general.alignment`, then the tensor data.
+Layout (GGUF v2/v3, little-endian): magic, u32 version, u64 tensor count, u64 metadata count, the
+metadata key/value pairs, the tensor table (name, dims innermost first, ggml type, offset), padding
+to `general.alignment`, then the tensor data.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class GGUFTensorInfo:
         return self.ggml_type.name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity: holds a memmap
 class GGUFFile:
     """A parsed GGUF file. Tensor data stays on disk (memory-mapped) until `raw()` is sliced."""
 
@@ -75,17 +75,21 @@ class GGUFFile:
         """The tensor's bytes as a read-only uint8 view, shaped [*shape[:-1], bytes_per_row]."""
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         row_bytes = info.shape[-1] // block * type_size
-        return self._data[info.offset : info.offset + info.nbytes].reshape(*info.shape[:-1], row_bytes)
+        return self._data[info.offset : info.offset + info.nbytes].reshape(
+            *info.shape[:-1], row_bytes
+        )
 
 
 def read_gguf_file(path: str | Path) -> GGUFFile:
-    """Parse the header and tensor table of the GGUF file at `path`; raises ValueError if malformed."""
+    """Parse the header and tensor table of the GGUF file at `path`; ValueError if malformed."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {str(path)!r}")
     size = path.stat().st_size
     if size < 24:
-        raise ValueError(f"{str(path)!r} is not a GGUF file: only {size} bytes, shorter than a header")
+        raise ValueError(
+            f"{str(path)!r} is not a GGUF file: only {size} bytes, shorter than a header"
+        )
     data = np.memmap(path, mode="r", dtype=np.uint8)
     cur = _Cursor(memoryview(data), str(path))
 
@@ -96,7 +100,9 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
     version = cur.scalar(GGUFValueType.UINT32, "the version")
     if version not in _SUPPORTED_VERSIONS:
         if version & 0xFFFF == 0:  # a byte-swapped small number
-            raise ValueError(f"{str(path)!r} is a big-endian GGUF file; only little-endian is supported")
+            raise ValueError(
+                f"{str(path)!r} is a big-endian GGUF file; only little-endian is supported"
+            )
         raise ValueError(f"{str(path)!r} is GGUF v{version}; supported: {_SUPPORTED_VERSIONS}")
     tensor_count = cur.scalar(GGUFValueType.UINT64, "the tensor count")
     kv_count = cur.scalar(GGUFValueType.UINT64, "the metadata count")
@@ -106,7 +112,9 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
         key = cur.string(f"metadata key #{i}")
         value_type = cur.scalar(GGUFValueType.UINT32, f"the type of metadata {key!r}")
         if key in metadata:
-            raise ValueError(f"{str(path)!r}: metadata key {key!r} appears twice; the file is corrupt")
+            raise ValueError(
+                f"{str(path)!r}: metadata key {key!r} appears twice; the file is corrupt"
+            )
         metadata[key] = cur.value(value_type, f"metadata {key!r}")
 
     raw_infos = []
@@ -133,8 +141,9 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
             raise ValueError(f"{str(path)!r}: tensor {name!r} appears twice; the file is corrupt")
         if info.offset + info.nbytes > size:
             raise ValueError(
-                f"{str(path)!r} is truncated: tensor {name!r} ({info.type_name}, shape {shape}) needs "
-                f"bytes [{info.offset}, {info.offset + info.nbytes}) but the file has {size} bytes"
+                f"{str(path)!r} is truncated: tensor {name!r} ({info.type_name}, shape {shape}) "
+                f"needs bytes [{info.offset}, {info.offset + info.nbytes}) but the file has "
+                f"{size} bytes"
             )
         tensors[name] = info
     return GGUFFile(path, version, metadata, tensors, data)
@@ -152,7 +161,9 @@ def _tensor_info(
     try:
         ggml_type = GGMLQuantizationType(type_id)
     except ValueError:
-        raise ValueError(f"{path!r}: tensor {name!r} has an unknown ggml type id {type_id}") from None
+        raise ValueError(
+            f"{path!r}: tensor {name!r} has an unknown ggml type id {type_id}"
+        ) from None
     block, type_size = GGML_QUANT_SIZES[ggml_type]
     if shape[-1] % block:
         raise ValueError(
@@ -160,13 +171,15 @@ def _tensor_info(
             f"{ggml_type.name} block of {block}; the file is corrupt"
         )
     if rel_offset % alignment:
-        raise ValueError(f"{path!r}: tensor {name!r} has {rel_offset=}, not a multiple of {alignment=}")
+        raise ValueError(
+            f"{path!r}: tensor {name!r} has {rel_offset=}, not a multiple of {alignment=}"
+        )
     nbytes = math.prod(shape) // block * type_size
     return GGUFTensorInfo(name, shape, ggml_type, data_start + rel_offset, nbytes)
 
 
 class _Cursor:
-    """A read position in the file; every read is bounds-checked so truncation names what was cut."""
+    """A read position in the file; reads are bounds-checked so truncation names what was cut."""
 
     def __init__(self, buf: memoryview, path: str):
         self.buf = buf

@@ -1,18 +1,19 @@
 """Building a `Tokenizer` from the vocabulary, merges and special tokens stored in GGUF metadata.
 
-Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM, StarCoder...).
-The vocabulary is stored in the byte-level alphabet already, so it goes into a `tokenizers` BPE model as is.
-Tokens typed CONTROL become special added tokens and USER_DEFINED ones plain added tokens, both matched
-whole in the raw text (as llama.cpp and transformers do), keeping their ids from the file.
+Supported: `tokenizer.ggml.model == "gpt2"`, byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM, ...).
+The vocabulary is stored in the byte-level alphabet already, so it goes into a `tokenizers` BPE
+model as is. Tokens typed CONTROL become special added tokens and USER_DEFINED ones plain added
+tokens, both matched whole in the raw text (as llama.cpp and transformers do), with the file's ids.
 
-How text is split before BPE is not in the file, only a name for it (`tokenizer.ggml.pre`); the table below
-gives, per name, the pre-tokenizer of the original `tokenizer.json`, which is what llama.cpp reproduces.
+How text is split before BPE is not in the file, only a name for it (`tokenizer.ggml.pre`); the
+table below gives, per name, the pre-tokenizer of the original `tokenizer.json`, which is what
+llama.cpp reproduces.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -33,25 +34,34 @@ _QWEN2_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# `tokenizer.ggml.pre` -> how the original tokenizer splits text (names as llama.cpp's converter writes them)
-PRE_TOKENIZERS: dict[str, str] = {
-    "default": _GPT2,
-    "gpt-2": _GPT2,
-    "gpt2": _GPT2,
-    "mpt": _GPT2,
-    "olmo": _GPT2,
-    "smollm": _DIGITS_GPT2,
-    "starcoder": _DIGITS_GPT2,
-    "refact": _DIGITS_GPT2,
-    "command-r": _DIGITS_GPT2,
-    "codeshell": _DIGITS_GPT2,
-    "llama-bpe": _LLAMA3_REGEX,
-    "llama3": _LLAMA3_REGEX,
-    "llama-v3": _LLAMA3_REGEX,
-    "smaug-bpe": _LLAMA3_REGEX,
-    "dbrx": _LLAMA3_REGEX,
-    "qwen2": _QWEN2_REGEX,
-    "deepseek-r1-qwen": _QWEN2_REGEX,
+
+class PreTokenizer(NamedTuple):
+    """How a vocabulary's original tokenizer.json cuts text before BPE, and its BPE options."""
+
+    split: str  # _GPT2, _DIGITS_GPT2 or a regex applied before byte-level mapping
+    ignore_merges: bool = False  # a pre-token that is itself a token skips the merges (Llama 3)
+    add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token
+
+
+_LLAMA3 = PreTokenizer(_LLAMA3_REGEX, ignore_merges=True, add_bos=True)
+
+# `tokenizer.ggml.pre` as llama.cpp's converter names it -> the original pre-tokenizer
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "default": PreTokenizer(_GPT2),
+    "gpt-2": PreTokenizer(_GPT2),
+    "gpt2": PreTokenizer(_GPT2),
+    "mpt": PreTokenizer(_GPT2),
+    "olmo": PreTokenizer(_GPT2),
+    "smollm": PreTokenizer(_DIGITS_GPT2),
+    "starcoder": PreTokenizer(_DIGITS_GPT2),
+    "refact": PreTokenizer(_DIGITS_GPT2),
+    "command-r": PreTokenizer(_DIGITS_GPT2),
+    "codeshell": PreTokenizer(_DIGITS_GPT2),
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "qwen2": PreTokenizer(_QWEN2_REGEX),
+    "deepseek-r1-qwen": PreTokenizer(_QWEN2_REGEX),
 }
 
 
@@ -61,31 +71,25 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
-            f"{where!r}: tokenizer.ggml.model={kind!r} is not supported; only 'gpt2' (byte-level BPE)"
+            f"{where!r}: tokenizer.ggml.model={kind!r} is not supported, only 'gpt2' (byte BPE)"
         )
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
     if not tokens or not merges:
-        raise ValueError(f"{where!r}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and .merges")
+        raise ValueError(
+            f"{where!r}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and .merges"
+        )
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(f"{where!r}: {len(token_types)} token types for {len(tokens)} tokens")
 
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab=_vocab(tokens), merges=_split_merges(merges, where), fuse_unk=False, byte_fallback=False
-        )
-    )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    backend.pre_tokenizer = _pre_tokenizer(pre, where)
-    backend.decoder = decoders.ByteLevel()
-    # add_special_tokens keeps an id the vocabulary already has for the same text, so the file's ids hold
-    backend.add_special_tokens(
-        [_added(t, special=True) for t, k in zip(tokens, token_types, strict=True) if k == _CONTROL]
-    )
-    backend.add_tokens(
-        [_added(t, special=False) for t, k in zip(tokens, token_types, strict=True) if k == _USER_DEFINED]
-    )
+    pre_name = metadata.get("tokenizer.ggml.pre", "default")
+    pre = PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        # a guess would tokenize differently from the model's training without any error
+        known = sorted(PRE_TOKENIZERS)
+        raise ValueError(f"{where!r}: tokenizer.ggml.pre={pre_name!r} is not known; known: {known}")
+    backend = _bpe_backend(tokens, token_types, _split_merges(merges, where), pre)
 
     def token_at(key: str) -> tuple[int | None, str | None]:
         tid = metadata.get(f"tokenizer.ggml.{key}")
@@ -97,15 +101,20 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
 
     bos_id, bos = token_at("bos_token_id")
     eos_id, eos = token_at("eos_token_id")
-    # llama.cpp's default for BPE vocabularies is no BOS unless the file asks for it
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     if (add_bos and bos is None) or (add_eos and eos is None):
-        raise ValueError(f"{where!r}: add_bos_token/add_eos_token is set but the token id is missing")
-    backend.post_processor = _post_processor(bos if add_bos else None, bos_id, eos if add_eos else None, eos_id)
+        raise ValueError(
+            f"{where!r}: add_bos_token/add_eos_token is set but the token id is missing"
+        )
+    backend.post_processor = _post_processor(
+        bos if add_bos else None, bos_id, eos if add_eos else None, eos_id
+    )
 
     # end-of-generation: EOS plus the end-of-turn/message tokens Llama 3 declares separately
-    eos_ids = [tid for k in ("eos", "eot", "eom") if (tid := token_at(f"{k}_token_id")[0]) is not None]
+    eos_ids = [
+        tid for k in ("eos", "eot", "eom") if (tid := token_at(f"{k}_token_id")[0]) is not None
+    ]
     return Tokenizer(
         backend=backend,
         bos_token_id=bos_id,
@@ -118,10 +127,32 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     )
 
 
+def _bpe_backend(
+    tokens: list[str], token_types: list[int], merges: list[tuple[str, str]], pre: PreTokenizer
+) -> tokenizers.Tokenizer:
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=_vocab(tokens),
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre.ignore_merges,
+        )
+    )
+    backend.pre_tokenizer = _pre_tokenizer(pre.split)
+    backend.decoder = decoders.ByteLevel()
+    # adding a token whose text the vocabulary has keeps the vocabulary's id: the file's ids hold
+    typed = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens([_added(t, special=True) for t, k in typed if k == _CONTROL])
+    backend.add_tokens([_added(t, special=False) for t, k in typed if k == _USER_DEFINED])
+    return backend
+
+
 def _vocab(tokens: list[str]) -> dict[str, int]:
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)  # a duplicated string keeps its first id, like llama.cpp's lookup
+        # a duplicated string keeps its first id, like llama.cpp's text-to-id lookup
+        vocab.setdefault(token, i)
     return vocab
 
 
@@ -130,18 +161,14 @@ def _split_merges(merges: list[str], where: str) -> list[tuple[str, str]]:
     for rank, merge in enumerate(merges):
         left, sep, right = merge.partition(" ")
         if not sep or not left or not right or " " in right:
-            raise ValueError(f"{where!r}: merge #{rank} {merge!r} is not two tokens joined by a space")
+            raise ValueError(
+                f"{where!r}: merge #{rank} {merge!r} is not two tokens joined by a space"
+            )
         pairs.append((left, right))
     return pairs
 
 
-def _pre_tokenizer(pre: str, where: str) -> pre_tokenizers.PreTokenizer:
-    split = PRE_TOKENIZERS.get(pre)
-    if split is None:
-        # a guess would tokenize differently from the model's training without any error
-        raise ValueError(
-            f"{where!r}: tokenizer.ggml.pre={pre!r} is not known; known: {sorted(PRE_TOKENIZERS)}"
-        )
+def _pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
     if split == _GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if split == _DIGITS_GPT2:
