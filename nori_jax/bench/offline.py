@@ -1,8 +1,14 @@
-"""`nori-jax bench offline`: the engine in this process, no HTTP; every request queued at once.
+"""`nori-jax bench offline`: the engine in this process, no HTTP.
 
-Reports total / output token throughput and request throughput for the run after warm-up, and where
-the wall time went: scheduling, the device step (incl. transfers and the token fetch), the rest of
-the host loop (updates, detokenization, metrics).
+By default every request is queued at once (peak throughput). With `--request-rate R` requests
+arrive as a Poisson process inside the process, which measures TTFT/TPOT/E2E without any HTTP or
+client overhead. Workload shapers for scheduling experiments: `--shared-prefix-len` (every prompt
+starts with the same system prompt) and `--long-prompts K --long-len L` (K very long prompts mixed
+in; latency is then also reported for the short requests alone).
+
+Reports total / output token throughput and request throughput after warm-up, and where the wall
+time went: scheduling, the device step (incl. transfers and the token fetch), the rest of the host
+loop (updates, detokenization, metrics).
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ from nori_jax.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    is_long: list[bool]
+
+
+@dataclasses.dataclass(frozen=True)
 class OfflineResult:
     num_requests: int
     elapsed_s: float
@@ -37,91 +50,139 @@ class OfflineResult:
     schedule_s: float
     device_s: float
     postprocess_s: float
-    other_s: float  # wall time outside engine.step() (the driver loop itself)
+    other_s: float  # wall time outside engine.step() (the driver loop itself, idle waits)
     num_preemptions: int
+    prefix_cache_hit_rate: float
     num_recompiles: int
     compile_s: float
     load_s: float
+    latency_ms: dict[str, dict[str, float]]  # metric -> {p50, p99, mean}, all / short requests
 
 
-def draw_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int):
-    """(prompts as token ids, output lengths): token-id prompts need no tokenizer and are exact."""
+def draw_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
+    """Token-id prompts (exact lengths, no tokenizer needed) and output lengths."""
     rng = np.random.default_rng(args.seed)
     n = args.num_prompts + args.warmup_requests
     if args.dataset == "fixed":
         ins, outs = np.full(n, args.input_len), np.full(n, args.output_len)
     else:
-        ins = sample_lengths(LognormalLengths(args.input_mu, args.input_sigma, 1, args.input_max), n, rng)
-        outs = sample_lengths(LognormalLengths(args.output_mu, args.output_sigma, 1, args.output_max), n, rng)
-    # Keep each request inside the context: clip the prompt first, then the output.
-    ins = np.minimum(ins, max_model_len - 1)
-    outs = np.minimum(outs, max_model_len - ins)
-    prompts = [rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
-    return prompts, [int(o) for o in outs]
+        ins = sample_lengths(
+            LognormalLengths(args.input_mu, args.input_sigma, 1, args.input_max), n, rng
+        )
+        outs = sample_lengths(
+            LognormalLengths(args.output_mu, args.output_sigma, 1, args.output_max), n, rng
+        )
+    is_long = np.zeros(n, bool)
+    if args.long_prompts:  # spread the long ones evenly through the measured requests
+        idx = args.warmup_requests + np.linspace(0, args.num_prompts - 1, args.long_prompts).astype(int)
+        ins[idx], is_long[idx] = args.long_len, True
+    shared = rng.integers(10, vocab_size - 10, args.shared_prefix_len).tolist()
+    ins = np.minimum(ins, max_model_len - 1 - len(shared))  # keep every request inside the context
+    outs = np.minimum(outs, max_model_len - len(shared) - ins)
+    prompts = [shared + rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
+    return Workload(prompts, [int(o) for o in outs], is_long.tolist())
 
 
-def run_offline(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int], warmup: int) -> OfflineResult:
-    def run(batch_prompts, batch_outs) -> tuple[float, float]:
-        for p, o in zip(batch_prompts, batch_outs, strict=True):
-            engine.add_request(None, p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = 1e3 * np.asarray(values)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def run_workload(engine: LLMEngine, w: Workload, warmup: int, request_rate: float, seed: int) -> OfflineResult:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in w.output_lens]
+
+    def run(indices: list[int], rate: float):
+        rng = np.random.default_rng(seed)
+        gaps = rng.exponential(1.0 / rate, len(indices)) if np.isfinite(rate) else np.zeros(len(indices))
+        arrivals = np.cumsum(gaps) - gaps[0]
+        finished: dict[int, object] = {}
+        ids: dict[str, int] = {}
         start = time.perf_counter()
-        in_step = 0.0
-        while engine.has_unfinished_requests():
+        in_step, nxt = 0.0, 0
+        while nxt < len(indices) or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while nxt < len(indices) and arrivals[nxt] <= now:
+                i = indices[nxt]
+                ids[engine.add_request(None, w.prompts[i], params[i])] = i
+                nxt += 1
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - start)))
+                continue
             t = time.perf_counter()
-            engine.step()
+            for out in engine.step():
+                if out.finished:
+                    finished[ids[out.request_id]] = out
             in_step += time.perf_counter() - t
         elapsed = time.perf_counter() - start
-        return elapsed, elapsed - in_step
+        return elapsed, elapsed - in_step, finished
 
     if warmup:
-        run(prompts[:warmup], output_lens[:warmup])
+        run(list(range(warmup)), float("inf"))
     before = dataclasses.replace(engine.step_times)
-    preempt_before = engine.scheduler.counters.num_preemptions
-    elapsed, other = run(prompts[warmup:], output_lens[warmup:])
-    st = engine.step_times
+    c0 = dataclasses.replace(engine.scheduler.counters)
+    measured = list(range(warmup, len(w.prompts)))
+    elapsed, other, finished = run(measured, request_rate)
+    st, c1 = engine.step_times, engine.scheduler.counters
     d = StepTimes(*(getattr(st, f.name) - getattr(before, f.name) for f in dataclasses.fields(st)))
-    n_in = sum(len(p) for p in prompts[warmup:])
-    n_out = sum(output_lens[warmup:])
+    latency = {}
+    for label, keep in (("all", lambda i: True), ("short", lambda i: not w.is_long[i])):
+        outs = [o for i, o in finished.items() if keep(i)]
+        latency[f"ttft_{label}"] = _percentiles([o.metrics.time_to_first_token for o in outs])
+        latency[f"tpot_{label}"] = _percentiles(
+            [o.metrics.decode_time / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1])
+        latency[f"e2e_{label}"] = _percentiles([o.metrics.e2e_latency for o in outs])
+    n_in = sum(len(w.prompts[i]) for i in measured)
+    n_out = sum(w.output_lens[i] for i in measured)
+    queries = c1.prefix_cache_queries - c0.prefix_cache_queries
     return OfflineResult(
-        num_requests=len(prompts) - warmup, elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out,
-        request_throughput=(len(prompts) - warmup) / elapsed, output_throughput=n_out / elapsed,
+        num_requests=len(measured), elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out,
+        request_throughput=len(measured) / elapsed, output_throughput=n_out / elapsed,
         total_token_throughput=(n_in + n_out) / elapsed, steps=d.steps,
         mean_step_ms=1e3 * (d.schedule + d.device + d.postprocess) / max(d.steps, 1),
         mean_tokens_per_step=d.tokens / max(d.steps, 1),
         padding_fraction=1 - d.tokens / max(d.padded_tokens, 1),
         schedule_s=d.schedule, device_s=d.device, postprocess_s=d.postprocess, other_s=other,
-        num_preemptions=engine.scheduler.counters.num_preemptions - preempt_before,
+        num_preemptions=c1.num_preemptions - c0.num_preemptions,
+        prefix_cache_hit_rate=(c1.prefix_cache_hits - c0.prefix_cache_hits) / max(queries, 1),
         num_recompiles=engine.num_recompiles, compile_s=engine.runner.compile_seconds,
-        load_s=engine.load_seconds,
+        load_s=engine.load_seconds, latency_ms=latency,
     )
 
 
 def format_result(r: OfflineResult) -> str:
     pct = lambda x: f"{100 * x / r.elapsed_s:5.1f}%"
-    return "\n".join([
+    row = lambda k, v: f"{k:<40}{v:>20}"
+    lines = [
         "{s:=^60}".format(s=" Offline Benchmark Result "),
-        f"{'Requests:':<40}{r.num_requests:>20}",
-        f"{'Elapsed (s):':<40}{r.elapsed_s:>20.2f}",
-        f"{'Input / output tokens:':<40}{f'{r.input_tokens} / {r.output_tokens}':>20}",
-        f"{'Request throughput (req/s):':<40}{r.request_throughput:>20.2f}",
-        f"{'Output token throughput (tok/s):':<40}{r.output_throughput:>20.1f}",
-        f"{'Total token throughput (tok/s):':<40}{r.total_token_throughput:>20.1f}",
-        f"{'Steps / mean step (ms):':<40}{f'{r.steps} / {r.mean_step_ms:.2f}':>20}",
-        f"{'Tokens per step / padding:':<40}{f'{r.mean_tokens_per_step:.0f} / {100 * r.padding_fraction:.0f}%':>20}",
-        f"{'Time: schedule':<40}{pct(r.schedule_s):>20}",
-        f"{'Time: device step (+transfers)':<40}{pct(r.device_s):>20}",
-        f"{'Time: postprocess':<40}{pct(r.postprocess_s):>20}",
-        f"{'Time: driver loop':<40}{pct(r.other_s):>20}",
-        f"{'Preemptions / recompiles:':<40}{f'{r.num_preemptions} / {r.num_recompiles}':>20}",
-        f"{'Load / compile (s):':<40}{f'{r.load_s:.1f} / {r.compile_s:.1f}':>20}",
-        "=" * 60,
-    ])
+        row("Requests:", r.num_requests),
+        row("Elapsed (s):", f"{r.elapsed_s:.2f}"),
+        row("Input / output tokens:", f"{r.input_tokens} / {r.output_tokens}"),
+        row("Request throughput (req/s):", f"{r.request_throughput:.2f}"),
+        row("Output token throughput (tok/s):", f"{r.output_throughput:.1f}"),
+        row("Total token throughput (tok/s):", f"{r.total_token_throughput:.1f}"),
+        row("Steps / mean step (ms):", f"{r.steps} / {r.mean_step_ms:.2f}"),
+        row("Tokens per step / padding:", f"{r.mean_tokens_per_step:.0f} / {100 * r.padding_fraction:.0f}%"),
+        row("Time: schedule", pct(r.schedule_s)),
+        row("Time: device step (+transfers)", pct(r.device_s)),
+        row("Time: postprocess", pct(r.postprocess_s)),
+        row("Time: driver loop / idle", pct(r.other_s)),
+        row("Preemptions / prefix hit rate:", f"{r.num_preemptions} / {100 * r.prefix_cache_hit_rate:.0f}%"),
+        row("Recompiles after warm-up:", r.num_recompiles),
+        row("Load / compile (s):", f"{r.load_s:.1f} / {r.compile_s:.1f}"),
+    ]
+    for name, stats in r.latency_ms.items():
+        if stats:
+            lines.append(row(f"{name} p50 / p99 (ms):", f"{stats['p50']:.1f} / {stats['p99']:.1f}"))
+    lines.append("=" * 60)
+    return "\n".join(lines)
 
 
 def _run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
-    prompts, outs = draw_workload(args, engine.model.config.vocab_size, engine.max_model_len)
-    result = run_offline(engine, prompts, outs, args.warmup_requests)
+    w = draw_workload(args, engine.model.config.vocab_size, engine.max_model_len)
+    result = run_workload(engine, w, args.warmup_requests, args.request_rate, args.seed)
     print(format_result(result))
     if args.result_json:
         with open(args.result_json, "w") as f:
@@ -131,11 +192,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_bench_offline_parser(sub) -> None:
-    p = sub.add_parser("offline", help="throughput of the engine in process (no HTTP)")
+    p = sub.add_parser("offline", help="throughput (and in-process latency) of the engine, no HTTP")
     add_engine_args(p)
     p.add_argument("--dataset", choices=["lognormal", "fixed"], default="lognormal")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--warmup-requests", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals in process (req/s); inf queues everything at once")
     p.add_argument("--input-mu", type=float, default=6.2)
     p.add_argument("--input-sigma", type=float, default=0.8)
     p.add_argument("--input-max", type=int, default=6144)
@@ -144,5 +207,10 @@ def add_bench_offline_parser(sub) -> None:
     p.add_argument("--output-max", type=int, default=2048)
     p.add_argument("--input-len", type=int, default=1024, help="fixed dataset")
     p.add_argument("--output-len", type=int, default=128, help="fixed dataset")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens of a system prompt every request starts with")
+    p.add_argument("--long-prompts", type=int, default=0, help="very long prompts mixed in")
+    p.add_argument("--long-len", type=int, default=6000, help="length of those long prompts")
+    p.add_argument("--bench-seed", type=int, default=0, dest="seed")
     p.add_argument("--result-json", default=None)
-    p.set_defaults(func=_run, seed=0)
+    p.set_defaults(func=_run)
