@@ -88,7 +88,7 @@ class ModelRunner:
         kv_abs = [as_abstract(x) for x in self.kv_pages]
         lowered = {t: self._jitted.lower(state_abs, kv_abs, self._abstract_batch(t)) for t in self.buckets}
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True))
         self._executables.update(compiled)
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds)

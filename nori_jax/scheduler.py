@@ -296,7 +296,7 @@ class Scheduler:
             top_p=slots.top_p[row_slots], top_k=slots.top_k[row_slots], seeds=slots.seeds[row_slots],
             sample_index=sample_index,
             request_ids=[r.request_id for r in reqs], num_scheduled_tokens=counts,
-            samples=[int(k) + n == r.num_tokens for r, k, n in zip(reqs, start, counts)],
+            samples=[int(k) + n == r.num_tokens for r, k, n in zip(reqs, start, counts, strict=False)],
             num_tokens=num_tokens,
         )
 

@@ -7,6 +7,7 @@ checked against the abstract model's shape and device_put straight onto its Name
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,25 +87,27 @@ def place_tensors(
 
 
 def dummy_state(abstract_state: nnx.State, mesh: Mesh, seed: int) -> nnx.State:
-    """Random weights of the right shapes, generated on device in one program (N(0, 0.02); norm
-    scales at 1), each array born on its own sharding."""
+    """Random weights of the right shapes, generated on device (N(0, 0.02); norm scales at 1),
+    each array born on its own sharding. One small program per distinct (shape, dtype, sharding),
+    so a 30-layer model compiles a handful of programs, not one giant one."""
     shardings = _shardings(abstract_state, mesh)
-    flat = list(nnx.to_flat_state(abstract_state))
-    paths = [path for path, _ in flat]
-    specs = [var.get_value() for _, var in flat]
+    key = jax.random.key(seed)
+    placed = {}
+    for i, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
+        spec = var.get_value()
+        ones = path[-1] == "weight"  # RMSNorm scales
+        placed[path] = _dummy_array(jax.random.fold_in(key, i), spec.shape, jnp.dtype(spec.dtype),
+                                    shardings[path], ones)
+    return _fill(abstract_state, placed)
 
-    def generate(key):
-        out = []
-        for i, (path, spec) in enumerate(zip(paths, specs, strict=True)):
-            if path[-1] == "weight":  # RMSNorm scales
-                out.append(jnp.ones(spec.shape, spec.dtype))
-            else:
-                k = jax.random.fold_in(key, i)
-                out.append((0.02 * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype))
-        return out
 
-    values = jax.jit(generate, out_shardings=[shardings[p] for p in paths])(jax.random.key(seed))
-    return _fill(abstract_state, dict(zip(paths, values, strict=True)))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _dummy_array(key, shape, dtype, sharding, ones: bool):
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def _fill(abstract_state: nnx.State, placed: dict[tuple, jax.Array]) -> nnx.State:
