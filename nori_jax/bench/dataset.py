@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nori_jax.bench.config import DatasetConfig, LognormalLengths
-from nori_jax.bench.prompts import Prompt, TokenizerPrompts, WordPrompts
+from nori_jax.bench.prompts import TokenizerPrompts, WordPrompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,22 +45,15 @@ def build_requests(
     else:
         input_lens = np.full(num, cfg.input_len, dtype=np.int64)
         output_lens = np.full(num, cfg.output_len, dtype=np.int64)
-    requests = []
-    for i, (n_in, n_out) in enumerate(zip(input_lens.tolist(), output_lens.tolist(), strict=True)):
-        prompt = _make_prompt(prompts, cfg, n_in, rng)
-        requests.append(
-            BenchRequest(first_index + i, prompt.prompt, prompt.num_tokens, prompt.exact, n_out)
-        )
-    return requests
-
-
-def _make_prompt(
-    prompts: TokenizerPrompts | WordPrompts, cfg: DatasetConfig, n: int, rng: np.random.Generator
-) -> Prompt:
     if cfg.prompt_format == "token-ids":
         assert isinstance(prompts, TokenizerPrompts)  # BenchConfig checks it
-        return prompts.token_ids(n, rng)
-    return prompts.text(n, rng)
+        built = [prompts.token_ids(n, rng) for n in input_lens.tolist()]
+    else:
+        built = prompts.texts(input_lens.tolist(), rng)
+    return [
+        BenchRequest(first_index + i, p.prompt, p.num_tokens, p.exact, n_out)
+        for i, (p, n_out) in enumerate(zip(built, output_lens.tolist(), strict=True))
+    ]
 
 
 def _jsonl_requests(

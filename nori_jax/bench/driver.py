@@ -1,61 +1,55 @@
-"""Client processes: each runs an asyncio + httpx loop over its share of a fixed schedule.
+"""Client processes: each runs one shard (an asyncio loop over its share of a fixed schedule).
 
 Arrival times are fixed before the run and dealt round-robin to the processes, so together they
 send exactly the planned schedule while each parses only 1/N of the streamed chunks. All processes
-start on one wall-clock instant handed out after every one of them is ready (imports done,
-warm-up requests answered, connections open). One process runs in the caller's process, with no
-spawn cost. Whatever happens in a process (a crash, a hang), the run ends and every request has a
-result: a process that does not answer in time has its requests failed with the reason.
+start on one wall-clock instant handed out once every one of them is ready (started, warm-up
+requests answered, connections open). A single shard runs in the caller's process.
+
+Worker processes are plain `python -c` subprocesses, not multiprocessing children: they import
+the bench modules under a bare `nori_jax` package stub, so a client process never imports the
+engine (JAX: seconds per process) whatever `nori_jax/__init__.py` pulls in, nor re-runs the
+parent's `__main__` (as `spawn` does), and nothing is forked from a process holding threads.
+Messages are pickles over the worker's stdin/stdout. Whatever happens in a worker (a crash, a
+hang), the run ends and every request has a result with a reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import math
-import multiprocessing as mp
-import queue as queue_lib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
-from multiprocessing.connection import Connection
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
 
-import httpx
+from nori_jax.bench.shard import ShardOutcome, ShardSpec, run_shard
+from nori_jax.bench.stream_request import RequestResult
 
-from nori_jax.bench.config import EndpointKind
-from nori_jax.bench.stream_request import RequestResult, WireRequest, send_request
-
-_LOOP_PROBE_S = 0.005  # event-loop lag probe period
 _PROGRESS_PERIOD_S = 0.1
 _START_MARGIN_S = 0.05  # time for the start instant to reach every process before it passes
-_SPAWN_GRACE_S = 120.0  # a fresh interpreter importing httpx, on a loaded machine
+_SPAWN_GRACE_S = 60.0  # an interpreter importing asyncio and the bench, on a loaded machine
 
-
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    url: str
-    headers: dict[str, str]
-    endpoint: EndpointKind
-    timeout_s: float
-    concurrency: int | None  # this process's share of --max-concurrency
-    requests: list[WireRequest]
-    warmup: list[WireRequest]
-
-
-@dataclasses.dataclass
-class ShardOutcome:
-    results: list[RequestResult]
-    loop_lags_s: list[float]  # how late each event-loop probe woke up
-    cpu_util: float  # process CPU time / wall time over the run; ~1.0 means saturated
-    warmup_failed: int = 0
-    warmup_error: str = ""
+_BOOTSTRAP = (
+    "import sys, types\n"
+    "pkg = types.ModuleType('nori_jax')\n"
+    "pkg.__path__ = [sys.argv[1]]\n"
+    "sys.modules['nori_jax'] = pkg\n"
+    "from nori_jax.bench.driver import worker_main\n"
+    "worker_main()\n"
+)
 
 
 def run_shards(
     specs: list[ShardSpec], progress: Callable[[int], None] | None = None
 ) -> list[ShardOutcome]:
-    """Run every shard to the end; one shard runs here, more in spawned processes."""
+    """Run every shard to the end; one shard runs here, more in worker processes."""
     report = progress or (lambda n: None)
     if len(specs) == 1:
         return [asyncio.run(run_shard(specs[0], _start_soon, report))]
@@ -66,69 +60,19 @@ async def _start_soon() -> float:
     return time.time() + 0.001
 
 
-async def run_shard(
-    spec: ShardSpec,
-    get_start: Callable[[], Awaitable[float]],
-    progress: Callable[[int], None],
-) -> ShardOutcome:
-    slots = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
-    # httpx caps a pool at 100 connections and 20 idle ones by default: beyond that requests
-    # would wait inside the client, invisible, and count as server latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    # trust_env=False: a proxy from the environment must not sit between client and server.
-    async with httpx.AsyncClient(limits=limits, timeout=None, trust_env=False) as client:
+def worker_main() -> None:
+    """Entry point of a worker process: spec in, then 'ready', start time in, results out."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, never into the message stream
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    lock = threading.Lock()
 
-        async def one(
-            req: WireRequest, t0: float, dispatched: float, counted: bool = True
-        ) -> RequestResult:
-            result = RequestResult(req.index, req.arrival_s, dispatched_s=dispatched)
-            async with slots or contextlib.nullcontext():
-                await send_request(
-                    client, spec.url, spec.headers, req, spec.endpoint, spec.timeout_s, t0, result
-                )
-            if counted:
-                progress(1)
-            return result
+    def send(kind: str, payload: Any) -> None:
+        with lock:
+            pickle.dump((kind, payload), out, protocol=pickle.HIGHEST_PROTOCOL)
+            out.flush()
 
-        now = time.perf_counter()
-        warm = await asyncio.gather(*(one(r, now, 0.0, counted=False) for r in spec.warmup))
-        failed_warm = [r for r in warm if not r.success]
-
-        start_wall = await get_start()
-        t0 = time.perf_counter() + (start_wall - time.time())
-        lags: list[float] = []
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        watcher = asyncio.create_task(_watch_loop(lags, t0))
-        tasks = []
-        for req in spec.requests:
-            delay = t0 + req.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req, t0, time.perf_counter() - t0)))
-        results = list(await asyncio.gather(*tasks))
-        watcher.cancel()
-        wall = time.perf_counter() - wall0
-        cpu_util = (time.process_time() - cpu0) / wall if wall > 0 else 0.0
-    return ShardOutcome(
-        results,
-        lags,
-        cpu_util,
-        warmup_failed=len(failed_warm),
-        warmup_error=failed_warm[0].error if failed_warm else "",
-    )
-
-
-async def _watch_loop(lags: list[float], t0: float) -> None:
-    """Event-loop lag: a busy loop timestamps chunks late, which inflates ITL and TTFT."""
-    await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
-    while True:
-        before = time.perf_counter()
-        await asyncio.sleep(_LOOP_PROBE_S)
-        lags.append(time.perf_counter() - before - _LOOP_PROBE_S)
-
-
-def _worker_main(wid: int, spec: ShardSpec, out: mp.Queue, start_conn: Connection) -> None:
-    """Entry point of a spawned client process."""
     pending = 0
 
     def progress(n: int) -> None:
@@ -136,16 +80,16 @@ def _worker_main(wid: int, spec: ShardSpec, out: mp.Queue, start_conn: Connectio
         pending += n
 
     async def get_start() -> float:
-        out.put(("ready", wid, None))
-        return await asyncio.to_thread(start_conn.recv)
+        send("ready", None)
+        return await asyncio.to_thread(pickle.load, inp)
 
-    async def main() -> ShardOutcome:
+    async def main(spec: ShardSpec) -> ShardOutcome:
         async def flush_progress() -> None:
             nonlocal pending
             while True:
                 await asyncio.sleep(_PROGRESS_PERIOD_S)
                 if pending > 0:
-                    out.put(("progress", wid, pending))
+                    send("progress", pending)
                     pending = 0
 
         flusher = asyncio.create_task(flush_progress())
@@ -155,62 +99,84 @@ def _worker_main(wid: int, spec: ShardSpec, out: mp.Queue, start_conn: Connectio
             flusher.cancel()
 
     try:
-        outcome = asyncio.run(main())
-        out.put(("result", wid, outcome))
+        send("result", asyncio.run(main(pickle.load(inp))))
     except BaseException:  # report, then exit: the parent fails this shard's requests
-        out.put(("error", wid, traceback.format_exc(limit=5)))
+        send("error", traceback.format_exc(limit=5))
 
 
 def _run_processes(specs: list[ShardSpec], progress: Callable[[int], None]) -> list[ShardOutcome]:
-    ctx = mp.get_context("spawn")  # fork is unsafe next to threads (a server, tqdm's monitor)
-    out: mp.Queue = ctx.Queue()
-    procs, start_ends = [], []
-    for wid, spec in enumerate(specs):
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker_main, args=(wid, spec, out, recv_end), daemon=True)
-        proc.start()
-        procs.append(proc)
-        start_ends.append(send_end)
+    pkg_dir = str(Path(__file__).resolve().parents[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, pkg_dir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for _ in specs
+    ]
+    inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+    for wid, proc in enumerate(procs):
+        threading.Thread(target=_pump, args=(wid, proc.stdout, inbox), daemon=True).start()
     outcomes: dict[int, ShardOutcome] = {}
     errors: dict[int, str] = {}
+    ready: set[int] = set()
     try:
+        for wid, (spec, proc) in enumerate(zip(specs, procs, strict=True)):
+            if not _write(proc, spec):
+                errors[wid] = f"client process exited at start (code {proc.poll()})"
         ready_deadline = time.monotonic() + _SPAWN_GRACE_S + max(_warmup_bound(s) for s in specs)
-        ready: set[int] = set()
         while len(ready) + len(errors) < len(specs) and time.monotonic() < ready_deadline:
-            _receive(out, procs, ready, outcomes, errors, progress)
+            _receive(inbox, procs, ready, outcomes, errors, progress)
         start = time.time() + _START_MARGIN_S
-        for wid in ready:
-            start_ends[wid].send(start)
+        for wid in sorted(ready - errors.keys()):
+            if not _write(procs[wid], start):
+                errors[wid] = f"client process exited before the start (code {procs[wid].poll()})"
         run_deadline = time.monotonic() + _START_MARGIN_S + max(_run_bound(s) for s in specs)
         while len(outcomes) + len(errors) < len(specs) and time.monotonic() < run_deadline:
-            _receive(out, procs, ready, outcomes, errors, progress)
+            _receive(inbox, procs, ready, outcomes, errors, progress)
     finally:
         for proc in procs:
-            proc.join(timeout=1.0)
-            if proc.is_alive():
-                proc.terminate()
+            _stop(proc)
     return [
-        outcomes[wid] if wid in outcomes else _failed_shard(spec, errors.get(wid, "no answer"))
+        outcomes[wid] if wid in outcomes else _failed_shard(spec, errors.get(wid, _LATE))
         for wid, spec in enumerate(specs)
     ]
 
 
+_LATE = "client process did not finish in time"
+
+
+def _pump(wid: int, stream: IO[bytes], inbox: queue.Queue[tuple[str, int, Any]]) -> None:
+    """Reader thread: one worker's messages into the shared inbox, then 'eof'."""
+    try:
+        while True:
+            kind, payload = pickle.load(stream)
+            inbox.put((kind, wid, payload))
+    except Exception:  # EOF (the process ended) or a torn message (it died writing)
+        inbox.put(("eof", wid, None))
+
+
+def _write(proc: subprocess.Popen[bytes], obj: Any) -> bool:
+    assert proc.stdin is not None
+    try:
+        pickle.dump(obj, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
 def _receive(
-    out: mp.Queue,
-    procs: list,
+    inbox: queue.Queue[tuple[str, int, Any]],
+    procs: list[subprocess.Popen[bytes]],
     ready: set[int],
     outcomes: dict[int, ShardOutcome],
     errors: dict[int, str],
     progress: Callable[[int], None],
 ) -> None:
     try:
-        kind, wid, payload = out.get(timeout=_PROGRESS_PERIOD_S)
-    except queue_lib.Empty:
-        for wid, proc in enumerate(procs):  # a process that died silently (killed, segfault)
-            if wid not in outcomes and wid not in errors and proc.exitcode is not None:
-                time.sleep(_PROGRESS_PERIOD_S)  # its last message may still be in the pipe
-                if out.empty():
-                    errors[wid] = f"client process exited with code {proc.exitcode}"
+        kind, wid, payload = inbox.get(timeout=_PROGRESS_PERIOD_S)
+    except queue.Empty:
         return
     if kind == "ready":
         ready.add(wid)
@@ -218,8 +184,27 @@ def _receive(
         progress(payload)
     elif kind == "result":
         outcomes[wid] = payload
-    else:
+    elif kind == "error":
         errors[wid] = f"client process crashed: {payload.strip().splitlines()[-1]}"
+    elif wid not in outcomes and wid not in errors:  # eof without a result
+        try:
+            code = procs[wid].wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        errors[wid] = f"client process exited with code {code}"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _waves(num: int, concurrency: int | None) -> int:

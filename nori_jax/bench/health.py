@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nori_jax.bench.driver import ShardOutcome
+from nori_jax.bench.shard import ShardOutcome
 
 SEND_LAG_WARN_MS = 10.0
 LOOP_LAG_WARN_MS = 10.0
@@ -54,7 +54,10 @@ def assess(
         loop_lag_max_ms=float(loop_lags.max() * 1e3) if loop_lags.size else 0.0,
         cpu_util_max=max((o.cpu_util for o in outcomes), default=0.0),
     )
-    advice = "the client may be the bottleneck; try more --num-client-processes"
+    advice = (
+        "the client may be the bottleneck: give it more processes (--num-client-processes) "
+        "or a machine with idle cores"
+    )
     warnings = []
     if finite_rate and health.send_lag_p99_ms > SEND_LAG_WARN_MS:
         warnings.append(
@@ -72,9 +75,7 @@ def assess(
             f"timestamps are late; {advice}"
         )
     if health.cpu_util_max > CPU_UTIL_WARN:
-        warnings.append(
-            f"a client process used {health.cpu_util_max:.0%} of a CPU core; {advice}"
-        )
+        warnings.append(f"a client process used {health.cpu_util_max:.0%} of a CPU core; {advice}")
     return health, warnings
 
 

@@ -71,7 +71,10 @@ def find_knee(points: Sequence[SweepPoint], criteria: KneeCriteria = KneeCriteri
         if b.rate == a.rate:
             raise ValueError(f"duplicate rate in sweep: {a.rate}")
         eff = step_efficiency(a, b)
-        ttft_rise, tpot_rise = _rise(a.p99_ttft_ms, b.p99_ttft_ms), _rise(a.p99_tpot_ms, b.p99_tpot_ms)
+        ttft_rise, tpot_rise = (
+            _rise(a.p99_ttft_ms, b.p99_ttft_ms),
+            _rise(a.p99_tpot_ms, b.p99_tpot_ms),
+        )
         climbs = max(ttft_rise, tpot_rise) >= criteria.min_latency_rise
         if eff < criteria.min_gain and climbs:
             return Knee(a.rate, b.rate, eff, ttft_rise, tpot_rise)

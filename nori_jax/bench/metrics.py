@@ -114,7 +114,11 @@ def compute_metrics(
 
 
 def _is_good(r: RequestResult, slos_ms: Mapping[str, float]) -> bool:
-    values_ms = {"ttft": r.ttft_s * 1e3, "tpot": (tpot_s(r) or 0.0) * 1e3, "e2el": r.latency_s * 1e3}
+    values_ms = {
+        "ttft": r.ttft_s * 1e3,
+        "tpot": (tpot_s(r) or 0.0) * 1e3,
+        "e2el": r.latency_s * 1e3,
+    }
     return all(values_ms[name] <= slo for name, slo in slos_ms.items())
 
 

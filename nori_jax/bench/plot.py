@@ -32,6 +32,8 @@ def plot_sweep(
         ax.set_ylabel(f"{name.upper()} (ms)")
     if len(rates) > 1 and rates[-1] / rates[0] >= 8:  # a doubling ramp reads best on a log axis
         ax_tpot.set_xscale("log", base=2)
+        ax_tpot.set_xticks(rates, [f"{r:g}" for r in rates])  # the rates run, not powers of 2
+        ax_tpot.minorticks_off()
     ax_tpot.set_xlabel("offered request rate (req/s)")
     for ax in (ax_t, ax_ttft, ax_tpot):
         if knee is not None:

@@ -35,13 +35,14 @@ class Prompt:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A Hugging Face tokenizer directory or tokenizer.json; a GGUF once the engine reads them."""
+    """The tokenizer of a Hugging Face directory (or its tokenizer.json), or of a GGUF file."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from_gguf = getattr(Tokenizer, "from_gguf", None)
-        if from_gguf is None:
-            raise ValueError(f"reading a tokenizer from a GGUF is not available yet: {str(path)!r}")
-        return from_gguf(path)
+        # the engine's own reader: the metadata only, tensors stay on disk
+        from nori_jax.weights.gguf_file import read_gguf_file
+        from nori_jax.weights.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(read_gguf_file(path).metadata, path)
     if path.is_file() and path.name == "tokenizer.json":
         path = path.parent
     return Tokenizer.from_hf_dir(path)
@@ -65,15 +66,37 @@ class TokenizerPrompts:
         self.min_tokens = self.count("")
 
     def count(self, text: str) -> int:
+        return self.count_batch([text])[0]
+
+    def count_batch(self, texts: list[str]) -> list[int]:
+        """Server-side token counts; one parallel encode for the whole batch."""
         if self.endpoint == "chat":
-            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            return len(self.tokenizer.encode(rendered, add_special_tokens=False))
-        return len(self.tokenizer.encode(text, add_special_tokens=True))
+            render = self.tokenizer.apply_chat_template
+            texts = [render([{"role": "user", "content": t}]) for t in texts]
+        specials = self.endpoint == "completions"
+        encoded = self.tokenizer.backend.encode_batch(texts, add_special_tokens=specials)
+        return [len(e.ids) for e in encoded]
 
     def text(self, num_tokens: int, rng: np.random.Generator) -> Prompt:
         """Text whose server-side count is `num_tokens` (or the nearest reachable count)."""
-        target = max(num_tokens, self.min_tokens + 1)
-        ids = list(rng.choice(self.pool, size=target - self.min_tokens))
+        return self.texts([num_tokens], rng)[0]
+
+    def texts(self, num_tokens: list[int], rng: np.random.Generator) -> list[Prompt]:
+        """One prompt per target count. The first render of every prompt is batched (decode and
+        encode run in parallel in the tokenizer's Rust core); nearly all are exact after it."""
+        targets = [max(n, self.min_tokens + 1) for n in num_tokens]
+        ids = [list(rng.choice(self.pool, size=t - self.min_tokens)) for t in targets]
+        decoded = self.tokenizer.backend.decode_batch(
+            [[int(t) for t in x] for x in ids], skip_special_tokens=True
+        )
+        counts = self.count_batch(decoded)
+        return [
+            Prompt(text, count, exact=True) if count == target else self._adjust(x, target, rng)
+            for x, text, count, target in zip(ids, decoded, counts, targets, strict=True)
+        ]
+
+    def _adjust(self, ids: list[int], target: int, rng: np.random.Generator) -> Prompt:
+        """Trim or extend until the count is exact: a token merged across a word boundary."""
         text, count = self._render(ids)
         for _ in range(_MAX_ADJUST_ROUNDS):
             if count == target:
@@ -157,3 +180,6 @@ class WordPrompts:
     def text(self, num_tokens: int, rng: np.random.Generator) -> Prompt:
         words = rng.choice(len(_WORDS), size=max(num_tokens - 1, 1))
         return Prompt(" ".join(_WORDS[i] for i in words), num_tokens, exact=False)
+
+    def texts(self, num_tokens: list[int], rng: np.random.Generator) -> list[Prompt]:
+        return [self.text(n, rng) for n in num_tokens]

@@ -175,6 +175,26 @@ def write_csv(path: str | Path, workload: Workload, runs: Sequence[RunResult]) -
                 ])  # fmt: skip
 
 
+def sweep_table(runs: Sequence[RunResult]) -> str:
+    """One line per rate: what the knee is read from."""
+    from nori_jax.bench.sweep import sweep_point
+
+    points = [sweep_point(r) for r in runs]
+    head = (
+        f"{'rate':>8} {'req/s':>8} {'total tok/s':>12} {'TTFT P50':>9} {'TTFT P99':>9} "
+        f"{'TPOT P50':>9} {'TPOT P99':>9} {'failed':>6}"
+    )
+    lines = [" Rate sweep ".center(len(head), "="), head]
+    for pt, run in zip(points, runs, strict=True):
+        m = run.metrics
+        lines.append(
+            f"{pt.rate:>8g} {m.request_throughput:>8.2f} {pt.throughput:>12.1f} "
+            f"{m.ttft.median:>9.1f} {pt.p99_ttft_ms:>9.1f} {m.tpot.median:>9.1f} "
+            f"{pt.p99_tpot_ms:>9.1f} {m.failed:>6d}"
+        )
+    return "\n".join(lines)
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 

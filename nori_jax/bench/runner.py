@@ -7,20 +7,22 @@ sends the same prompts, and the gap pattern is the same one rescaled to the rate
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import urllib.request
 from collections.abc import Callable
 
-import httpx
 import numpy as np
 
 from nori_jax.bench.arrivals import arrival_times
 from nori_jax.bench.config import BenchConfig, ClientConfig
 from nori_jax.bench.dataset import BenchRequest, build_requests
-from nori_jax.bench.driver import ShardSpec, run_shards
+from nori_jax.bench.driver import run_shards
 from nori_jax.bench.health import ClientHealth, assess
 from nori_jax.bench.metrics import BenchmarkMetrics, compute_metrics
 from nori_jax.bench.prompts import TokenizerPrompts, WordPrompts, load_tokenizer
+from nori_jax.bench.shard import ShardSpec
 from nori_jax.bench.stream_request import RequestResult, WireRequest
 from nori_jax.bench.wire import request_body
 
@@ -55,11 +57,13 @@ def default_num_processes(num_prompts: int) -> int:
 def discover_model(client: ClientConfig, timeout_s: float = 30.0) -> str:
     """The first model the server lists, as vLLM's client does when --model is not given."""
     url = client.base_url.rstrip("/") + "/v1/models"
+    # no proxy handler: like the load itself, the lookup goes straight to the server
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers=dict(client.headers))
     try:
-        resp = httpx.get(url, headers=dict(client.headers), timeout=timeout_s, trust_env=False)
-        resp.raise_for_status()
-        return str(resp.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        with opener.open(request, timeout=timeout_s) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
         raise ValueError(f"could not read a model name from {url} ({e}); pass --model") from e
 
 
@@ -140,9 +144,7 @@ def _body(cfg: BenchConfig, model: str, r: BenchRequest) -> bytes:
     )
 
 
-def _shards(
-    cfg: BenchConfig, wires: list[WireRequest], warm: list[WireRequest]
-) -> list[ShardSpec]:
+def _shards(cfg: BenchConfig, wires: list[WireRequest], warm: list[WireRequest]) -> list[ShardSpec]:
     """Deal requests round-robin; split --max-concurrency so the shares sum to it exactly."""
     cap = cfg.load.max_concurrency
     num = min(cfg.client.num_processes, len(wires), cap or len(wires))
@@ -194,9 +196,7 @@ def _workload_warnings(
             "where the server gives them"
         )
     if cfg.client.ignore_eos:
-        short = [
-            res for req, res in pairs if res.success and res.output_tokens < req.output_len
-        ]
+        short = [res for req, res in pairs if res.success and res.output_tokens < req.output_len]
         if short:
             warnings.append(
                 f"{len(short)} requests produced fewer tokens than max_tokens despite "

@@ -11,12 +11,12 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
-
-import httpx
 
 from nori_jax.bench.config import EndpointKind
+from nori_jax.bench.http1 import HttpClient, HttpError
 from nori_jax.bench.wire import error_from_body, parse_data
+
+_ERROR_BODY_BYTES = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class RequestResult:
     http_status: int | None = None
     ttft_s: float = 0.0
     latency_s: float = 0.0  # E2E: send to the last token (to the failure for failed requests)
-    itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between token chunks
+    itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between text chunks
     output_tokens: int = 0
     output_tokens_from_usage: bool = False
     server_prompt_tokens: int | None = None
@@ -53,9 +53,7 @@ class RequestResult:
 
 
 async def send_request(
-    client: httpx.AsyncClient,
-    url: str,
-    headers: Mapping[str, str],
+    client: HttpClient,
     request: WireRequest,
     endpoint: EndpointKind,
     timeout_s: float,
@@ -68,24 +66,17 @@ async def send_request(
     stream = _Stream(endpoint, sent)
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, content=request.body, headers=headers) as resp:
-                result.http_status = resp.status_code
-                if resp.status_code != 200:
-                    body = await resp.aread()
-                    stream.fail(error_from_body(resp.status_code, body))
-                else:
-                    async for data in resp.aiter_bytes():
-                        # Read on past [DONE] to the end of the body, so the connection goes back
-                        # to the pool instead of being closed; stop at once on an error.
-                        if stream.feed(data, time.perf_counter()):
-                            break
-                    stream.finish(time.perf_counter())
+            await client.post(request.body, stream)
+        stream.finish(time.perf_counter())
     except TimeoutError:
-        stream.fail(f"timeout after {timeout_s:g} s ({len(stream.times)} token chunks received)")
-    except httpx.HTTPError as e:
-        stream.fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        stream.fail(f"timeout after {timeout_s:g} s ({len(stream.times)} text chunks received)")
+    except HttpError as e:
+        stream.fail(str(e))
+    except OSError as e:  # refused, reset, unreachable
+        stream.fail(f"{type(e).__name__}: {e}")
     except Exception as e:  # a benchmark must end: any client-side surprise is a failed request
         stream.fail(f"client error {type(e).__name__}: {e}")
+    result.http_status = stream.status
     return stream.fill(result, time.perf_counter())
 
 
@@ -95,8 +86,10 @@ class _Stream:
     def __init__(self, endpoint: EndpointKind, sent: float) -> None:
         self.endpoint = endpoint
         self.sent = sent
+        self.status: int | None = None
+        self.error_body = b""  # the start of a non-200 response, for the failure reason
         self.buf = b""
-        self.times: list[float] = []  # perf_counter of each token chunk
+        self.times: list[float] = []  # perf_counter of each text chunk
         self.text: list[str] = []
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
@@ -104,8 +97,18 @@ class _Stream:
         self.done = False
         self.error: str | None = None
 
+    # ResponseSink
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes, now: float) -> None:
+        if self.status != 200:
+            self.error_body = (self.error_body + data)[:_ERROR_BODY_BYTES]
+        elif self.error is None:
+            self.feed(data, now)
+
     def feed(self, data: bytes, now: float) -> bool:
-        """Consume bytes that arrived at `now`; True once the stream has failed."""
+        """Consume SSE bytes that arrived at `now`; True once the stream has failed."""
         if self.done:
             return False
         lines = (self.buf + data).split(b"\n")
@@ -118,10 +121,13 @@ class _Stream:
         return False
 
     def finish(self, now: float) -> None:
+        if self.status != 200:
+            self.fail(error_from_body(self.status or 0, self.error_body))
+            return
         if self.buf.strip() and not self.done and self.error is None:
             self._line(self.buf, now)  # a last event without its trailing newline
         if self.error is None and not self.done and self.finish_reason is None:
-            self.fail(f"stream closed before the end ({len(self.times)} token chunks received)")
+            self.fail(f"stream closed before the end ({len(self.times)} text chunks received)")
         elif self.error is None and not self.times:
             self.fail("stream ended without any generated text")
 

@@ -1,0 +1,166 @@
+"""A fake OpenAI-compatible streaming server whose delays and failures a test controls.
+
+Runs in its own process (`python bench_fake_server.py` prints its port), so the client under
+test never shares a GIL with it and measured delays are the injected ones. Behaviour is set per
+test with POST /_control; GET /_stats says what the server saw.
+
+Injected timing of a request that asks for n tokens with a p-token prompt: the i-th token
+(i = 0..n-1) is sent at  t_receive + ttft_s + ttft_per_prompt_token_s * p + i * itl_s, scheduled
+on absolute times so sleeps never drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+DEFAULTS: dict[str, Any] = {
+    "ttft_s": 0.02,
+    "ttft_per_prompt_token_s": 0.0,
+    "itl_s": 0.005,
+    "fail_every": 0,  # every k-th request (by arrival) gets an HTTP error
+    "fail_status": 503,
+    "break_every": 0,  # every k-th request: the connection drops after two tokens
+    "hang_every": 0,  # every k-th request: headers, then nothing, ever
+    "include_usage": True,
+    "role_chunk": True,  # chat: an empty assistant-role delta right away, as vLLM sends
+    "max_output": None,  # stop after this many tokens whatever max_tokens says
+    "tokenizer_dir": None,  # count text prompts with this HF tokenizer (exact usage)
+}
+
+state: dict[str, Any] = {
+    "behaviour": dict(DEFAULTS),
+    "count": 0,
+    "prompt_tokens": [],
+    "sent": [],  # per completed stream: {"prompt_tokens", "ttft_s", "itl_s"} as actually yielded
+    "tok": None,
+}
+app = FastAPI()
+
+
+@app.post("/_control")
+async def control(request: Request) -> dict[str, Any]:
+    behaviour = dict(DEFAULTS) | await request.json()
+    state.update(behaviour=behaviour, count=0, prompt_tokens=[], sent=[], tok=None)
+    if behaviour["tokenizer_dir"]:
+        if "nori_jax" not in sys.modules:  # a bare package: the engine's __init__ imports JAX
+            pkg = types.ModuleType("nori_jax")
+            pkg.__path__ = [str(Path(behaviour["repo_root"]) / "nori_jax")]
+            sys.modules["nori_jax"] = pkg
+        from nori_jax.tokenizer import Tokenizer
+
+        state["tok"] = Tokenizer.from_hf_dir(behaviour["tokenizer_dir"])
+    return {"ok": True}
+
+
+@app.get("/_stats")
+async def stats() -> dict[str, Any]:
+    return {"count": state["count"], "prompt_tokens": state["prompt_tokens"], "sent": state["sent"]}
+
+
+@app.get("/v1/models")
+async def models() -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+
+def _count_prompt(body: dict[str, Any], chat: bool) -> int:
+    tok = state["tok"]
+    if chat:
+        content = body["messages"][0]["content"]
+        if tok is None:
+            return len(content.split()) + 1
+        rendered = tok.apply_chat_template(body["messages"])
+        return len(tok.encode(rendered, add_special_tokens=False))
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(tok.encode(prompt)) if tok is not None else len(prompt.split()) + 1
+
+
+async def _generate(request: Request, chat: bool) -> Any:
+    received = time.perf_counter()
+    b = state["behaviour"]
+    state["count"] += 1
+    k = state["count"]
+    body = await request.json()
+    if b["fail_every"] and k % b["fail_every"] == 0:
+        return JSONResponse(
+            {"error": {"message": "fake overload", "type": "server_error"}},
+            status_code=b["fail_status"],
+        )
+    n_prompt = _count_prompt(body, chat)
+    state["prompt_tokens"].append(n_prompt)
+    n_out = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+    if b["max_output"] is not None:
+        n_out = min(n_out, b["max_output"])
+    first = received + b["ttft_s"] + b["ttft_per_prompt_token_s"] * n_prompt
+    hang = b["hang_every"] and k % b["hang_every"] == 0
+    broken = b["break_every"] and k % b["break_every"] == 0
+
+    def event(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def choice(i: int) -> dict[str, Any]:
+        finish = "length" if i == n_out - 1 else None
+        if chat:
+            return {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": finish}
+        return {"index": 0, "text": f" t{i}", "finish_reason": finish}
+
+    async def stream():
+        if chat and b["role_chunk"]:
+            yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if hang:
+            await asyncio.sleep(3600)
+        times = []
+        for i in range(n_out):
+            await asyncio.sleep(max(0.0, first + i * b["itl_s"] - time.perf_counter()))
+            if broken and i == 2:
+                raise ConnectionResetError("fake server drops the connection")
+            times.append(time.perf_counter())
+            yield event({"object": "chat.completion.chunk" if chat else "text_completion",
+                         "choices": [choice(i)]})  # fmt: skip
+        itl = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        state["sent"].append(
+            {"prompt_tokens": n_prompt, "ttft_s": times[0] - received, "itl_s": itl}
+        )
+        if b["include_usage"]:
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out}
+            yield event({"choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+@app.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    return await _generate(request, chat=False)
+
+
+@app.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    return await _generate(request, chat=True)
+
+
+def main() -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(
+        app, log_level="critical", timeout_graceful_shutdown=1, backlog=4096, access_log=False
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

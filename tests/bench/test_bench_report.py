@@ -1,0 +1,170 @@
+"""Metric arithmetic, vLLM's result keys and printed block, the CSV, and the CLI end to end."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from bench_helpers import FakeServer, bench_config, run_bench
+
+from nori_jax.bench.cli import main
+from nori_jax.bench.metrics import compute_metrics
+from nori_jax.bench.report import CSV_COLUMNS, print_run, result_dict
+from nori_jax.bench.runner import prepare_workload
+from nori_jax.bench.stream_request import RequestResult
+
+# `vllm bench serve --save-result` keys (vllm/benchmarks/serve.py) that ours must carry as-is
+VLLM_KEYS = {
+    "date", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "latencies",
+    "start_times", "generated_texts", "errors", "max_output_tokens_per_s",
+    "max_concurrent_requests",
+} | {
+    f"{stat}_{metric}_ms"
+    for stat in ("mean", "median", "std", "p99")
+    for metric in ("ttft", "tpot", "itl", "e2el")
+}  # fmt: skip
+
+
+def _ok(index: int, ttft: float, itls: list[float], out: int, sent: float = 0.0) -> RequestResult:
+    return RequestResult(
+        index, 0.0, 0.0, sent, success=True, ttft_s=ttft, latency_s=ttft + sum(itls),
+        itl_s=itls, output_tokens=out, output_tokens_from_usage=True,
+    )  # fmt: skip
+
+
+def test_metric_definitions_follow_vllm() -> None:
+    results = [
+        _ok(0, 0.100, [0.010, 0.030], 3),  # TPOT (0.14-0.10)/2 = 20 ms
+        _ok(1, 0.300, [0.020], 2, sent=0.05),  # TPOT 20 ms
+        _ok(2, 0.050, [], 1, sent=0.50),  # one token: no TPOT, TPOT 0 for goodput
+        RequestResult(3, 0.0, 0.0, 0.0, success=False, error="HTTP 500"),
+    ]
+    m = compute_metrics(results, [10, 20, 30, 40], 2.0, (50.0, 99.0), {"ttft": 200, "tpot": 25})
+    assert (m.completed, m.failed) == (3, 1)
+    assert m.total_input == 60 and m.total_output == 6 and m.output_lens == (3, 2, 1, 0)
+    assert m.request_throughput == 1.5 and m.output_throughput == 3.0
+    assert m.total_token_throughput == 33.0
+    assert m.ttft.mean == pytest.approx(150.0) and m.ttft.median == pytest.approx(100.0)
+    assert m.tpot.mean == pytest.approx(20.0)
+    assert m.itl.mean == pytest.approx(20.0) and m.itl.median == pytest.approx(20.0)
+    assert m.e2el.at(50.0) == pytest.approx(140.0)
+    assert m.request_goodput == pytest.approx(1.0)  # requests 0 and 2 meet both SLOs
+    assert m.max_concurrent_requests == 2  # [0, .14) and [.05, .37) overlap; [.5, .55) alone
+
+
+def test_empty_metrics_report_zero_not_nan() -> None:
+    m = compute_metrics([RequestResult(0, 0.0, success=False, error="x")], [5], 1.0, (99.0,), {})
+    assert m.ttft.mean == 0.0 and m.itl.at(99.0) == 0.0 and m.request_goodput is None
+
+
+def test_result_json_has_vllm_keys_and_the_block_prints(server: FakeServer) -> None:
+    cfg = bench_config(
+        server,
+        report={"metric_percentiles": (50.0, 99.0, 99.9), "goodput_slos_ms": {"ttft": 1000.0}},
+        load={"max_concurrency": 4, "request_rate": 200.0},
+    )
+    workload = prepare_workload(cfg)
+    from nori_jax.bench.runner import run_once
+
+    run = run_once(cfg, workload)
+    result = result_dict(cfg, workload, run)
+    assert VLLM_KEYS <= result.keys()
+    assert {"p50_ttft_ms", "p99.9_itl_ms"} <= result.keys()
+    assert result["completed"] == 20 and result["request_goodput"] > 0
+    assert len(result["itls"]) == 20 and len(result["ttfts"]) == 20
+    json.dumps(result, allow_nan=False)
+    out = io.StringIO()
+    print_run(cfg, run, out)
+    text = out.getvalue()
+    for line in (
+        "============ Serving Benchmark Result ============",
+        "Successful requests:                     20",
+        "Maximum request concurrency:             4",
+        "Request rate configured (RPS):           200.00",
+        "Request goodput (req/s):",
+        "Total token throughput (tok/s):",
+        "---------------Time to First Token----------------",
+        "-----Time per Output Token (excl. 1st token)------",
+        "P99.9 TTFT (ms):",
+        "Median E2EL (ms):",
+    ):
+        assert line in text, line
+
+
+def test_cli_single_run_writes_json_and_csv_with_failures(
+    server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.set(fail_every=4)
+    rj, rc = tmp_path / "r.json", tmp_path / "r.csv"
+    code = main([
+        "serve", "--base-url", server.base_url, "--dataset", "fixed", "--num-prompts", "12",
+        "--input-len", "20", "--output-len", "5", "--request-rate", "100", "--seed", "7",
+        "--goodput", "ttft:500", "tpot:50", "--result-json", str(rj), "--result-csv", str(rc),
+        "--num-client-processes", "1", "--disable-tqdm", "--ignore-eos",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Failed requests by reason (3)" in out
+    result = json.loads(rj.read_text())
+    assert result["model_id"] == "fake-model"  # discovered from /v1/models
+    assert result["completed"] == 9 and result["failed"] == 3 and result["ignore_eos"] is True
+    rows = list(csv.DictReader(rc.open()))
+    assert list(rows[0]) == list(CSV_COLUMNS) and len(rows) == 12
+    failed = [r for r in rows if r["success"] == "0"]
+    assert len(failed) == 3 and all(r["error"] == "HTTP 503: fake overload" for r in failed)
+    ok = [r for r in rows if r["success"] == "1"]
+    assert all(r["output_tokens"] == "5" and r["output_tokens_source"] == "usage" for r in ok)
+    assert all(float(r["ttft_ms"]) > 0 and float(r["tpot_ms"]) > 0 for r in ok)
+
+
+def test_cli_sweep_reports_a_knee_or_none_and_plots(
+    server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rj = tmp_path / "sweep.json"
+    code = main([
+        "serve", "--base-url", server.base_url, "--model", "fake-model", "--dataset", "fixed",
+        "--num-prompts", "10", "--input-len", "8", "--output-len", "4", "--sweep", "50,100",
+        "--result-json", str(rj), "--result-csv", str(tmp_path / "s.csv"), "--disable-tqdm",
+        "--num-client-processes", "1",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Rate sweep" in out and "Knee:" in out
+    result = json.loads(rj.read_text())
+    assert result["request_rates"] == [50.0, 100.0] and len(result["runs"]) == 2
+    assert "knee_request_rate" in result and VLLM_KEYS <= result["runs"][0].keys()
+    png = rj.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(list(csv.DictReader((tmp_path / "s.csv").open()))) == 20
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--goodput", "ttft"],
+        ["--goodput", "latency:5"],
+        ["--sweep", "1,x"],
+        ["--prompt-format", "token-ids"],  # needs a tokenizer
+        ["--request-rate", "0"],
+        ["--extra-body", "[1]"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_message(
+    bad: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--disable-tqdm"]
+    assert main(base + bad) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_server_reported_prompt_counts_replace_estimates(server: FakeServer) -> None:
+    """Without a tokenizer, input totals use the server's usage.prompt_tokens."""
+    run = run_bench(server, dataset={"input_len": 50})
+    assert run.input_lens == [r.server_prompt_tokens for r in run.results]
+    assert any("estimates" in w for w in run.warnings)
