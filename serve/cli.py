@@ -1,0 +1,153 @@
+"""`nori-jax serve`: the engine flags (or a --config preset) plus the server's own.
+
+The port is bound (not yet listening) before the engine loads and compiles, so a port in use
+fails in a second rather than after the compile, and clients are refused, not left hanging,
+until the engine is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from nori_jax.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PRESET = "default"
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+        description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /generate, /health, /metrics. Without --config the engine settings come "
+        "from configs/engine/default.yaml (the embedded model); flags override them. "
+        "See docs/serving.md.",
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: --model)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("NORI_JAX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
+        "(default: $NORI_JAX_API_KEY; none: open)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template: a file, or the template itself (overrides the model's)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abort a request after this long, queueing included (504; default: none)",
+    )
+    g.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        metavar="SECONDS",
+        help="Retry-After of a 429 when the waiting queue is full (--max-num-waiting)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, let requests in flight finish for up to this long",
+    )
+    g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    # Without --config the server loads configs/engine/default.yaml (the embedded model, batch
+    # shapes sized for interactive use on a CPU or one GPU); flags override either.
+    p.set_defaults(func=run_serve, config=DEFAULT_PRESET)
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nori_jax.async_engine import AsyncEngine
+    from nori_jax.engine import LLMEngine
+    from serve.api import create_app
+    from serve.settings import ServerSettings
+
+    # Importing orbax makes absl call logging.basicConfig() first, which turns the CLI's own
+    # basicConfig into a no-op; without force the start-up progress would not show.
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's progress lines
+    config = engine_config_from_args(args)
+    logger.info("engine config: preset %r with command-line overrides", args.config)
+    settings = ServerSettings(
+        model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
+        api_key=args.api_key or None,
+        chat_template=_chat_template(args.chat_template),
+        request_timeout_s=args.request_timeout,
+        retry_after_s=args.retry_after,
+        drain_timeout_s=args.drain_timeout,
+    )
+    sock = _bind(args.host, args.port)
+    engine = LLMEngine(config)  # loads the weights and compiles every bucket
+    app = create_app(AsyncEngine(engine), settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=not args.no_access_log,
+            timeout_graceful_shutdown=int(args.drain_timeout),
+        )
+    )
+    logger.info("serving %r on http://%s:%d", settings.model_name, args.host, args.port)
+    # uvicorn handles SIGINT/SIGTERM (drain, then stop) and afterwards re-raises the signal to
+    # the handler that was there before it; a no-op one makes a drained shutdown exit with 0
+    # rather than as killed by the signal (or with a KeyboardInterrupt traceback).
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1

@@ -1,0 +1,56 @@
+"""What every route needs: the engine, the settings, the tokenizer with its chat template, and the
+two calls that hand a request to the engine and wait for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fastapi import Request
+
+from nori_jax.async_engine import AsyncEngine, RequestStream
+from nori_jax.outputs import RequestOutput
+from nori_jax.sampling_params import SamplingParams
+from nori_jax.tokenizer import Tokenizer
+from serve.errors import api_error_from
+from serve.settings import ServerSettings
+from serve.streaming import result_unless_disconnected
+
+
+@dataclasses.dataclass
+class ServeContext:
+    engine: AsyncEngine
+    settings: ServerSettings
+    tokenizer: Tokenizer | None  # the engine's, with settings.chat_template applied
+    max_model_len: int
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, settings: ServerSettings) -> ServeContext:
+        tok = engine.engine.tokenizer
+        if tok is not None and settings.chat_template is not None:
+            # A copy: the engine's own tokenizer stays as loaded.
+            tok = dataclasses.replace(tok, chat_template=settings.chat_template)
+        return cls(engine, settings, tok, engine.engine.max_model_len)
+
+    async def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Hand a request to the engine; its refusal (429, 503, ...) becomes the HTTP error."""
+        try:
+            return await self.engine.add_request(
+                prompt_ids, params, request_id, self.settings.request_timeout_s
+            )
+        except Exception as e:
+            raise api_error_from(e, self.settings.retry_after_s) from None
+
+    async def final_output(self, request: Request, stream: RequestStream) -> RequestOutput:
+        """Wait for the whole answer (aborted if the client leaves); failures become HTTP errors."""
+        try:
+            return await result_unless_disconnected(request, stream)
+        except Exception as e:
+            raise api_error_from(e, self.settings.retry_after_s) from None
+
+
+def get_context(request: Request) -> ServeContext:
+    return request.app.state.ctx

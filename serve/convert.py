@@ -1,0 +1,150 @@
+"""Validated request bodies -> (prompt token ids, SamplingParams), or a 400/404 ApiError.
+
+Everything that can be checked before the engine sees the request is checked here, so a bad
+request costs the engine nothing and can never disturb the requests in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from nori_jax.sampling_params import SamplingParams
+from serve.context import ServeContext
+from serve.errors import ApiError, api_error_from, bad_request
+from serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+)
+
+
+def check_model(ctx: ServeContext, model: str | None) -> None:
+    if model is not None and model != ctx.settings.model_name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {ctx.settings.model_name!r}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """Reject what we parse but do not implement, unless it holds its neutral value."""
+    if req.n != 1:
+        raise bad_request(f"n={req.n}: only n=1 is supported", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.best_of not in (None, 1):
+        raise bad_request(f"best_of={req.best_of}: only 1 is supported", "best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    return prompt
+
+
+def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
+    """Render the messages through the chat template and encode them."""
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if ctx.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it cannot chat", "messages")
+    if ctx.tokenizer.chat_template is None:
+        raise bad_request(
+            "this model has no chat template; start the server with --chat-template FILE",
+            "messages",
+        )
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise bad_request("only text content parts are supported", f"messages.{i}.content")
+            content = "".join(p.text or "" for p in content)
+        msg = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+        return ctx.tokenizer.encode(text, add_special_tokens=False)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        # The template's own checks (roles, alternation) and bad chat_template_kwargs: the
+        # request's fault, not the server's.
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+def encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
+    try:
+        return ctx.engine.tokenize(prompt)
+    except ValueError as e:
+        raise api_error_from(e) from None
+
+
+def max_new_tokens(
+    ctx: ServeContext, prompt_len: int, requested: int | None, param: str, prompt_param: str
+) -> int:
+    """The generation budget: what was asked for, which must fit the model length with the prompt;
+    None asks for all the room there is."""
+    limit = ctx.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; this model's maximum context "
+            f"length is {limit} tokens",
+            prompt_param,
+        )
+    if requested is None:
+        return limit - prompt_len
+    if requested < 1:
+        raise bad_request(f"{param}={requested} must be >= 1", param)
+    if prompt_len + requested > limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{prompt_len} and {param}={requested} asks for {requested} more",
+            param,
+        )
+    return requested
+
+
+def sampling_params(
+    req: SamplingFields | GenerateRequest, max_tokens: int, logprobs: int | None = None
+) -> SamplingParams:
+    extra: dict[str, Any] = {}
+    if isinstance(req, SamplingFields):
+        extra = dict(
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            **extra,
+        )
+    except ValueError as e:
+        raise api_error_from(e) from None

@@ -1,0 +1,144 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Engine exceptions map to HTTP statuses here, in one place: bad input 400, full waiting queue 429
+(with Retry-After), request timeout 504, engine not taking requests 503, engine died 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nori_jax.async_engine import EngineDeadError, EngineStoppedError, RequestTimeoutError
+from nori_jax.scheduler import QueueFullError
+
+logger = logging.getLogger(__name__)
+
+# The engine's ValueErrors start with `name=value` (or "prompt ..."): that name is the param.
+_PARAM_RE = re.compile(r"^(prompt)\b|^([a-z_]+)=")
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
+    """The HTTP error for an exception raised by the engine (or anything else)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return ApiError(
+            429,
+            f"server overloaded: {exc}; retry later",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if isinstance(exc, RequestTimeoutError):
+        return ApiError(504, str(exc), "timeout_error", code="request_timeout")
+    if isinstance(exc, EngineStoppedError):
+        return ApiError(503, str(exc), "server_error", code="engine_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(500, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, ValueError):
+        m = _PARAM_RE.match(str(exc))
+        return bad_request(str(exc), m and (m.group(1) or m.group(2)))
+    logger.error("unexpected error", exc_info=exc)
+    return ApiError(
+        500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"
+    )
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_union_tag(part: str | int) -> bool:
+    # pydantic puts the union member tried into the location ("prompt.list[int]"); our field
+    # names are snake_case, the members are builtin types, generics or model classes.
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part[:1].isupper())
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """One 400 for all of pydantic's complaints, `param` naming the first field at fault."""
+    by_field: dict[str, list[str]] = {}
+    for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            detail = e.get("ctx", {}).get("error", e.get("msg"))
+            return bad_request(f"invalid JSON in the request body: {detail}")
+        loc = [x for x in e.get("loc", ()) if x != "body"]
+        if not loc:  # the body as a whole: not JSON at all, or JSON but not an object
+            return bad_request(
+                "the request body must be a JSON object (with Content-Type: application/json)"
+            )
+        tags = [i for i, x in enumerate(loc) if _is_union_tag(x)]
+        field = ".".join(str(x) for x in loc[: tags[0] if tags else len(loc)])
+        by_field.setdefault(field, []).append(str(e.get("msg")))
+    parts = []
+    for field, msgs in by_field.items():
+        # A union field reports each member's complaint; one line says it better.
+        msg = msgs[0] if len(msgs) == 1 else "no accepted type matches this value"
+        parts.append(f"{field}: {msg}" if field else msg)
+    param = next(iter(by_field), None) or None
+    return bad_request("; ".join(parts[:5]) or "invalid request body", param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default is a 422 with {"detail": [...]}: clients of OpenAI's API expect 400
+        # and the error object.
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input (routes convert engine errors themselves): always a 500.
+        logger.exception("unhandled error")
+        return ApiError(
+            500,
+            f"internal error: {type(exc).__name__}: {exc}",
+            "server_error",
+            code="internal_error",
+        ).response()

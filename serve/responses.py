@@ -1,0 +1,61 @@
+"""Response pieces shared by the routes: usage, stage timings, logprobs, finish reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nori_jax.outputs import RequestOutput
+from nori_jax.tokenizer import Tokenizer
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def stage_metrics(out: RequestOutput) -> dict[str, Any]:
+    """The request's own timings in seconds (queue, prefill, decode, TTFT, E2E): the extension
+    field `metrics` of a response."""
+    return dataclasses.asdict(out.metrics)
+
+
+def token_strings(tok: Tokenizer | None, token_ids: list[int]) -> list[str]:
+    if tok is None:
+        return [f"<{t}>" for t in token_ids]
+    return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def completion_logprobs(
+    tok: Tokenizer | None, token_ids: list[int], logprobs: list[float], text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object; only the sampled token's logprob (top_logprobs: null)."""
+    tokens = token_strings(tok, token_ids)
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tok: Tokenizer | None, token_ids: list[int], logprobs: list[float]
+) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(token_strings(tok, token_ids), logprobs, strict=True)
+        ]
+    }
+
+
+def new_logprobs(out: RequestOutput) -> list[float]:
+    """Logprobs of this step's new tokens."""
+    if out.logprobs is None or not out.new_token_ids:
+        return []
+    return out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]

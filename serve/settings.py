@@ -1,0 +1,25 @@
+"""Server settings: everything `nori-jax serve` configures beyond the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the id clients send as `model` and /v1/models lists
+    api_key: str | None = None  # Bearer token required on /v1/* and /generate when set
+    chat_template: str | None = None  # Jinja source overriding the tokenizer's own
+    request_timeout_s: float | None = None  # per request, queueing included; None: no limit
+    retry_after_s: int = 1  # the Retry-After header of a 429 (waiting queue full)
+    drain_timeout_s: float = 30.0  # shutdown waits this long for requests in flight
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must be non-empty")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")

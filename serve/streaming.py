@@ -1,0 +1,107 @@
+"""Streaming and waiting with the client in mind: a client that goes away aborts its request.
+
+Two paths lead to an abort, so its KV pages return to the pool at once:
+- streaming: Starlette cancels the response when the client disconnects; the response's own
+  `finally` aborts the request (a generator's `finally` would wait for garbage collection when it
+  is suspended at a `yield`);
+- non-streaming: the handler races the result against the client's `http.disconnect`.
+Errors after the headers went out (engine died, timeout) become one error event, then the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from nori_jax.async_engine import RequestStream
+from nori_jax.outputs import RequestOutput
+from serve.errors import ApiError, api_error_from
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def ndjson(obj: Any) -> str:
+    return dumps(obj) + "\n"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its engine request however the response ends.
+
+    Disconnects are seen because Starlette cancels a streaming response on `http.disconnect` for
+    servers of ASGI spec < 2.4 (uvicorn's HTTP protocols are 2.3); test_concurrency checks it.
+    """
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, media_type: str):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type=media_type, headers=headers)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()  # a no-op once the request has finished
+
+
+def stream_events(
+    stream: RequestStream,
+    events: Callable[[RequestOutput], Iterable[str]],
+    *,
+    head: Iterable[str] = (),
+    tail: Callable[[], Iterable[str]] = lambda: (),
+    encode_error: Callable[[dict[str, Any]], str] = sse,
+    retry_after_s: int = 1,
+) -> AsyncIterator[str]:
+    """The body of a streaming response: head, each output's events, tail (or one error)."""
+
+    async def body() -> AsyncIterator[str]:
+        for event in head:
+            yield event
+        try:
+            async for out in stream:
+                for event in events(out):
+                    yield event
+        except Exception as e:  # engine died, timeout, shutdown (a bug is logged by api_error_from)
+            yield encode_error(api_error_from(e, retry_after_s).body())
+        finally:
+            stream.abort()
+        for event in tail():
+            yield event
+
+    return body()
+
+
+async def result_unless_disconnected(request: Request, stream: RequestStream) -> RequestOutput:
+    """The request's final output. If the client disconnects first, the request is aborted and a
+    499 raised (nginx's "client closed request": nobody is left to read it)."""
+    result = asyncio.ensure_future(stream.result())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            result.cancel()  # stream.result()'s own `finally` aborts the engine request
+    if result not in done:
+        raise ApiError(499, "client disconnected", code="client_closed_request")
+    return result.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already, so the next ASGI message is the disconnect (or none at all).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,78 @@
+"""If the engine loop dies, every request in flight ends with a 500 (a stream with an error event),
+/health turns 503, and new requests are refused with 503."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from serve_harness import Server, client, running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+def test_engine_death_fails_every_request_in_flight(server: Server, slow_steps) -> None:
+    body = {"prompt": "doomed", "max_tokens": 200, "ignore_eos": True}
+    results: dict[str, object] = {}
+
+    def whole(name: str, path: str, extra: dict) -> None:
+        with client(server) as c:
+            results[name] = c.post(path, json=body | extra)
+
+    def streamed(name: str, path: str, extra: dict) -> None:
+        with client(server) as c:
+            with c.stream("POST", path, json=body | extra | {"stream": True}) as r:
+                results[name] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    chat = {"messages": [{"role": "user", "content": "doomed"}], "max_tokens": 150}
+    jobs = [
+        threading.Thread(target=whole, args=("completion", "/v1/completions", {})),
+        threading.Thread(target=whole, args=("chat", "/v1/chat/completions", chat)),
+        threading.Thread(target=whole, args=("generate", "/generate", {})),
+        threading.Thread(target=streamed, args=("completion-stream", "/v1/completions", {})),
+        threading.Thread(target=streamed, args=("chat-stream", "/v1/chat/completions", chat)),
+        threading.Thread(target=streamed, args=("generate-stream", "/generate", {})),
+    ]
+    for t in jobs:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.engine.num_in_flight < len(jobs):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)  # a few tokens out
+
+    def broken_step(plan):
+        raise RuntimeError("injected device failure")
+
+    server.llm_engine.runner.step = broken_step
+    for t in jobs:
+        t.join(30)
+        assert not t.is_alive()
+
+    for name in ("completion", "chat", "generate"):
+        r = results[name]
+        assert r.status_code == 500, name
+        err = r.json()["error"]
+        assert err["code"] == "engine_dead" and "injected device failure" in err["message"]
+    for name in ("completion-stream", "chat-stream"):
+        status, lines = results[name]
+        assert status == 200  # the headers went out before the engine died
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: ") :])["error"]
+        assert err["code"] == "engine_dead", name
+    status, lines = results["generate-stream"]
+    assert json.loads(lines[-1])["error"]["code"] == "engine_dead"
+
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503
+    assert "injected device failure" in health.json()["reason"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "after", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert server.engine.num_in_flight == 0

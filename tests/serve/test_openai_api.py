@@ -1,0 +1,288 @@
+"""The routes as clients see them: the official openai client, httpx for /generate, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import CHAT_TEMPLATE, MODEL_NAME, Server, client, running_server
+
+from nori_jax import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def generate(server: Server, prompt: str | list[int], max_tokens: int, **extra) -> dict:
+    with client(server) as c:
+        r = c.post(
+            "/generate",
+            json={
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            | extra,
+        )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_health_and_models(server: Server, oai: openai.OpenAI) -> None:
+    with client(server) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+    models = oai.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].model_extra["max_model_len"] == 256
+
+
+def test_completion(server: Server, oai: openai.OpenAI) -> None:
+    resp = oai.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=12, **GREEDY
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == len("The capital of France is")  # one token per byte
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    # The same greedy request through /generate gives the same text.
+    assert choice.text == generate(server, "The capital of France is", 12)["text"]
+    timings = resp.model_extra["metrics"]
+    for stage in (
+        "queue_time",
+        "prefill_time",
+        "decode_time",
+        "time_to_first_token",
+        "e2e_latency",
+    ):
+        assert timings[stage] >= 0.0
+    assert timings["e2e_latency"] >= timings["queue_time"] + timings["prefill_time"]
+
+
+def test_completion_stream_matches_whole(server: Server, oai: openai.OpenAI) -> None:
+    whole = oai.completions.create(model=MODEL_NAME, prompt="stream me", max_tokens=10, **GREEDY)
+    chunks = list(
+        oai.completions.create(
+            model=MODEL_NAME,
+            prompt="stream me",
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_token_ids_and_logprobs(server: Server, oai: openai.OpenAI) -> None:
+    ids = [72, 101, 108, 108, 111]  # "Hello" in the byte-level vocabulary
+    resp = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, logprobs=1, **GREEDY)
+    assert resp.usage.prompt_tokens == 5
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert resp.choices[0].text == generate(server, "Hello", 6)["text"]
+
+
+def test_stop_string(server: Server, oai: openai.OpenAI) -> None:
+    full = generate(server, "stop test", 40)["text"]
+    stop = full[10:14]  # greedy, so the same text comes again and holds this string
+    cut = full[: full.index(stop)]
+    resp = oai.completions.create(
+        model=MODEL_NAME, prompt="stop test", max_tokens=40, stop=[stop], **GREEDY
+    )
+    assert resp.choices[0].text == cut
+    assert resp.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(
+        model=MODEL_NAME, prompt="stop test", max_tokens=40, stop=stop, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_seed_makes_sampling_reproducible(oai: openai.OpenAI) -> None:
+    def sample() -> str:
+        return (
+            oai.completions.create(
+                model=MODEL_NAME,
+                prompt="dice",
+                max_tokens=12,
+                temperature=1.0,
+                seed=1234,
+                extra_body={"top_k": 50},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample() == sample()
+
+
+def test_chat(server: Server, oai: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    resp = oai.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, logprobs=True, **GREEDY
+    )
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert resp.usage.prompt_tokens == len(rendered + "<|im_start|>assistant\n")
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and resp.choices[0].finish_reason == "length"
+    assert len(resp.choices[0].logprobs.content) == 8
+    assert "metrics" in resp.model_extra
+    # The chat template is applied exactly: the same prompt as text gives the same answer.
+    assert msg.content == generate(server, rendered + "<|im_start|>assistant\n", 8)["text"]
+    assert CHAT_TEMPLATE  # (the template the server was given)
+
+
+def test_chat_stream(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "count"}]
+    whole = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=9, **GREEDY)
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 9
+
+
+def test_chat_max_tokens_defaults_to_the_room_left(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "x" * 100}]
+    resp = oai.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    assert resp.usage.total_tokens == 256  # max_model_len
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_generate_streams_one_line_per_token(server: Server, slow_steps) -> None:
+    # (slow steps: a reader that keeps up gets each token on its own line; one that falls behind
+    # would get the waiting tokens merged)
+    whole = generate(server, "lines", 7)
+    with client(server) as c:
+        with c.stream(
+            "POST",
+            "/generate",
+            json={
+                "prompt": "lines",
+                "max_tokens": 7,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert len(lines) == 7
+    assert [t for line in lines for t in line["token_ids"]] == whole["token_ids"]
+    assert "".join(line["text"] for line in lines) == whole["text"]
+    assert [line["finish_reason"] for line in lines] == [None] * 6 + ["length"]
+    assert lines[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert lines[-1]["metrics"]["e2e_latency"] > 0
+
+
+def _scrape(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"[{v}]" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                samples[key] = s.value
+    return samples
+
+
+def test_metrics_count_what_was_done(server: Server, oai: openai.OpenAI) -> None:
+    server.wait_idle()
+    before = _scrape(server)
+    prompts = ["a", "bb", "ccc"]
+    for p in prompts:
+        oai.completions.create(model=MODEL_NAME, prompt=p, max_tokens=5, **GREEDY)
+    list(
+        oai.completions.create(model=MODEL_NAME, prompt="dddd", max_tokens=4, stream=True, **GREEDY)
+    )
+    generate(server, "eeeee", 3)
+    server.wait_idle()
+    after = _scrape(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["nori:request_success_total[length]"] == 5
+    assert (
+        delta["nori:request_success_total[stop]"] + delta["nori:request_success_total[abort]"] == 0
+    )
+    assert delta["nori:prompt_tokens_total"] == 1 + 2 + 3 + 4 + 5
+    assert delta["nori:generation_tokens_total"] == 3 * 5 + 4 + 3
+    for hist in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "time_per_output_token_seconds",
+    ):
+        assert delta[f"nori:{hist}_count"] == 5, hist
+        assert delta[f"nori:{hist}_sum"] >= 0.0
+    assert delta["nori:step_duration_seconds_count"] >= 5
+    assert after["nori:num_requests_running"] == after["nori:num_requests_waiting"] == 0
+    assert after["nori:kv_cache_usage_perc"] == 0.0
+    assert after["nori:recompiles_total"] == 0
+    assert after["nori:num_preemptions_total"] == 0
+
+
+def test_async_engine_in_process(server: Server) -> None:
+    """The library's async API under the server: same tokens, and breaking off frees the pages."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], int]:
+        outs = [out async for out in server.engine.generate("in process", params)]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 6
+        server.wait_idle()
+        free = server.free_pages()
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        gen = server.engine.generate("break off", long)
+        async for out in gen:
+            if len(out.token_ids) == 3:
+                break
+        await gen.aclose()  # runs the generator's `finally`: the request is aborted
+        # A reader that falls behind gets what waits for it merged into one output.
+        stream = await server.engine.add_request("in process", params)
+        while server.engine.num_in_flight:
+            await asyncio.sleep(0.01)
+        merged = [out async for out in stream]
+        assert len(merged) == 1 and merged[0].finished
+        assert merged[0].new_token_ids == merged[0].token_ids == outs[-1].token_ids
+        assert merged[0].new_text == merged[0].text == outs[-1].text
+        return outs[-1].token_ids, free
+
+    ids, free = asyncio.run(run())
+    assert ids == generate(server, "in process", 6)["token_ids"]
+    server.wait_idle()
+    assert server.free_pages() == free
