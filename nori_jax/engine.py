@@ -42,7 +42,8 @@ class StepTimes:
     tokens: int = 0  # real (unpadded) tokens run through the model
     padded_tokens: int = 0  # tokens of the compiled buckets actually executed
     schedule: float = 0.0  # Scheduler.schedule(): picking work and building the StepPlan
-    device: float = 0.0  # Runner.step(): transfer, the jitted step, fetching next tokens
+    launch: float = 0.0  # host-to-device transfer of the plan and dispatch of the step
+    wait: float = 0.0  # blocked on the device for a step's tokens (host idle)
     postprocess: float = 0.0  # Scheduler.update(), detokenization, stop strings, metrics
 
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         self._num_recompiles = 0
         self.step_times = StepTimes()
+        self._in_flight = None  # (plan, device handle) launched but not yet fetched
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
         logger.info(
             "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
@@ -178,41 +180,67 @@ class LLMEngine:
         return self.processor.output(req)
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight once every request has finished holds only rows of finished
+        # requests (planned before their end was known): its samples are discarded unseen.
         return self.scheduler.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that gained tokens or finished."""
+        """Run one engine iteration; return an output for every request that gained tokens or
+        finished.
+
+        With `async_scheduling` (the default) the step launched here is fetched by the next call:
+        the host schedules step N+1 and post-processes step N-1 while the device runs step N, so
+        outputs trail the device by one step. Without it, each call launches and fetches its step.
+        """
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        launched = None
         if plan is not None:
             compiles_before = compile_counter.compile_count()
-            tokens, logprobs = self.runner.step(plan)
+            launched = (plan, self.runner.launch(plan))
             self._num_recompiles += compile_counter.compile_count() - compiles_before
-            t2 = time.perf_counter()
-            for req in self.scheduler.update(plan, tokens, logprobs):
-                if self.processor.detokenize(req):
-                    self.scheduler.finish_request(req.request_id, "stop")
-                if len(req.output_token_ids) == 1 and req.times.first_token is not None:
-                    self.metrics.ttft.observe(req.times.first_token - req.times.arrival)
-                self.metrics.generation_tokens.inc()
-                if req.is_finished:
-                    self.metrics.observe_finished(req)
-                outputs.append(self.processor.output(req))
+        t2 = time.perf_counter()
+        if self.config.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        outputs: list[RequestOutput] = []
+        t3 = t4 = t2
+        if done is not None:
+            tokens, logprobs = self.runner.fetch(done[1])
             t3 = time.perf_counter()
-            self.metrics.step_duration.observe(t3 - t0)
-            self.metrics.scheduler_duration.observe(t1 - t0)
-            st = self.step_times
+            outputs = self._deliver(done[0], tokens, logprobs)
+            t4 = time.perf_counter()
+        st = self.step_times
+        if plan is not None:
             st.steps += 1
             st.tokens += plan.num_tokens
             st.padded_tokens += plan.bucket
-            st.schedule += t1 - t0
-            st.device += t2 - t1
-            st.postprocess += t3 - t2
+            self.metrics.scheduler_duration.observe(t1 - t0)
+        if plan is not None or done is not None:
+            self.metrics.step_duration.observe(t4 - t0)
+        st.schedule += t1 - t0
+        st.launch += t2 - t1
+        st.wait += t3 - t2
+        st.postprocess += t4 - t3
         self._update_gauges()
+        return outputs
+
+    def _deliver(self, plan, tokens: np.ndarray, logprobs: np.ndarray) -> list[RequestOutput]:
+        """Hand a finished step's samples to the scheduler, then detokenize and report."""
+        outputs = []
+        for req in self.scheduler.update(plan, tokens, logprobs):
+            if self.processor.detokenize(req):
+                self.scheduler.finish_request(req.request_id, "stop")
+            if len(req.output_token_ids) == 1 and req.times.first_token is not None:
+                self.metrics.ttft.observe(req.times.first_token - req.times.arrival)
+            self.metrics.generation_tokens.inc()
+            if req.is_finished:
+                self.metrics.observe_finished(req)
+            outputs.append(self.processor.output(req))
         return outputs
 
     def _update_gauges(self) -> None:

@@ -38,6 +38,8 @@ class EngineConfig:
     max_num_waiting: int | None = None
     # Execution
     attention_backend: str = "auto"
+    # Plan step N+1 while the device runs step N (outputs trail the device by one step).
+    async_scheduling: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     compilation_cache_dir: str | None = None  # None: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla
 

@@ -56,7 +56,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in `pages`
+    # Tokens whose K/V are in `pages` or being written by a step already launched: the scheduler
+    # advances it when it schedules a chunk, before the device has run it.
+    num_computed_tokens: int = 0
+    # Sampled by a launched step but not yet fetched (0 or 1): with overlapped scheduling the
+    # next step is planned before the previous one's token reaches the host.
+    num_pending_tokens: int = 0
+    last_row: int = -1  # the request's row in the last plan it sampled in
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_registered_pages: int = 0  # leading full pages already published to the prefix cache
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # hash chain of full pages
@@ -70,7 +76,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens: prompt + fetched output."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_total(self) -> int:
+        """Tokens the request will have once pending samples arrive."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed through the model before the next sample."""
+        return self.num_scheduled_total - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""

@@ -1,9 +1,12 @@
 """The device side: one jitted ragged step, compiled ahead of time for every token bucket.
 
-    step(state, kv_pages, batch) -> (next_tokens int32[S], logprobs float32[S], kv_pages)
+    step(state, kv_pages, prev_tokens, batch) -> (next_tokens int32[S], logprobs float32[S], kv_pages)
 
 `state` is the model's parameters (nnx.split once; the graphdef is closed over), `kv_pages` is
 donated and comes back updated in place, and only S tokens + S logprobs return to the host.
+`prev_tokens` is the previous step's `next_tokens`, still on the device: decode rows whose input
+is the previous step's sample read it from there (`batch["prev_index"]`), which lets the host plan
+step N+1 while step N runs.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -30,13 +34,15 @@ from nori_jax.weights.loader import LoadedModel
 logger = logging.getLogger(__name__)
 
 
-def _step(graphdef, state, kv_pages, batch):
+def _step(graphdef, state, kv_pages, prev_tokens, batch):
     model = nnx.merge(graphdef, state)
+    prev = batch["prev_index"]
+    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["input_ids"])
     meta = AttentionInputs(
         slot_mapping=batch["slot_mapping"], kv_lens=batch["kv_lens"], page_table=batch["page_table"],
         cu_q_lens=batch["cu_q_lens"], distribution=batch["distribution"],
     )
-    hidden, kv_pages = model(batch["input_ids"], batch["positions"], kv_pages, meta)
+    hidden, kv_pages = model(input_ids, batch["positions"], kv_pages, meta)
     logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
     tokens, logprobs = sample(
         logits, batch["temperature"], batch["top_p"], batch["top_k"], batch["seeds"],
@@ -67,6 +73,7 @@ class ModelRunner:
         )
         self._executables: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
+        self._prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
 
     def _abstract_batch(self, t: int) -> dict[str, jax.ShapeDtypeStruct]:
         s, mp, rep = self.max_num_seqs, self.max_pages_per_seq, self._replicated
@@ -76,7 +83,7 @@ class ModelRunner:
             "cu_q_lens": ((s + 1,), i32), "kv_lens": ((s,), i32), "page_table": ((s, mp), i32),
             "distribution": ((2,), i32), "logits_indices": ((s,), i32), "temperature": ((s,), f32),
             "top_p": ((s,), f32), "top_k": ((s,), i32), "seeds": ((s,), i32),
-            "sample_index": ((s,), i32),
+            "sample_index": ((s,), i32), "prev_index": ((t,), i32),
         }
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()}
 
@@ -86,20 +93,44 @@ class ModelRunner:
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         state_abs = jax.tree.map(as_abstract, self.model.state)
         kv_abs = [as_abstract(x) for x in self.kv_pages]
-        lowered = {t: self._jitted.lower(state_abs, kv_abs, self._abstract_batch(t)) for t in self.buckets}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        prev_abs = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32, sharding=self._replicated)
+        lowered = {
+            t: self._jitted.lower(state_abs, kv_abs, prev_abs, self._abstract_batch(t))
+            for t in self.buckets
+        }
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
             compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True))
         self._executables.update(compiled)
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds)
 
-    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
+        """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
+
+        The device runs launched steps in order, so a step may read pages or tokens that the
+        previous one is still writing.
+        """
         executable = self._executables.get(plan.bucket)
         if executable is None:
             raise RuntimeError(f"bucket {plan.bucket} was not compiled (buckets: {self.buckets})")
         batch = jax.device_put(plan.device_arrays(), self._replicated)
-        tokens, logprobs, self.kv_pages = executable(self.model.state, self.kv_pages, batch)
-        return np.asarray(tokens), np.asarray(logprobs)
+        tokens, logprobs, self.kv_pages = executable(
+            self.model.state, self.kv_pages, self._prev_tokens, batch
+        )
+        self._prev_tokens = tokens
+        # Start the device-to-host copy now, so fetching later does not add a round trip.
+        tokens.copy_to_host_async()
+        logprobs.copy_to_host_async()
+        return tokens, logprobs
+
+    @staticmethod
+    def fetch(handle: tuple[jax.Array, jax.Array]) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a launched step's samples."""
+        return np.asarray(handle[0]), np.asarray(handle[1])
+
+    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Launch and wait: the synchronous step."""
+        return self.fetch(self.launch(plan))
 
 
 compile_counter.install()

@@ -109,7 +109,7 @@ class Scheduler:
 
         # 1. Decodes, oldest first: they keep every running stream moving.
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed_tokens != 1:
+            if req.status is not RequestStatus.RUNNING or req.num_remaining != 1 or self._done(req):
                 continue
             if self._reserve(req, 1, scheduled, may_preempt_self=True):
                 rows.append((req, 1))
@@ -135,11 +135,18 @@ class Scheduler:
 
         return self._build_plan(rows) if rows else None
 
+    def _done(self, req: Request) -> bool:
+        """The pending token will end it (max_tokens or context reached): schedule nothing more."""
+        return req.num_pending_tokens > 0 and (
+            len(req.output_token_ids) + req.num_pending_tokens >= req.params.max_tokens
+            or req.num_scheduled_total >= self.config.max_model_len
+        )
+
     def _long_tokens(self, rows: list[tuple[Request, int]]) -> int:
         return sum(n for r, n in rows if r.is_long)
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int, long_budget: int) -> int:
-        remaining = req.num_tokens - num_computed
+        remaining = req.num_scheduled_total - num_computed
         n = min(remaining, budget, long_budget if req.is_long else budget)
         if 0 < n < remaining:
             # End the chunk on a page boundary when the budget allows, so every page but the last
@@ -226,7 +233,7 @@ class Scheduler:
         return budget
 
     def _num_long_prefilling(self) -> int:
-        return sum(1 for r in self.running if r.is_long and r.num_tokens - r.num_computed_tokens > 1)
+        return sum(1 for r in self.running if r.is_long and r.num_remaining > 1)
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         if not self.allocator.enable_prefix_caching:
@@ -266,10 +273,14 @@ class Scheduler:
         positions = np.zeros(t, np.int32)
         slot_mapping = np.zeros(t, np.int32)  # padding -> page 0, slot 0
         # Decode rows, vectorized: one token each, at position start.
-        # A one-token row is usually a decode (its token is the last one); it can also be a
-        # one-token prefill chunk cut short by the budget.
+        # A one-token row is usually a decode: its token is the last one, or, when the previous
+        # step's sample has not reached the host yet, a placeholder the device fills from that
+        # step's output (prev_index). It can also be a one-token prefill chunk cut by the budget.
+        prev_index = np.full(t, -1, np.int32)
+        prev_index[:num_dec] = [r.last_row if r.num_pending_tokens else -1 for r in decodes]
         input_ids[:num_dec] = [
-            r.last_token if r.num_computed_tokens == r.num_tokens - 1
+            0 if r.num_pending_tokens
+            else r.last_token if r.num_computed_tokens == r.num_tokens - 1
             else r.token_ids(r.num_computed_tokens, r.num_computed_tokens + 1)[0]
             for r in decodes
         ]
@@ -285,7 +296,14 @@ class Scheduler:
             slot_mapping[offset : offset + n] = page_table[i, pos // ps] * ps + pos % ps
             offset += n
         sample_index = np.zeros(s, np.int32)
-        sample_index[:num_rows] = [len(r.output_token_ids) for r in reqs]
+        sample_index[:num_rows] = [len(r.output_token_ids) + r.num_pending_tokens for r in reqs]
+        samples = [int(k) + n == r.num_scheduled_total for r, k, n in zip(reqs, start, counts, strict=False)]
+        # The plan is final: advance each request as if the step had run (see Request).
+        for i, (r, n, smp) in enumerate(zip(reqs, counts, samples, strict=True)):
+            r.num_computed_tokens += n
+            if smp:
+                r.num_pending_tokens += 1
+                r.last_row = i
         # JAX clips out-of-range indices silently, which would corrupt another request's KV.
         assert 0 <= page_table.min() and page_table.max() < self.allocator.num_pages, "bad page id"
         return StepPlan(
@@ -294,28 +312,32 @@ class Scheduler:
             distribution=np.asarray([num_dec, num_rows], np.int32),
             logits_indices=logits_indices, temperature=slots.temperature[row_slots],
             top_p=slots.top_p[row_slots], top_k=slots.top_k[row_slots], seeds=slots.seeds[row_slots],
-            sample_index=sample_index,
+            sample_index=sample_index, prev_index=prev_index,
             request_ids=[r.request_id for r in reqs], num_scheduled_tokens=counts,
-            samples=[int(k) + n == r.num_tokens for r, k, n in zip(reqs, start, counts, strict=False)],
-            num_tokens=num_tokens,
+            samples=samples, num_tokens=num_tokens,
         )
 
     # ---- results ----------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, next_tokens: np.ndarray, logprobs: np.ndarray) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests that gained a token this step."""
+        """Apply a step's sampled tokens; returns the requests that gained a token this step.
+
+        The plan already advanced every request's progress when it was built; this only delivers
+        the samples. A request finished meanwhile (stop, abort) is skipped; one preempted after
+        this plan was launched still receives its token (it is part of its output), then waits.
+        """
         now = time.monotonic()
         progressed = []
-        for i, (rid, n, samples) in enumerate(zip(plan.request_ids, plan.num_scheduled_tokens,
-                                                   plan.samples, strict=True)):
+        for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
             req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # finished or preempted meanwhile
-            req.num_computed_tokens += n
-            self._register_full_pages(req)
+            if req is None:
+                continue  # finished (stop string, abort) after this plan was built
+            if req.status is RequestStatus.RUNNING:
+                self._register_full_pages(req)
             if not samples:
                 continue
             token = int(next_tokens[i])
+            req.num_pending_tokens -= 1
             req.output_token_ids.append(token)
             if req.params.logprobs is not None:
                 req.output_logprobs.append(float(logprobs[i]))
@@ -324,15 +346,16 @@ class Scheduler:
             req.times.last_token = now
             reason = self._finish_reason(req, token)
             if reason is not None:
-                self.running.remove(req)
-                self._release(req, reason)
+                self.finish_request(rid, reason)
             progressed.append(req)
         return progressed
 
     def _register_full_pages(self, req: Request) -> None:
+        """Publish pages filled by launched steps. Their tokens are all known on the host by now,
+        and any later step that reads them runs after the step that writes them."""
         if not self.allocator.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.page_size
+        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
         if full > req.num_registered_pages:
             hashes = self._page_hashes(req, full)
             for j in range(req.num_registered_pages, full):

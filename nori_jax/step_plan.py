@@ -47,6 +47,9 @@ class StepPlan:
     top_k: np.ndarray  # int32[S]; 0 = off
     seeds: np.ndarray  # int32[S]
     sample_index: np.ndarray  # int32[S]: index of the output token a row samples (RNG stream)
+    # int32[T]: for a token whose id is still on the device (sampled by the previous step), the
+    # row of that step whose sample it is; -1 where input_ids holds the real id.
+    prev_index: np.ndarray
     # Host-side bookkeeping (not sent to the device).
     request_ids: list[str]  # per real row
     num_scheduled_tokens: list[int]  # per real row

@@ -31,7 +31,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> 
 
 def check_plan(s: Scheduler, plan: StepPlan) -> None:
     """Every plan sits in a bucket, respects the budget, lists decodes first, and its token and
-    slot arrays agree with the requests' pages."""
+    slot arrays agree with the requests' pages. Call right after schedule()."""
     assert plan.bucket in s.buckets and plan.num_tokens <= plan.bucket
     assert plan.num_tokens <= s.config.max_num_batched_tokens
     assert plan.num_rows <= s.config.max_num_seqs
@@ -41,46 +41,86 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
     assert plan.distribution.tolist() == [first_prefill, plan.num_rows]
     assert plan.cu_q_lens[plan.num_rows] == plan.num_tokens
     assert (plan.slot_mapping[plan.num_tokens :] == 0).all()  # padding writes go to page 0
+    assert (plan.prev_index[first_prefill:] == -1).all()  # only decode rows use device tokens
     ps = s.page_size
     for i, rid in enumerate(plan.request_ids):
         req = s.requests[rid]
         lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
-        pos = plan.positions[lo:hi]
-        start = req.num_computed_tokens
-        assert pos.tolist() == list(range(start, start + hi - lo))
-        assert plan.input_ids[lo:hi].tolist() == req.token_ids(start, start + hi - lo)
-        assert plan.kv_lens[i] == start + hi - lo
+        start = int(plan.kv_lens[i]) - (hi - lo)
+        assert req.num_computed_tokens == plan.kv_lens[i]  # advanced at schedule time
+        assert plan.positions[lo:hi].tolist() == list(range(start, start + hi - lo))
+        known = plan.prev_index[lo:hi] < 0
+        expected = req.token_ids(start, start + hi - lo)
+        assert [t for t, k in zip(plan.input_ids[lo:hi].tolist(), known, strict=True) if k] == \
+            [t for t, k in zip(expected, known, strict=False) if k]
         pages = np.asarray(req.pages)
+        pos = plan.positions[lo:hi]
         assert (plan.slot_mapping[lo:hi] == pages[pos // ps] * ps + pos % ps).all()
         assert (plan.slot_mapping[lo:hi] >= ps).all(), "a real token writes into the null page"
 
 
+class FakeDevice:
+    """Executes plans in launch order, resolving placeholder tokens from the previous plan's
+    samples exactly as the jitted step does (prev_index)."""
+
+    def __init__(self, s: Scheduler):
+        self.s = s
+        self.prev_tokens = np.zeros(s.config.max_num_seqs, np.int32)
+        self.last_sample: dict[str, int] = {}
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        ids = np.where(plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)],
+                       plan.input_ids)
+        tokens = np.zeros(self.s.config.max_num_seqs, np.int32)
+        for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
+            lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
+            start = int(plan.kv_lens[i]) - (hi - lo)
+            for j in range(lo, hi):
+                if plan.prev_index[j] >= 0:  # must be this request's previous sample
+                    assert ids[j] == self.last_sample[rid]
+            if samples:
+                req = self.s.requests.get(rid)
+                seq = req.token_ids(0, start) + ids[lo:hi].tolist()
+                tokens[i] = self.last_sample[rid] = next_token(seq)
+        self.prev_tokens = tokens
+        return tokens
+
+
 def fake_step(s: Scheduler, plan: StepPlan) -> list[Request]:
-    """Sample what the fake model predicts for each row that samples, then update."""
-    tokens = np.zeros(s.config.max_num_seqs, np.int32)
-    for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
-        if samples:
-            req = s.requests[rid]
-            tokens[i] = next_token(req.token_ids(0, req.num_tokens))
+    """Synchronous: execute the plan, then update."""
+    tokens = FakeDevice(s).execute(plan) if not hasattr(s, "_fake") else s._fake.execute(plan)
     return s.update(plan, tokens, np.zeros(s.config.max_num_seqs, np.float32))
 
 
 def run_to_completion(s: Scheduler, requests: list[Request], max_steps: int = 10_000,
-                      on_step=None) -> dict[str, Request]:
+                      on_step=None, overlap: bool = False) -> dict[str, Request]:
+    """Run until every request finishes. With `overlap`, plan N+1 is built before plan N's
+    samples are delivered, as the engine's async scheduling does."""
     for r in requests:
         s.add_request(r)
+    device = FakeDevice(s)
+    s._fake = device
     done: dict[str, Request] = {}
+    in_flight = None
     for _ in range(max_steps):
         plan = s.schedule()
         s.check_invariants()
-        if plan is None:
+        if plan is not None:
+            check_plan(s, plan)
+            if on_step:
+                on_step(s, plan)
+            launched = (plan, device.execute(plan))
+        else:
+            launched = None
+        finish = in_flight if overlap else launched
+        in_flight = launched if overlap else None
+        if finish is None and launched is None:
             break
-        check_plan(s, plan)
-        if on_step:
-            on_step(s, plan)
-        for req in fake_step(s, plan):
-            if req.is_finished:
-                done[req.request_id] = req
+        if finish is not None:
+            zeros = np.zeros(s.config.max_num_seqs, np.float32)
+            for req in s.update(finish[0], finish[1], zeros):
+                if req.is_finished:
+                    done[req.request_id] = req
         s.check_invariants()
     assert not s.has_unfinished(), "scheduler stopped making progress"
     assert s.allocator.num_used_pages == 0, "pages leaked"

@@ -32,8 +32,9 @@ def reference_tokens(hf_checkpoints):
         dict(max_num_batched_tokens=16, enable_prefix_caching=True),
         dict(max_num_batched_tokens=64, enable_prefix_caching=False),
         dict(max_num_batched_tokens=PAGE, enable_prefix_caching=True),
+        dict(max_num_batched_tokens=64, enable_prefix_caching=True, async_scheduling=False),
     ],
-    ids=["prefix-cache", "budget-16", "budget-64", "budget-one-page"],
+    ids=["prefix-cache", "budget-16", "budget-64", "budget-one-page", "synchronous"],
 )
 def test_greedy_outputs_identical(hf_checkpoints, reference_tokens, overrides):
     kwargs = {**BASE, "max_num_seqs": min(16, overrides["max_num_batched_tokens"]), **overrides}

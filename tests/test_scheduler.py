@@ -70,7 +70,7 @@ def test_chunked_prefill_splits_long_prompt_page_aligned_and_decodes_continue():
     def record(s, plan):
         for rid, n in zip(plan.request_ids, plan.num_scheduled_tokens, strict=True):
             if rid == "long":
-                chunks.append((s.requests["long"].num_computed_tokens, n))
+                chunks.append((s.requests["long"].num_computed_tokens - n, n))  # advanced already
         if "long" in plan.request_ids and s.requests.get("short") is not None:
             # the short request keeps decoding in every step the long prompt is prefilled
             assert "short" in plan.request_ids
@@ -197,3 +197,35 @@ def test_admission_keeps_kv_headroom():
     assert len(s.running) == 5
     assert s.allocator.num_free_pages == 20
     s.check_invariants()
+
+
+# ---- overlapped scheduling: step N+1 is planned before step N's samples reach the host -------
+
+
+def test_overlapped_scheduling_gives_the_same_tokens():
+    reqs = _random_requests(40, seed=4)
+    done = run_to_completion(make_scheduler(num_pages=96), reqs, overlap=True)
+    for r in reqs:
+        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+
+
+def test_overlapped_scheduling_with_preemption_and_prefix_cache():
+    system = list(range(300, 340))
+    rng = np.random.default_rng(8)
+    reqs = [make_request(f"r{i}", system + rng.integers(3, 900, int(rng.integers(1, 50))).tolist(),
+                         int(rng.integers(1, 40))) for i in range(24)]
+    s = make_scheduler(num_pages=20, max_model_len=128, kv_headroom=0.0)
+    done = run_to_completion(s, reqs, overlap=True)
+    assert s.counters.num_preemptions > 0 and s.counters.prefix_cache_hits > 0
+    for r in reqs:
+        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+
+
+def test_overlapped_stop_token_discards_the_in_flight_sample():
+    prompt = [7, 8, 9]
+    full = expected_output(prompt, 12)
+    stop = full[3]
+    s = make_scheduler()
+    done = run_to_completion(s, [make_request("a", prompt, 12, stop_token_ids=[stop])], overlap=True)
+    assert done["a"].output_token_ids == full[: full.index(stop) + 1]
+    assert done["a"].finish_reason == "stop"

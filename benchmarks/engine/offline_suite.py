@@ -74,12 +74,13 @@ def main() -> int:
         else:
             print((out / f"{tag}.log").read_text()[-3000:])
     print(f"\n{'run':<28}{'total tok/s':>12}{'out tok/s':>11}{'req/s':>8}{'step ms':>9}"
-          f"{'tok/step':>9}{'sched%':>7}{'dev%':>6}{'post%':>6}{'compile s':>10}")
+          f"{'tok/step':>9}{'sched%':>7}{'launch%':>8}{'wait%':>6}{'post%':>6}{'compile s':>10}")
     for name, r in rows:
         e = r["elapsed_s"]
         print(f"{name:<28}{r['total_token_throughput']:>12.0f}{r['output_throughput']:>11.0f}"
               f"{r['request_throughput']:>8.2f}{r['mean_step_ms']:>9.2f}{r['mean_tokens_per_step']:>9.0f}"
-              f"{100 * r['schedule_s'] / e:>7.1f}{100 * r['device_s'] / e:>6.1f}"
+              f"{100 * r['schedule_s'] / e:>7.1f}{100 * r['launch_s'] / e:>8.1f}"
+              f"{100 * r['wait_s'] / e:>6.1f}"
               f"{100 * r['postprocess_s'] / e:>6.1f}{r['compile_s']:>10.1f}")
     return 0
 

@@ -6,9 +6,10 @@ client overhead. Workload shapers for scheduling experiments: `--shared-prefix-l
 starts with the same system prompt) and `--long-prompts K --long-len L` (K very long prompts mixed
 in; latency is then also reported for the short requests alone).
 
-Reports total / output token throughput and request throughput after warm-up, and where the wall
-time went: scheduling, the device step (incl. transfers and the token fetch), the rest of the host
-loop (updates, detokenization, metrics).
+Reports total / output token throughput and request throughput after warm-up, and where the host's
+wall time went: scheduling, launching steps (plan transfer + dispatch), waiting on the device, and
+post-processing (updates, detokenization, metrics). With overlapped scheduling the device works
+during the other three; "waiting" is the host idle on the device.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class OfflineResult:
     mean_tokens_per_step: float
     padding_fraction: float  # bucket tokens executed that were padding
     schedule_s: float
-    device_s: float
+    launch_s: float  # plan transfer + dispatch
+    wait_s: float  # host blocked on the device
     postprocess_s: float
     other_s: float  # wall time outside engine.step() (the driver loop itself, idle waits)
     num_preemptions: int
@@ -140,10 +142,11 @@ def run_workload(engine: LLMEngine, w: Workload, warmup: int, request_rate: floa
         num_requests=len(measured), elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out,
         request_throughput=len(measured) / elapsed, output_throughput=n_out / elapsed,
         total_token_throughput=(n_in + n_out) / elapsed, steps=d.steps,
-        mean_step_ms=1e3 * (d.schedule + d.device + d.postprocess) / max(d.steps, 1),
+        mean_step_ms=1e3 * (d.schedule + d.launch + d.wait + d.postprocess) / max(d.steps, 1),
         mean_tokens_per_step=d.tokens / max(d.steps, 1),
         padding_fraction=1 - d.tokens / max(d.padded_tokens, 1),
-        schedule_s=d.schedule, device_s=d.device, postprocess_s=d.postprocess, other_s=other,
+        schedule_s=d.schedule, launch_s=d.launch, wait_s=d.wait, postprocess_s=d.postprocess,
+        other_s=other,
         num_preemptions=c1.num_preemptions - c0.num_preemptions,
         prefix_cache_hit_rate=(c1.prefix_cache_hits - c0.prefix_cache_hits) / max(queries, 1),
         num_recompiles=engine.num_recompiles, compile_s=engine.runner.compile_seconds,
@@ -165,7 +168,8 @@ def format_result(r: OfflineResult) -> str:
         row("Steps / mean step (ms):", f"{r.steps} / {r.mean_step_ms:.2f}"),
         row("Tokens per step / padding:", f"{r.mean_tokens_per_step:.0f} / {100 * r.padding_fraction:.0f}%"),
         row("Time: schedule", pct(r.schedule_s)),
-        row("Time: device step (+transfers)", pct(r.device_s)),
+        row("Time: launch (transfer + dispatch)", pct(r.launch_s)),
+        row("Time: waiting on the device", pct(r.wait_s)),
         row("Time: postprocess", pct(r.postprocess_s)),
         row("Time: driver loop / idle", pct(r.other_s)),
         row("Preemptions / prefix hit rate:", f"{r.num_preemptions} / {100 * r.prefix_cache_hit_rate:.0f}%"),

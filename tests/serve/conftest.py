@@ -15,12 +15,12 @@ def slow_steps(request) -> Iterator[None]:
     enough to disconnect, time out or kill the engine under them, whatever the machine's speed."""
     server: Server = request.getfixturevalue("server")
     runner = server.llm_engine.runner
-    real_step = runner.step
+    real_launch = runner.launch
 
-    def step(plan):
+    def launch(plan):
         time.sleep(0.02)
-        return real_step(plan)
+        return real_launch(plan)
 
-    runner.step = step
+    runner.launch = launch
     yield
-    del runner.step  # the instance attribute goes, the class's method shows again
+    del runner.launch  # the instance attribute goes, the class's method shows again

@@ -48,10 +48,10 @@ def test_engine_death_fails_every_request_in_flight(server: Server, slow_steps) 
         time.sleep(0.01)
     time.sleep(0.2)  # a few tokens out
 
-    def broken_step(plan):
+    def broken_launch(plan):
         raise RuntimeError("injected device failure")
 
-    server.llm_engine.runner.step = broken_step
+    server.llm_engine.runner.launch = broken_launch
     for t in jobs:
         t.join(30)
         assert not t.is_alive()

@@ -1,0 +1,165 @@
+"""The Mosaic GPU ragged paged attention kernel against the jnp reference (CPU: GPU interpret mode).
+
+Interpret mode is slow (a few seconds per call), so the parameter product is covered pairwise: every
+pair of (page size, q heads per kv head, head dim, dtype, step kind) values meets in at least one case,
+and every case carries the edge lengths (1, page boundary -1/0/+1, several KV blocks, an empty chunk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernel_cases import make_step
+from pallas_kernels.kv_layout import write_kv_reference
+from pallas_kernels.ragged_paged_attention import api
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
+
+# Max |kernel - reference| over max |reference|, per dtype (bf16: P and O are rounded to bf16).
+TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 2e-5}
+
+
+def lengths(kind: str, ps: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Edge lengths of one step kind: 1, page boundary -1/0/+1, several blocks, an empty chunk."""
+    decode = [1, ps - 1, ps, ps + 1, 2 * ps + 70]
+    prefill = [(ps + 1, ps + 1), (3, 2 * ps - 1), (0, 0), (70, 70 + ps)]
+    if kind == "decode":
+        return decode, []
+    if kind == "prefill":
+        return [], prefill
+    return decode[::2], prefill[::2] + [(ps - 1, 2 * ps)]
+
+
+# (page_size, q heads, kv heads, head_dim, dtype, kind, soft_cap, tuning)
+CASES = [
+    (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 1, 3)),
+    (16, 3, 1, 128, jnp.float32, "prefill", 20.0, TuningConfig(64, 3, 1, 2)),
+    (32, 4, 1, 128, jnp.float32, "decode", None, TuningConfig(64, 2, 3, 3)),
+    (32, 2, 2, 64, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 3)),
+    (64, 16, 2, 64, jnp.bfloat16, "decode", 20.0, TuningConfig(64, 2, 2, 2)),
+    (64, 4, 4, 128, jnp.float32, "mixed", None, TuningConfig(64, 2, 1, 3)),
+    (256, 8, 1, 64, jnp.float32, "mixed", None, TuningConfig(64, 2, 1, 3)),
+    (256, 9, 3, 128, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 2)),
+    (128, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 1, 3)),
+]
+
+
+def _case_id(c) -> str:
+    ps, hq, hkv, d, dt, kind, cap, tn = c
+    return f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}-bk{tn.block_kv}s{tn.decode_splits}"
+
+
+def _check(out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err < TOLERANCE[jnp.dtype(dtype)], err
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernel_matches_reference(case):
+    ps, hq, hkv, d, dtype, kind, soft_cap, tuning = case
+    dec, pre = lengths(kind, ps)
+    step = make_step(sum(map(ord, _case_id(case))), decode_kv_lens=dec, prefill=pre, page_size=ps,
+                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap)
+    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*step.args, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _check(out, ref, dtype)
+    # Padding tokens are exactly zero.
+    assert np.all(np.asarray(out[step.num_valid_tokens:]) == 0)
+
+
+def test_attention_step_writes_kv_exactly_and_attends():
+    """backend="pallas": the written pages equal write_kv_reference bit for bit, then attention."""
+    ps, hq, hkv, d = 16, 4, 2, 64
+    step = make_step(7, decode_kv_lens=[5, 16, 17], prefill=[(20, 37)], page_size=ps,
+                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=jnp.bfloat16)
+    t = step.q.shape[0]
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    # Slots: each valid token's position in its own pages; padding tokens write to the null page.
+    cu, lens, table = (np.asarray(x) for x in (step.cu_q_lens, step.kv_lens, step.page_table))
+    slots = np.zeros(t, np.int32)
+    for s in range(int(step.distribution[1])):
+        for i, tok in enumerate(range(cu[s], cu[s + 1])):
+            pos = lens[s] - (cu[s + 1] - cu[s]) + i
+            slots[tok] = table[s, pos // ps] * ps + pos % ps
+    slots = jnp.asarray(slots)
+    kw = dict(sm_scale=d**-0.5, soft_cap=None)
+    out, pages = api.attention_step(step.q, k, v, step.kv_pages, slots, step.kv_lens,
+                                    step.page_table, step.cu_q_lens, step.distribution,
+                                    backend="pallas", **kw)
+    expected_pages = write_kv_reference(step.kv_pages, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(pages), np.asarray(expected_pages))
+    ref = ragged_paged_attention_reference(step.q, expected_pages, *step.args[2:], **kw)
+    _check(out, ref, jnp.bfloat16)
+
+
+def test_empty_step_is_all_zero():
+    step = make_step(3, decode_kv_lens=[], prefill=[], page_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, dtype=jnp.bfloat16, extra_seqs=2, extra_tokens=16)
+    out = ragged_paged_attention_pallas(*step.args, sm_scale=0.2, tuning=TuningConfig(64, 2, 1, 2))
+    assert np.all(np.asarray(out) == 0)
+
+
+def _bad(**changes):
+    step = make_step(0, decode_kv_lens=[3], prefill=[], page_size=16, num_q_heads=4,
+                     num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    args = dict(q=step.q, kv_pages=step.kv_pages, kv_lens=step.kv_lens, page_table=step.page_table,
+                cu_q_lens=step.cu_q_lens, distribution=step.distribution)
+    kw = dict(sm_scale=0.125, soft_cap=None)
+    for name, value in changes.items():
+        (args if name in args else kw)[name] = value
+    return args, kw
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(q=jnp.zeros((4, 4, 48), jnp.bfloat16)), "head_dim"),
+        (dict(q=jnp.zeros((4, 4, 64), jnp.float16)), "dtype"),
+        (dict(q=jnp.zeros((4, 3, 64), jnp.bfloat16)), "multiple"),
+        (dict(q=jnp.zeros((4, 2 * 65, 64), jnp.bfloat16)), "group"),
+        (dict(kv_pages=jnp.zeros((4, 2, 2, 24, 64), jnp.bfloat16)), "page_size"),
+        (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens"),
+        (dict(page_table=jnp.zeros((5, 2), jnp.int32)), "page_table"),
+        (dict(cu_q_lens=jnp.zeros((7,), jnp.int32)), "cu_q_lens"),
+        (dict(distribution=jnp.zeros((3,), jnp.int32)), "distribution"),
+        (dict(sm_scale=0.0), "sm_scale"),
+        (dict(soft_cap=-1.0), "soft_cap"),
+    ],
+)
+def test_bad_inputs_raise_value_error(changes, match):
+    args, kw = _bad(**changes)
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_pallas(**args, **kw)
+
+
+def test_bad_backend_and_tuning_raise_value_error():
+    args, kw = _bad()
+    with pytest.raises(ValueError, match="backend"):
+        api.ragged_paged_attention(**args, **kw, backend="triton")
+    with pytest.raises(ValueError, match="block_kv"):
+        TuningConfig(block_kv=96)
+    with pytest.raises(ValueError, match="num_stages"):
+        TuningConfig(num_stages=1)
+    with pytest.raises(ValueError, match="SMEM"):
+        TuningConfig(block_kv=256, num_stages=8).check_fits(128, 16, jnp.bfloat16)
+
+
+def test_gpu_only_dtype_rule():
+    """float32 runs in interpret mode; a compiled (GPU) launch refuses it before lowering."""
+    args, kw = _bad(q=jnp.zeros((4, 4, 64), jnp.float32),
+                    kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        ragged_paged_attention_pallas(**args, **kw, interpret=False)
+    assert jax.default_backend() == "cpu"
