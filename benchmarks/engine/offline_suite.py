@@ -17,14 +17,20 @@ import time
 from pathlib import Path
 
 PERF = ["--dataset", "lognormal", "--input-max", "6144", "--output-max", "2048"]
-H200 = ["--page-size", "64", "--max-num-seqs", "256", "--max-num-batched-tokens", "4096",
-        "--max-model-len", "8192", "--dtype", "bfloat16"]
 
 
 def run(model: str, backend: str, n: int, extra: list[str] | None = None) -> list[str]:
-    return ["--model", model, "--load-format", "dummy", "--attention-backend", backend, *H200, *PERF,
+    """PERF.md's workload on configs/engine/h200-throughput.yaml's shapes (shared compile cache)."""
+    return ["--config", "h200-throughput", "--model", model, "--attention-backend", backend, *PERF,
             "--num-prompts", str(n), "--warmup-requests", "16", *(extra or [])]
 
+
+# Issue 7's experiments, all on SmolLM2-135M with the Pallas kernel. RATE is replaced by a Poisson
+# rate derived from the pallas offline run of the same call (see --rate).
+SHARED = ["--shared-prefix-len", "1024"]
+LONG_MIX = ["--long-prompts", "6", "--long-len", "6000", "--request-rate", "RATE"]
+# A pool of 2,000 pages (128k tokens) makes KV capacity the limit for 256 sequences.
+SMALL_POOL = ["--num-pages", "2001"]
 
 SUITES: dict[str, dict[str, list[str]]] = {
     # Issue 2: the honest starting point with the jnp reference attention.
@@ -34,10 +40,27 @@ SUITES: dict[str, dict[str, list[str]]] = {
     },
     # Issue 4: the Pallas kernel against the reference, same workload, same run.
     "pallas": {
-        "smollm2-135m/pallas": run("smollm2-135m", "pallas", 400),
-        "smollm2-135m/reference": run("smollm2-135m", "reference", 400),
-        "llama3.2-1b/pallas": run("llama3.2-1b", "pallas", 400),
-        "llama3.2-1b/reference": run("llama3.2-1b", "reference", 400),
+        "smollm2-135m/pallas": run("smollm2-135m", "pallas", 200),
+        "smollm2-135m/reference": run("smollm2-135m", "reference", 200),
+        "llama3.2-1b/pallas": run("llama3.2-1b", "pallas", 200),
+        "llama3.2-1b/reference": run("llama3.2-1b", "reference", 200),
+    },
+    "pallas-smollm2": {
+        "smollm2-135m/pallas": run("smollm2-135m", "pallas", 200),
+        "smollm2-135m/reference": run("smollm2-135m", "reference", 200),
+    },
+    "pallas-llama": {
+        "llama3.2-1b/pallas": run("llama3.2-1b", "pallas", 200),
+        "llama3.2-1b/reference": run("llama3.2-1b", "reference", 200),
+    },
+    # Issue 7: prefix caching, isolation, KV capacity.
+    "scheduling": {
+        "shared-prefix/cache-on": run("smollm2-135m", "pallas", 150, SHARED),
+        "shared-prefix/cache-off": run("smollm2-135m", "pallas", 150, SHARED + ["--no-prefix-caching"]),
+        "long-mix/isolated": run("smollm2-135m", "pallas", 150, LONG_MIX + ["--long-prefill-threshold", "2048"]),
+        "long-mix/not-isolated": run("smollm2-135m", "pallas", 150, LONG_MIX),
+        "kv/80pct": run("smollm2-135m", "pallas", 200, SMALL_POOL + ["--kv-headroom", "0.2"]),
+        "kv/100pct": run("smollm2-135m", "pallas", 200, SMALL_POOL + ["--kv-headroom", "0"]),
     },
 }
 
@@ -48,12 +71,20 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--only", default=None, help="comma-separated run names")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="Poisson rate for RATE placeholders; default: half the req/s of a pallas "
+                         "offline result in --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, NORI_JAX_CACHE_DIR=os.environ.get("NORI_JAX_CACHE_DIR", "/tmp/nori_xla"))
     rows = []
+    rate = args.rate
+    if rate is None:
+        done = sorted(out.glob("smollm2-135m_pallas.json"))
+        rate = 0.5 * json.loads(done[0].read_text())["request_throughput"] if done else 4.0
     for name, flags in SUITES[args.suite].items():
+        flags = [f"{rate:.2f}" if f == "RATE" else f for f in flags]
         if args.only and name not in args.only.split(","):
             continue
         tag = name.replace("/", "_")
@@ -73,15 +104,18 @@ def main() -> int:
             rows.append((name, r))
         else:
             print((out / f"{tag}.log").read_text()[-3000:])
-    print(f"\n{'run':<28}{'total tok/s':>12}{'out tok/s':>11}{'req/s':>8}{'step ms':>9}"
-          f"{'tok/step':>9}{'sched%':>7}{'launch%':>8}{'wait%':>6}{'post%':>6}{'compile s':>10}")
+    print(f"\n{'run':<26}{'total tok/s':>12}{'out tok/s':>10}{'req/s':>7}{'step ms':>8}"
+          f"{'tok/step':>9}{'sched%':>7}{'launch%':>8}{'wait%':>6}{'post%':>6}{'preempt':>8}"
+          f"{'hit%':>5}{'TTFT p50/p99 short (ms)':>25}")
     for name, r in rows:
         e = r["elapsed_s"]
-        print(f"{name:<28}{r['total_token_throughput']:>12.0f}{r['output_throughput']:>11.0f}"
-              f"{r['request_throughput']:>8.2f}{r['mean_step_ms']:>9.2f}{r['mean_tokens_per_step']:>9.0f}"
+        ttft = r["latency_ms"].get("ttft_short") or {}
+        print(f"{name:<26}{r['total_token_throughput']:>12.0f}{r['output_throughput']:>10.0f}"
+              f"{r['request_throughput']:>7.2f}{r['mean_step_ms']:>8.2f}{r['mean_tokens_per_step']:>9.0f}"
               f"{100 * r['schedule_s'] / e:>7.1f}{100 * r['launch_s'] / e:>8.1f}"
-              f"{100 * r['wait_s'] / e:>6.1f}"
-              f"{100 * r['postprocess_s'] / e:>6.1f}{r['compile_s']:>10.1f}")
+              f"{100 * r['wait_s'] / e:>6.1f}{100 * r['postprocess_s'] / e:>6.1f}"
+              f"{r['num_preemptions']:>8}{100 * r['prefix_cache_hit_rate']:>5.0f}"
+              f"{ttft.get('p50', 0):>13.0f} / {ttft.get('p99', 0):<9.0f}")
     return 0
 
 
