@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call's worth of engine benchmarks, each part bounded in time, logs under $OUT.
+#   PARTS="offline scheduling serve hf" benchmarks/engine/gpu_suite.sh
+# Needs the wheels the GPU image lacks (fastapi, uvicorn, gguf ...) on PYTHONPATH; see
+# ../shared/tools/device-wheels.sh.
+set -u
+OUT=${OUT:-/tmp/gpu_suite}
+PARTS=${PARTS:-"offline scheduling serve hf"}
+export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+here=$(dirname "$0")
+for part in $PARTS; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    offline)    timeout 330 python3 "$here/offline_suite.py" pallas-smollm2 --out "$OUT" --timeout 200 ;;
+    llama)      timeout 330 python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 ;;
+    scheduling) timeout 330 python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 ;;
+    serve)      OUT="$OUT/serve" N=${SERVE_N:-100} RATES=${RATES:-4,8,16,32} timeout 300 "$here/serve_sweep.sh" 2>&1 | tail -25 ;;
+    hf)         timeout 200 python3 "$here/hf_continuous_batching.py" --model smollm2-135m \
+                  --num-prompts ${HF_N:-64} --result-json "$OUT/hf_smollm2.json" 2>&1 | tail -2 ;;
+  esac
+done
+echo "=== done ($(date +%T))"
