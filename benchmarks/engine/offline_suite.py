@@ -55,12 +55,12 @@ SUITES: dict[str, dict[str, list[str]]] = {
     },
     # Issue 7: prefix caching, isolation, KV capacity.
     "scheduling": {
-        "shared-prefix/cache-on": run("smollm2-135m", "pallas", 150, SHARED),
-        "shared-prefix/cache-off": run("smollm2-135m", "pallas", 150, SHARED + ["--no-prefix-caching"]),
-        "long-mix/isolated": run("smollm2-135m", "pallas", 150, LONG_MIX + ["--long-prefill-threshold", "2048"]),
-        "long-mix/not-isolated": run("smollm2-135m", "pallas", 150, LONG_MIX),
-        "kv/80pct": run("smollm2-135m", "pallas", 200, SMALL_POOL + ["--kv-headroom", "0.2"]),
-        "kv/100pct": run("smollm2-135m", "pallas", 200, SMALL_POOL + ["--kv-headroom", "0"]),
+        "shared-prefix/cache-on": run("smollm2-135m", "pallas", 100, SHARED),
+        "shared-prefix/cache-off": run("smollm2-135m", "pallas", 100, SHARED + ["--no-prefix-caching"]),
+        "long-mix/isolated": run("smollm2-135m", "pallas", 100, LONG_MIX + ["--long-prefill-threshold", "2048"]),
+        "long-mix/not-isolated": run("smollm2-135m", "pallas", 100, LONG_MIX),
+        "kv/80pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0.2"]),
+        "kv/100pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0"]),
     },
 }
 
