@@ -277,8 +277,9 @@ class AsyncEngine:
                 if self._stop_requested:
                     break
                 if not self.engine.has_unfinished_requests():
-                    # Going idle: bring the gauges up to date (aborts happen between steps), then
-                    # sleep until a command arrives.
+                    # Going idle: finish the step still in flight, bring the gauges up to date
+                    # (aborts happen between steps), then sleep until a command arrives.
+                    self._deliver(self.engine.drain())
                     self.engine.get_metrics()
                     self._wake.wait()
                     self._wake.clear()

@@ -24,6 +24,7 @@ def stream_reply(engine: LLMEngine, messages: list[dict], params: SamplingParams
                 reply = o.text
                 if o.finished:
                     out.write("\n")
+                    engine.drain()
                     return reply
 
 

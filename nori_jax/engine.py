@@ -229,6 +229,18 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the step still in flight, if any, and deliver its samples.
+
+        Call when going idle: once every request has finished, that step only holds rows planned
+        before their end was known, and nothing should be left running on the device when the
+        process exits.
+        """
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            return []
+        return self._deliver(done[0], *self.runner.fetch(done[1]))
+
     def _deliver(self, plan, tokens: np.ndarray, logprobs: np.ndarray) -> list[RequestOutput]:
         """Hand a finished step's samples to the scheduler, then detokenize and report."""
         outputs = []

@@ -56,6 +56,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+        self.engine.drain()
         return [finished[i] for i in ids]
 
     def chat(

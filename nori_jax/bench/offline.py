@@ -117,6 +117,7 @@ def run_workload(engine: LLMEngine, w: Workload, warmup: int, request_rate: floa
                 if out.finished:
                     finished[ids[out.request_id]] = out
             in_step += time.perf_counter() - t
+        engine.drain()
         elapsed = time.perf_counter() - start
         return elapsed, elapsed - in_step, finished
 
