@@ -13,9 +13,11 @@ here=$(dirname "$0")
 for part in $PARTS; do
   echo "=== $part ($(date +%T))"
   case $part in
-    offline)    timeout 330 python3 "$here/offline_suite.py" pallas-smollm2 --out "$OUT" --timeout 200 ;;
+    offline)    timeout 330 python3 "$here/offline_suite.py" pallas-smollm2 --out "$OUT" --timeout 200 \
+                  ${OFFLINE_N:+--num-prompts "$OFFLINE_N"} ;;
     llama)      timeout 330 python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 ;;
-    scheduling) timeout 330 python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 ;;
+    scheduling) timeout 330 python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 \
+                  ${SCHED_ONLY:+--only "$SCHED_ONLY"} ;;
     serve)      OUT="$OUT/serve" N=${SERVE_N:-100} RATES=${RATES:-4,8,16,32} timeout 300 "$here/serve_sweep.sh" 2>&1 | tail -25 ;;
     hf)         timeout 200 python3 "$here/hf_continuous_batching.py" --model smollm2-135m \
                   --num-prompts ${HF_N:-64} --result-json "$OUT/hf_smollm2.json" 2>&1 | tail -2 ;;

@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--only", default=None, help="comma-separated run names")
+    ap.add_argument("--num-prompts", default=None,
+                    help="override the runs' prompt counts: N, or name=N,name=N")
     ap.add_argument("--rate", type=float, default=None,
                     help="Poisson rate for RATE placeholders; default: half the req/s of a pallas "
                          "offline result in --out")
@@ -85,6 +87,11 @@ def main() -> int:
         rate = 0.5 * json.loads(done[0].read_text())["request_throughput"] if done else 4.0
     for name, flags in SUITES[args.suite].items():
         flags = [f"{rate:.2f}" if f == "RATE" else f for f in flags]
+        if args.num_prompts:
+            counts = dict(kv.split("=") for kv in args.num_prompts.split(",") if "=" in kv)
+            n = counts.get(name, None if counts else args.num_prompts)
+            if n is not None:
+                flags[flags.index("--num-prompts") + 1] = str(n)
         if args.only and name not in args.only.split(","):
             continue
         tag = name.replace("/", "_")
