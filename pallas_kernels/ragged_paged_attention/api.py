@@ -1,16 +1,23 @@
 """Public entry points: the engine's attention step (KV write + attention) and the attention op alone.
 
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
+
+    "reference"  pure jnp (XLA), any device.
+    "pallas"     the Mosaic GPU kernel (pallas_attention.py): compiled on a GPU (Hopper), run in
+                 Mosaic GPU interpret mode on CPU. float32 on a GPU takes the reference path: wgmma
+                 multiplies float32 only as tf32 and cannot transpose it (docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.kv_layout import write_kv_reference
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "pallas")
 
 
 def _check_backend(backend: str) -> None:
@@ -32,9 +39,11 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Attention of a ragged step over paged KV that already holds the step's K/V."""
     _check_backend(backend)
-    return ragged_paged_attention_reference(
-        q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+    args = (q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    on_gpu = jax.default_backend() == "gpu"
+    if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
+        return ragged_paged_attention_pallas(*args, sm_scale=sm_scale, soft_cap=soft_cap)
+    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, soft_cap=soft_cap)
 
 
 def attention_step(
@@ -54,7 +63,8 @@ def attention_step(
 ) -> tuple[jax.Array, jax.Array]:
     """What one model layer calls: write the step's K/V into the pages, then attend.
 
-    Returns (out [T, Hq, D], updated kv_pages). A backend may fuse the write into the kernel.
+    Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_reference` (an
+    XLA scatter, in place when kv_pages is donated) before attending; see docs/kernels.md.
     """
     _check_backend(backend)
     kv_pages = write_kv_reference(kv_pages, k, v, slot_mapping)

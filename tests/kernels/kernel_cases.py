@@ -19,7 +19,14 @@ class Step:
 
     @property
     def args(self):
-        return (self.q, self.kv_pages, self.kv_lens, self.page_table, self.cu_q_lens, self.distribution)
+        return (
+            self.q,
+            self.kv_pages,
+            self.kv_lens,
+            self.page_table,
+            self.cu_q_lens,
+            self.distribution,
+        )
 
     @property
     def num_valid_tokens(self) -> int:
@@ -40,7 +47,7 @@ def make_step(
     extra_tokens: int = 3,  # padding tokens past the last sequence
     extra_pages: int = 1,  # page-table columns past the longest sequence
 ) -> Step:
-    """Decode sequences first, then prefill chunks; pages drawn as a random permutation of 1..P-1."""
+    """Decode sequences first, then prefill chunks; pages are a random permutation of 1..P-1."""
     rng = np.random.default_rng(seed)
     seqs = [(1, k) for k in decode_kv_lens] + list(prefill)
     n = len(seqs)
@@ -56,18 +63,21 @@ def make_step(
     table = rng.integers(0, num_pages, size=(num_seqs, max_pages)).astype(np.int32)
     off = 0
     for i, k in enumerate(need):
-        table[i, :k] = perm[off:off + k]
+        table[i, :k] = perm[off : off + k]
         off += k
     lens = np.zeros(num_seqs, np.int32)
     lens[:n] = kv_lens
     cu = np.zeros(num_seqs + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
     num_tokens = int(cu[n]) + extra_tokens
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim), np.float32)
     kv = rng.standard_normal((num_pages, num_kv_heads, 2, page_size, head_dim), np.float32)
     return Step(
-        q=jnp.asarray(q, dtype), kv_pages=jnp.asarray(kv, dtype), kv_lens=jnp.asarray(lens),
-        page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
+        q=jnp.asarray(q, dtype),
+        kv_pages=jnp.asarray(kv, dtype),
+        kv_lens=jnp.asarray(lens),
+        page_table=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(cu),
         distribution=jnp.asarray([len(decode_kv_lens), n], jnp.int32),
     )

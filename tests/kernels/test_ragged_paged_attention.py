@@ -1,24 +1,29 @@
 """The Mosaic GPU ragged paged attention kernel against the jnp reference (CPU: GPU interpret mode).
 
-Interpret mode is slow (a few seconds per call), so the parameter product is covered pairwise: every
-pair of (page size, q heads per kv head, head dim, dtype, step kind) values meets in at least one case,
-and every case carries the edge lengths (1, page boundary -1/0/+1, several KV blocks, an empty chunk).
+Interpret mode is slow (seconds per call), so the product of page size {16, 32, 64, 128, 256} x
+q heads per kv head {1, 3, 4, 8, 64; MQA among them} x head dim {64, 128} x dtype {bf16, f32} x
+step kind {decode, prefill, mixed} is covered pairwise for every pair that involves the step kind,
+the dtype or the group (page size x group only partly). The cases also vary the soft cap, the KV
+block (smaller than, equal to and larger than a page) and the decode splits, and every case carries
+the edge lengths: 1, page boundary -1/0/+1, several KV blocks, an empty chunk, padding sequences and
+padding tokens.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-
+import numpy as np
+import pytest
 from kernel_cases import make_step
+
 from pallas_kernels.kv_layout import write_kv_reference
 from pallas_kernels.ragged_paged_attention import api
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
+
+pytestmark = pytest.mark.timeout(300)  # interpret mode: fail fast rather than hang a CI job
 
 # Max |kernel - reference| over max |reference|, per dtype (bf16: P and O are rounded to bf16).
 TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 2e-5}
@@ -46,12 +51,19 @@ CASES = [
     (256, 8, 1, 64, jnp.float32, "mixed", None, TuningConfig(64, 2, 1, 3)),
     (256, 9, 3, 128, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 2)),
     (128, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 1, 3)),
+    (16, 4, 4, 128, jnp.bfloat16, "decode", None, TuningConfig(64, 3, 2, 3)),
+    (32, 3, 1, 64, jnp.bfloat16, "mixed", 20.0, TuningConfig(64, 2, 1, 2)),
+    (64, 8, 2, 128, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 3)),
+    (256, 2, 2, 64, jnp.float32, "decode", None, TuningConfig(128, 2, 2, 3)),
+    (32, 8, 1, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3)),
+    (16, 64, 1, 32, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 2, 3)),  # one token per tile
 ]
 
 
 def _case_id(c) -> str:
     ps, hq, hkv, d, dt, kind, cap, tn = c
-    return f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}-bk{tn.block_kv}s{tn.decode_splits}"
+    name = f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}"
+    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}"
 
 
 def _check(out, ref, dtype):
@@ -66,22 +78,38 @@ def _check(out, ref, dtype):
 def test_kernel_matches_reference(case):
     ps, hq, hkv, d, dtype, kind, soft_cap, tuning = case
     dec, pre = lengths(kind, ps)
-    step = make_step(sum(map(ord, _case_id(case))), decode_kv_lens=dec, prefill=pre, page_size=ps,
-                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    step = make_step(
+        sum(map(ord, _case_id(case))),
+        decode_kv_lens=dec,
+        prefill=pre,
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
     kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap)
     out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
     ref = ragged_paged_attention_reference(*step.args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _check(out, ref, dtype)
     # Padding tokens are exactly zero.
-    assert np.all(np.asarray(out[step.num_valid_tokens:]) == 0)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
 def test_attention_step_writes_kv_exactly_and_attends():
     """backend="pallas": the written pages equal write_kv_reference bit for bit, then attention."""
     ps, hq, hkv, d = 16, 4, 2, 64
-    step = make_step(7, decode_kv_lens=[5, 16, 17], prefill=[(20, 37)], page_size=ps,
-                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=jnp.bfloat16)
+    step = make_step(
+        7,
+        decode_kv_lens=[5, 16, 17],
+        prefill=[(20, 37)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=jnp.bfloat16,
+    )
     t = step.q.shape[0]
     rng = np.random.default_rng(1)
     k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
@@ -95,9 +123,19 @@ def test_attention_step_writes_kv_exactly_and_attends():
             slots[tok] = table[s, pos // ps] * ps + pos % ps
     slots = jnp.asarray(slots)
     kw = dict(sm_scale=d**-0.5, soft_cap=None)
-    out, pages = api.attention_step(step.q, k, v, step.kv_pages, slots, step.kv_lens,
-                                    step.page_table, step.cu_q_lens, step.distribution,
-                                    backend="pallas", **kw)
+    out, pages = api.attention_step(
+        step.q,
+        k,
+        v,
+        step.kv_pages,
+        slots,
+        step.kv_lens,
+        step.page_table,
+        step.cu_q_lens,
+        step.distribution,
+        backend="pallas",
+        **kw,
+    )
     expected_pages = write_kv_reference(step.kv_pages, k, v, slots)
     np.testing.assert_array_equal(np.asarray(pages), np.asarray(expected_pages))
     ref = ragged_paged_attention_reference(step.q, expected_pages, *step.args[2:], **kw)
@@ -105,17 +143,41 @@ def test_attention_step_writes_kv_exactly_and_attends():
 
 
 def test_empty_step_is_all_zero():
-    step = make_step(3, decode_kv_lens=[], prefill=[], page_size=16, num_q_heads=4,
-                     num_kv_heads=2, head_dim=32, dtype=jnp.bfloat16, extra_seqs=2, extra_tokens=16)
+    step = make_step(
+        3,
+        decode_kv_lens=[],
+        prefill=[],
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=jnp.bfloat16,
+        extra_seqs=2,
+        extra_tokens=16,
+    )
     out = ragged_paged_attention_pallas(*step.args, sm_scale=0.2, tuning=TuningConfig(64, 2, 1, 2))
     assert np.all(np.asarray(out) == 0)
 
 
 def _bad(**changes):
-    step = make_step(0, decode_kv_lens=[3], prefill=[], page_size=16, num_q_heads=4,
-                     num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-    args = dict(q=step.q, kv_pages=step.kv_pages, kv_lens=step.kv_lens, page_table=step.page_table,
-                cu_q_lens=step.cu_q_lens, distribution=step.distribution)
+    step = make_step(
+        0,
+        decode_kv_lens=[3],
+        prefill=[],
+        page_size=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=jnp.bfloat16,
+    )
+    args = dict(
+        q=step.q,
+        kv_pages=step.kv_pages,
+        kv_lens=step.kv_lens,
+        page_table=step.page_table,
+        cu_q_lens=step.cu_q_lens,
+        distribution=step.distribution,
+    )
     kw = dict(sm_scale=0.125, soft_cap=None)
     for name, value in changes.items():
         (args if name in args else kw)[name] = value
@@ -158,8 +220,9 @@ def test_bad_backend_and_tuning_raise_value_error():
 
 def test_gpu_only_dtype_rule():
     """float32 runs in interpret mode; a compiled (GPU) launch refuses it before lowering."""
-    args, kw = _bad(q=jnp.zeros((4, 4, 64), jnp.float32),
-                    kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float32))
+    args, kw = _bad(
+        q=jnp.zeros((4, 4, 64), jnp.float32), kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float32)
+    )
     with pytest.raises(ValueError, match="dtype"):
         ragged_paged_attention_pallas(**args, **kw, interpret=False)
     assert jax.default_backend() == "cpu"

@@ -1,0 +1,606 @@
+"""Ragged paged attention on the GPU: build, check against the jnp reference, time; table last.
+
+    PYTHONPATH=. python benchmarks/kernels/attention_bench.py --phase smoke|decode|prefill --out DIR
+
+Ceilings (copy bandwidth, bf16 matmul rate) are measured in the same run. Decode reports KV bytes
+read per second against the copy bandwidth (bytes read + written of a large device copy); prefill
+reports causal attention FLOP/s (4 * D * Hq per visible (query, key) pair) against the matmul rate.
+JAX's own Pallas (Triton) `paged_attention` runs on the same decode shapes in its own page layout.
+
+Every timed call is checked first: rows of the first (up to) 8 sequences against the reference, as
+relative L2 error. Times are device times per call: one jitted program runs `--reps` calls on
+different page tables (so repeated calls do not hit in L2), median of `--trials` such programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.tuning import TuningConfig, default_tuning
+
+LAYOUTS = {"32q/8kv/128": (32, 8, 128), "32q/8kv/64": (32, 8, 64), "9q/3kv/64": (9, 3, 64)}
+LOG: list[dict] = []
+DRY = False  # --dry: CPU dry run of this script (interpret mode, tiny ceilings, no rotations)
+
+
+def log(**row):
+    LOG.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def timed(fn, trials: int) -> float:
+    """Median wall time of fn() (which blocks), after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ceilings
+
+
+def _per_call(fn, xs: list, trials: int) -> float:
+    """Device time of one fn(x): one program calls fn on each x of xs, median over trials."""
+    prog = jax.jit(lambda *a: [fn(x) for x in a])
+    for _ in range(3):
+        jax.block_until_ready(prog(*xs))
+    return timed(lambda: jax.block_until_ready(prog(*xs)), trials) / len(xs)
+
+
+def measure_ceilings(trials: int, dry: bool = False) -> dict:
+    n = 1 << (20 if dry else 30)  # 2 GiB of bf16
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(3)]
+    t_scale = _per_call(lambda a: a * 2, xs, 4 * trials)
+    t_copy = _per_call(lambda a: jnp.copy(a), xs, 4 * trials)
+    del xs
+    m = 256 if dry else 8192
+    b = jax.random.normal(jax.random.key(9), (m, m), jnp.bfloat16)
+    as_ = [jax.random.normal(jax.random.key(10 + i), (m, m), jnp.bfloat16) for i in range(4)]
+    t_mm = _per_call(lambda a_: a_ @ b, as_, 4 * trials)
+    res = dict(
+        copy_tbs=4 * n / t_copy / 1e12,
+        scale_tbs=4 * n / t_scale / 1e12,
+        matmul_tflops=2 * m**3 / t_mm / 1e12,
+    )
+    try:  # the copy engine's own rate: a device-to-device copy through PyTorch, where present
+        import torch
+
+        if torch.cuda.is_available():
+            src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+            dst = torch.empty_like(src)
+            for _ in range(3):
+                dst.copy_(src)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                dst.copy_(src)
+            torch.cuda.synchronize()
+            res["torch_copy_tbs"] = 4 * n * 20 / (time.perf_counter() - t0) / 1e12
+            del src, dst
+            torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        res["torch_copy_error"] = str(e)[:200]
+    res["copy_bw_tbs"] = max(res["copy_tbs"], res["scale_tbs"], res.get("torch_copy_tbs", 0.0))
+    log(kind="ceilings", **res)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Problems
+
+
+def build_step(
+    rng,
+    *,
+    q_lens,
+    kv_lens,
+    num_seqs,
+    num_tokens,
+    hq,
+    hkv,
+    d,
+    page_size,
+    pages_per_seq,
+    num_decode,
+    rotations,
+    dtype=jnp.bfloat16,
+):
+    """Random step: q, one KV pool, `rotations` page tables over disjoint pages (same shapes)."""
+    n = len(q_lens)
+    need = [-(-k // page_size) for k in kv_lens]
+    per_rot = sum(need)
+    num_pages = 1 + per_rot * rotations
+    kv = jax.random.normal(
+        jax.random.key(int(rng.integers(1 << 30))), (num_pages, hkv, 2, page_size, d), dtype
+    )
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = []
+    for r in range(rotations):
+        pt = np.zeros((num_seqs, pages_per_seq), np.int32)
+        off = r * per_rot
+        for i, k in enumerate(need):
+            pt[i, :k] = perm[off : off + k]
+            off += k
+        tables.append(jnp.asarray(pt))
+    lens = np.zeros(num_seqs, np.int32)
+    lens[:n] = kv_lens
+    cu = np.zeros(num_seqs + 1, np.int32)
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
+    q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (num_tokens, hq, d), dtype)
+    dist = jnp.asarray([num_decode, n], jnp.int32)
+    return dict(q=q, kv=kv, kv_lens=jnp.asarray(lens), tables=tables, cu=jnp.asarray(cu), dist=dist)
+
+
+def check_subset(out, p, *, sm_scale, num_check: int) -> float:
+    """Relative L2 error of the rows of the first num_check sequences against the reference."""
+    cu = np.asarray(p["cu"])
+    n = int(np.asarray(p["dist"])[1])
+    k = min(n, num_check)
+    rows = int(cu[k])
+    dec = min(int(np.asarray(p["dist"])[0]), k)
+    s = k + 1
+    lens = p["kv_lens"][:s].at[k].set(0)
+    cu_s = jnp.asarray(np.minimum(cu[: s + 1], rows))
+    ref = ragged_paged_attention_reference(
+        p["q"][: max(rows, 1)],
+        p["kv"],
+        lens,
+        p["tables"][0][:s],
+        cu_s,
+        jnp.asarray([dec, k], jnp.int32),
+        sm_scale=sm_scale,
+    )
+    return rel_err(out[:rows], ref[:rows])
+
+
+def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs"):
+    def call(pt):
+        return ragged_paged_attention_pallas(
+            p["q"],
+            p["kv"],
+            p["kv_lens"],
+            pt,
+            p["cu"],
+            p["dist"],
+            sm_scale=sm_scale,
+            tuning=tuning,
+            a_operands=a_operands,
+        )
+
+    out = call(p["tables"][0])
+    reps = max(reps, len(p["tables"]))
+    tabs = [p["tables"][i % len(p["tables"])] for i in range(reps)]
+    prog = jax.jit(lambda *ts: [call(t) for t in ts])
+    t = timed(lambda: jax.block_until_ready(prog(*tabs)), trials) / reps
+    return out, t
+
+
+def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
+    """JAX's Pallas Triton decode kernel on the same KV (its layout: k/v_pages [Hkv, P, PS, D])."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+    k_pages = jnp.swapaxes(p["kv"][:, :, 0], 0, 1)
+    v_pages = jnp.swapaxes(p["kv"][:, :, 1], 0, 1)
+    q = p["q"][:num_decode] * sm_scale  # it applies no softmax scale of its own
+    lens = p["kv_lens"][:num_decode]
+    page_size = p["kv"].shape[3]
+    mp = -(-int(jnp.max(lens)) // page_size)  # its natural table width: just the context
+    k_splits = 16 if mp % 16 == 0 else 1
+
+    def call(pt):
+        return jpa.paged_attention(
+            q, k_pages, v_pages, pt[:num_decode, :mp], lens, k_splits=k_splits
+        )
+
+    out = call(p["tables"][0])
+    reps = max(reps, len(p["tables"]))
+    tabs = [p["tables"][i % len(p["tables"])] for i in range(reps)]
+    prog = jax.jit(lambda *ts: [call(t) for t in ts])
+    t = timed(lambda: jax.block_until_ready(prog(*tabs)), trials) / reps
+    return out, t
+
+
+# ----------------------------------------------------------------------------------------------
+# Phases
+
+
+def decode_case(rng, batch, ctx, layout, page_size, *, pages_per_seq=None, rotations=None):
+    hq, hkv, d = LAYOUTS[layout]
+    kv_bytes = batch * ctx * hkv * 2 * d * 2
+    if rotations is None:  # >= 256 MB touched per cycle of page tables where it costs little
+        rotations = 1 if DRY else max(1, min(16, -(-256_000_000 // kv_bytes)))
+    mp = pages_per_seq or -(-ctx // page_size)
+    p = build_step(
+        rng,
+        q_lens=[1] * batch,
+        kv_lens=[ctx] * batch,
+        num_seqs=batch,
+        num_tokens=max(16, batch),
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        page_size=page_size,
+        pages_per_seq=mp,
+        num_decode=batch,
+        rotations=rotations,
+    )
+    return p, kv_bytes, d
+
+
+def run_decode(
+    rng, ceil, args, batch, ctx, layout, page_size, tunings, *, jax_baseline, pages_per_seq=None
+):
+    p, kv_bytes, d = decode_case(rng, batch, ctx, layout, page_size, pages_per_seq=pages_per_seq)
+    sm_scale = d**-0.5
+    rows = []
+    for name, tn, a_ops in tunings:
+        row = dict(kind="decode", batch=batch, ctx=ctx, layout=layout, page=page_size, impl=name)
+        t_row = time.perf_counter()
+        try:
+            tn = tn or default_tuning(
+                num_seqs=batch,
+                num_kv_heads=LAYOUTS[layout][1],
+                head_dim=d,
+                page_size=page_size,
+                pages_per_seq=p["tables"][0].shape[1],
+                dtype=jnp.bfloat16,
+                num_ctas=args.num_ctas,
+                num_tokens=p["q"].shape[0],
+            )
+            out, t = time_ours(
+                p,
+                sm_scale=sm_scale,
+                tuning=tn,
+                reps=args.reps,
+                trials=args.trials,
+                a_operands=a_ops,
+            )
+            row.update(
+                tuning=str(tn),
+                a_operands=a_ops,
+                err=check_subset(out, p, sm_scale=sm_scale, num_check=8),
+                ms=t * 1e3,
+                tbs=kv_bytes / t / 1e12,
+            )
+            row["pct_copy"] = 100 * row["tbs"] / ceil["copy_bw_tbs"]
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc()
+        row["wall_s"] = time.perf_counter() - t_row
+        log(**row)
+        rows.append(row)
+    if jax_baseline:
+        row = dict(
+            kind="decode", batch=batch, ctx=ctx, layout=layout, page=page_size, impl="jax_paged"
+        )
+        t_row = time.perf_counter()
+        try:
+            out, t = time_jax_paged(
+                p, sm_scale=sm_scale, reps=args.reps, trials=args.trials, num_decode=batch
+            )
+            row.update(
+                err=check_subset(out, p, sm_scale=sm_scale, num_check=8),
+                ms=t * 1e3,
+                tbs=kv_bytes / t / 1e12,
+            )
+            row["pct_copy"] = 100 * row["tbs"] / ceil["copy_bw_tbs"]
+        except Exception as e:  # noqa: BLE001
+            row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+        row["wall_s"] = time.perf_counter() - t_row
+        log(**row)
+        rows.append(row)
+    del p
+    return rows
+
+
+def run_prefill(
+    rng, ceil, args, chunk, prefix, layout, page_size, tuning=None, a_ops="regs", impl="ours"
+):
+    hq, hkv, d = LAYOUTS[layout]
+    kv_len = chunk + prefix
+    p = build_step(
+        rng,
+        q_lens=[chunk],
+        kv_lens=[kv_len],
+        num_seqs=8,
+        num_tokens=chunk,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        page_size=page_size,
+        pages_per_seq=-(-kv_len // page_size),
+        num_decode=0,
+        rotations=2,
+    )
+    sm_scale = d**-0.5
+    pairs = chunk * prefix + chunk * (chunk + 1) / 2
+    flops = 4 * d * hq * pairs
+    row = dict(kind="prefill", chunk=chunk, prefix=prefix, layout=layout, page=page_size, impl=impl)
+    t_row = time.perf_counter()
+    try:
+        tn = tuning or default_tuning(
+            num_seqs=8,
+            num_kv_heads=hkv,
+            head_dim=d,
+            page_size=page_size,
+            pages_per_seq=p["tables"][0].shape[1],
+            dtype=jnp.bfloat16,
+            num_ctas=args.num_ctas,
+            num_tokens=chunk,
+        )
+        out, t = time_ours(
+            p, sm_scale=sm_scale, tuning=tn, reps=args.reps, trials=args.trials, a_operands=a_ops
+        )
+        row.update(
+            tuning=str(tn),
+            a_operands=a_ops,
+            err=check_subset(out, p, sm_scale=sm_scale, num_check=1),
+            ms=t * 1e3,
+            tflops=flops / t / 1e12,
+        )
+        row["pct_matmul"] = 100 * row["tflops"] / ceil["matmul_tflops"]
+    except Exception as e:  # noqa: BLE001
+        row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+        traceback.print_exc()
+    row["wall_s"] = time.perf_counter() - t_row
+    log(**row)
+    return row
+
+
+def run_mixed_checks(rng, args):
+    """Correctness only: decode + prefill chunks (with cached prefixes) in one step, several
+    shapes."""
+    cases = [
+        ("32q/8kv/128", 16, [(1, 700), (1, 33), (1, 1), (300, 300), (129, 1000), (0, 0)]),
+        ("9q/3kv/64", 64, [(1, 64), (1, 65), (200, 455), (17, 17)]),
+        ("32q/8kv/64", 256, [(1, 257), (1, 1000), (64, 64), (100, 612)]),
+    ]
+    for layout, ps, seqs in cases:
+        hq, hkv, d = LAYOUTS[layout]
+        ndec = sum(1 for ql, _ in seqs if ql == 1)
+        qs = [ql for ql, _ in seqs]
+        ks = [kl for _, kl in seqs]
+        t = max(16, sum(qs))
+        p = build_step(
+            rng,
+            q_lens=qs,
+            kv_lens=ks,
+            num_seqs=len(seqs) + 2,
+            num_tokens=t,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            page_size=ps,
+            pages_per_seq=-(-max(ks) // ps) + 1,
+            num_decode=ndec,
+            rotations=1,
+        )
+        for soft_cap, a_ops in ((None, "regs"), (30.0, "smem")):
+            if True:
+                row = dict(
+                    kind="mixed_check", layout=layout, page=ps, soft_cap=soft_cap, a_operands=a_ops
+                )
+                try:
+                    # The SMEM-operand form needs room for Q and P tiles: small blocks, no splits.
+                    tn = TuningConfig(64, 2, 1, args.num_ctas) if a_ops == "smem" else None
+                    out = ragged_paged_attention_pallas(
+                        p["q"],
+                        p["kv"],
+                        p["kv_lens"],
+                        p["tables"][0],
+                        p["cu"],
+                        p["dist"],
+                        sm_scale=d**-0.5,
+                        soft_cap=soft_cap,
+                        a_operands=a_ops,
+                        tuning=tn,
+                    )
+                    ref = ragged_paged_attention_reference(
+                        p["q"],
+                        p["kv"],
+                        p["kv_lens"],
+                        p["tables"][0],
+                        p["cu"],
+                        p["dist"],
+                        sm_scale=d**-0.5,
+                        soft_cap=soft_cap,
+                    )
+                    row.update(
+                        err=rel_err(out, ref), pad_rows_zero=bool(jnp.all(out[sum(qs) :] == 0))
+                    )
+                except Exception as e:  # noqa: BLE001
+                    row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+                    traceback.print_exc()
+                log(**row)
+
+
+def headline_tunings(num_ctas: int) -> list:
+    return [
+        ("ours bk128 s2", TuningConfig(128, 2, 1, num_ctas), "regs"),
+        ("ours bk64 s3", TuningConfig(64, 3, 1, num_ctas), "regs"),
+        ("ours bk64 s4", TuningConfig(64, 4, 1, num_ctas), "regs"),
+        ("ours bk64 s3 smemA", TuningConfig(64, 3, 1, num_ctas), "smem"),
+        ("ours default", None, "regs"),
+    ]
+
+
+def ceilings(args) -> dict:
+    path = os.path.join(args.out, "ceilings.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+        log(kind="ceilings_reused", **res)
+        return res
+    res = measure_ceilings(args.trials, dry=args.dry)
+    with open(path, "w") as f:
+        json.dump(res, f)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", default="smoke", choices=["smoke", "decode", "prefill"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--batches", default="1,32,256,512")
+    ap.add_argument("--ctxs", default="512,2048,8192")
+    ap.add_argument("--chunks", default="512,1024,2048,4096,8192,2048+6144")
+    ap.add_argument("--no-jax-baseline", action="store_true")
+    ap.add_argument("--decode-list", default="", help='"layout,batch,ctx;..." instead of the grid')
+    ap.add_argument(
+        "--prefill-variants",
+        action="store_true",
+        help="also time 64- and 128-token KV blocks explicitly",
+    )
+    ap.add_argument(
+        "--dry", action="store_true", help="tiny ceilings (CPU dry runs of this script)"
+    )
+    args = ap.parse_args()
+    global DRY
+    DRY = args.dry
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    args.num_ctas = getattr(dev, "core_count", None) or (3 if args.dry else 132)
+    log(
+        kind="env",
+        device=str(dev),
+        device_kind=getattr(dev, "device_kind", "?"),
+        jax=jax.__version__,
+        num_ctas=args.num_ctas,
+        argv=sys.argv[1:],
+    )
+    rng = np.random.default_rng(0)
+    ceil = ceilings(args)
+    rows = []
+    layouts = args.layouts.split(",")
+    if args.phase == "smoke":
+        run_mixed_checks(rng, args)
+        rows += run_decode(
+            rng,
+            ceil,
+            args,
+            256,
+            1024,
+            "32q/8kv/128",
+            16,
+            headline_tunings(args.num_ctas),
+            jax_baseline=True,
+        )
+    if args.phase == "decode" and args.decode_list:  # "layout,batch,ctx;..." in one process
+        cases = [c.split(",") for c in args.decode_list.split(";")]
+        for layout, batch, ctx in cases:
+            mp = -(-max(int(c[2]) for c in cases if c[0] == layout) // args.page_size)
+            rows += run_decode(
+                rng,
+                ceil,
+                args,
+                int(batch),
+                int(ctx),
+                layout,
+                args.page_size,
+                [("ours", None, "regs")],
+                pages_per_seq=mp,
+                jax_baseline=not args.no_jax_baseline,
+            )
+    elif args.phase == "decode":
+        for layout in layouts:
+            # One page-table width per layout (the longest context), as an engine would have.
+            mp = -(-max(map(int, args.ctxs.split(","))) // args.page_size)
+            for batch in map(int, args.batches.split(",")):
+                for ctx in map(int, args.ctxs.split(",")):
+                    rows += run_decode(
+                        rng,
+                        ceil,
+                        args,
+                        batch,
+                        ctx,
+                        layout,
+                        args.page_size,
+                        [("ours", None, "regs")],
+                        pages_per_seq=mp,
+                        jax_baseline=not args.no_jax_baseline,
+                    )
+    if args.phase == "prefill":
+        for layout in layouts:
+            for spec in args.chunks.split(","):  # "chunk" or "chunk+cached_prefix"
+                chunk, _, prefix = spec.partition("+")
+                rows.append(
+                    run_prefill(
+                        rng, ceil, args, int(chunk), int(prefix or 0), layout, args.page_size
+                    )
+                )
+                if args.prefill_variants:
+                    for bk, stages in ((64, 3), (128, 2)):
+                        tn = TuningConfig(bk, stages, 1, args.num_ctas)
+                        rows.append(
+                            run_prefill(
+                                rng,
+                                ceil,
+                                args,
+                                int(chunk),
+                                int(prefix or 0),
+                                layout,
+                                args.page_size,
+                                tuning=tn,
+                                impl=f"ours bk{bk} s{stages}",
+                            )
+                        )
+    with open(os.path.join(args.out, f"attention_bench_{args.phase}.json"), "w") as f:
+        json.dump(LOG, f, indent=1)
+    print_table(ceil, rows)
+
+
+def print_table(ceil, rows) -> None:
+    print(
+        f"\nceilings: copy {ceil['copy_bw_tbs']:.2f} TB/s (jnp.copy {ceil['copy_tbs']:.2f}, x*2 "
+        f"{ceil['scale_tbs']:.2f}, torch D2D {ceil.get('torch_copy_tbs', 0):.2f}), "
+        f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s"
+    )
+    print(f"{'case':44s} {'impl':20s} {'ms':>9s} {'rate':>12s} {'%ceil':>6s} {'relerr':>8s}")
+    for r in rows:
+        if r["kind"] == "decode":
+            case = f"decode B={r['batch']} ctx={r['ctx']} {r['layout']} p{r['page']}"
+            rate = f"{r.get('tbs', 0):.2f} TB/s"
+            pct = r.get("pct_copy", 0)
+        else:
+            case = f"prefill {r['chunk']}+{r['prefix']} {r['layout']} p{r['page']}"
+            rate = f"{r.get('tflops', 0):.0f} TF/s"
+            pct = r.get("pct_matmul", 0)
+        if "error" in r:
+            print(f"{case:44s} {r['impl']:20s} ERROR {r['error'][:60]}")
+        else:
+            print(
+                f"{case:44s} {r['impl']:20s} {r['ms']:9.3f} {rate:>12s} {pct:6.1f} {r['err']:8.1e}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Compute warpgroups: wgmma Q K^T, online softmax in registers, wgmma P V, bulk-store of O rows."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention.mgpu_items import Items, Refs, Statics, cdiv, tile_rows
+from pallas_kernels.ragged_paged_attention.tuning import ROWS
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WGMMA = plgpu.Layout.WGMMA
+ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
+
+
+def _skip_blocks(st: Statics, r: Refs, kvc, n) -> None:
+    """Observe and release `n` K/V stages without computing on them."""
+
+    def body(j, _):
+        slot = lax.rem(kvc + j, st.tuning.num_stages)
+        plgpu.barrier_wait(r.k_full.at[slot])
+        plgpu.barrier_wait(r.v_full.at[slot])
+        plgpu.barrier_arrive(r.kv_free.at[slot])
+        return ()
+
+    lax.fori_loop(0, n, body, ())
+
+
+def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0):
+    """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
+
+    q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
+    when st.a_operands == "smem". kvc: stream index of block b_start. Row r is at query position
+    row_pos0 + r // group; blocks before b_full need no causal mask.
+    Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
+    """
+    bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
+    scale = st.sm_scale * LOG2E
+
+    def block(b, carry, *, masked):
+        acc, m, denom = carry
+        slot = lax.rem(kvc + (b - b_start), stages)
+        plgpu.barrier_wait(r.k_full.at[slot])
+
+        def qk(s_ref):  # [64, bk] f32
+            plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        if st.soft_cap is not None:
+            s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+        else:
+            s = s * scale
+        if masked:
+            rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
+            visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
+            s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(r.k_smem.dtype)
+        if st.a_operands == "regs":
+            plgpu.barrier_wait(r.v_full.at[slot])
+
+            def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
+                plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
+
+            acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+        else:
+            p_smem[...] = p16
+            plgpu.commit_smem()
+            plgpu.barrier_wait(r.v_full.at[slot])
+
+            def pv(o_ref):  # [64, D] f32, zero-initialised
+                plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
+                return o_ref[...]
+
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+        plgpu.barrier_arrive(r.kv_free.at[slot])
+        return acc, m_new, denom
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), WGMMA)
+    m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW_VEC)
+    denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW_VEC)
+    carry = lax.fori_loop(b_start, b_full, functools.partial(block, masked=False), (acc, m, denom))
+    return lax.fori_loop(b_full, b_end, functools.partial(block, masked=True), carry)
+
+
+def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
+    g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
+    splits = st.tuning.decode_splits
+    p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
+
+    def load_q(qs):
+        """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)."""
+        q = plgpu.load(r.q_smem.at[qs, wg], layout=WGMMA, optimized=False)
+        if st.a_operands == "regs":
+            return q
+        r.qa_smem.at[wg][...] = q
+        plgpu.commit_smem()
+        return r.qa_smem.at[wg]
+
+    def normalise(acc, denom):
+        safe = jnp.maximum(denom, 1e-30)  # empty decode splits: acc == 0, so O = 0
+        return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+
+    def item_body(i, kvc):
+        w = cta + i * num_ctas
+        it = items.describe(w)
+        is_dec = items.is_decode(w)
+        qs = lax.rem(i, 2)
+        b0, b1 = it["b0"], it["b1"]
+
+        @pl.when(is_dec & (wg == 0))
+        def _decode():
+            plgpu.barrier_wait(r.qd_full.at[qs])
+            q = load_q(qs)
+            row_pos0 = it["kv_len"] - 1
+            b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
+            acc, m, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b1, row_pos0)
+            o = normalise(acc, denom)
+            if splits == 1:
+                r.q_smem.at[qs, 0][...] = o.astype(r.q_smem.dtype)
+                plgpu.commit_smem()
+                dst = r.out.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
+                plgpu.copy_smem_to_gmem(r.q_smem.at[qs, 0, pl.ds(0, g)], dst)
+            else:
+                r.o32_smem[...] = o
+                r.lse_smem[...] = m + jnp.log(denom) * (1.0 / LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(r.o32_smem.at[pl.ds(0, g)], r.opart.at[w])
+                plgpu.copy_smem_to_gmem(r.lse_smem, r.lse.at[w])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(r.qd_free.at[qs])
+
+        @pl.when(is_dec & (wg != 0))
+        def _decode_idle():
+            _skip_blocks(st, r, kvc, b1 - b0)
+
+        @pl.when(~is_dec)
+        def _prefill():
+            plgpu.barrier_wait(r.qp_full.at[qs])
+            first_tok = it["tok0"] + wg * tpw
+            start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
+            n_tok = jnp.clip(it["seq_end"] - first_tok, 0, tpw)
+            pos_offset = it["kv_len"] - it["q_len"] - it["seq_start"]  # position = token + offset
+            first_pos = first_tok + pos_offset
+            b_end = jnp.where(n_tok > 0, jnp.clip(cdiv(first_pos + n_tok, bk), b0, b1), b0)
+
+            @pl.when(n_tok > 0)
+            def _compute():
+                q = load_q(qs)
+                b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
+                row_pos0 = start + pos_offset
+                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0)
+                r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
+                plgpu.commit_smem()
+                out_rows = r.out.at[it["head"]]  # [T * G, D]
+
+                @pl.when(n_tok == tpw)  # a full tile is never clamped: one box store
+                def _store_tile():
+                    src = r.q_smem.at[qs, wg, pl.ds(0, tpw * g)]
+                    plgpu.copy_smem_to_gmem(src, out_rows.at[pl.ds(first_tok * g, tpw * g)])
+
+                @pl.when(n_tok < tpw)  # the tile's other rows belong to other tiles: token by token
+                def _store_rows():
+                    def one(k, _):
+                        src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
+                        plgpu.copy_smem_to_gmem(src, out_rows.at[pl.ds((first_tok + k) * g, g)])
+                        return ()
+
+                    lax.fori_loop(0, n_tok, one, ())
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end)
+            plgpu.barrier_arrive(r.qp_free.at[qs])
+
+        return kvc + (b1 - b0)
+
+    lax.fori_loop(0, items.count_for(cta, num_ctas), item_body, jnp.int32(0))

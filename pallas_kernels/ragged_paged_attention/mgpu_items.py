@@ -1,0 +1,147 @@
+"""Static config and the scalar bookkeeping of the kernel's flat work list (mgpu_kernel.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.ragged_paged_attention.schedule import META_NUM_DECODE, META_NUM_TILES
+from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS, ROWS, TuningConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Statics:
+    """Everything static the kernel body needs (hashable: it keys the compile cache)."""
+
+    num_tokens: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    sm_scale: float
+    soft_cap: float | None
+    tuning: TuningConfig
+    # Where wgmma's A operands (Q, then P) come from. "regs": registers, O accumulated in place
+    # (fewest SMEM round trips). "smem": staged through swizzled SMEM tiles, O += a fresh product:
+    # the form GPU interpret mode can run (its wgmma reads A from SMEM only). Same arithmetic.
+    a_operands: str = "regs"
+
+    @property
+    def tokens_per_wg(self) -> int:
+        return ROWS // self.group
+
+    @property
+    def pages_per_block(self) -> int:  # >= 1 when page_size <= block_kv
+        return max(1, self.tuning.block_kv // self.page_size)
+
+    @property
+    def blocks_per_page(self) -> int:  # >= 1 when page_size >= block_kv
+        return max(1, self.page_size // self.tuning.block_kv)
+
+
+class Refs(NamedTuple):
+    """The kernel's refs (shapes in mgpu_kernel.attention_kernel); None where a launch has none."""
+
+    meta: Any
+    kv_lens: Any
+    cu_q_lens: Any
+    page_table: Any
+    tile_seq: Any
+    tile_tok: Any
+    q: Any
+    kv_pages: Any
+    out: Any
+    opart: Any
+    lse: Any
+    k_smem: Any
+    v_smem: Any
+    q_smem: Any
+    qa_smem: Any
+    pa_smem: Any
+    o32_smem: Any
+    lse_smem: Any
+    k_full: Any
+    v_full: Any
+    kv_free: Any
+    qd_full: Any
+    qp_full: Any
+    qd_free: Any
+    qp_free: Any
+
+
+def cdiv(a, b):
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+class Items:
+    """Scalar bookkeeping of the flat item list (both roles compute exactly the same values)."""
+
+    def __init__(self, st: Statics, r: Refs):
+        self.st = st
+        hkv, splits = st.num_kv_heads, st.tuning.decode_splits
+        self.num_tiles = r.meta[META_NUM_TILES]
+        self.num_decode_items = r.meta[META_NUM_DECODE] * (hkv * splits)
+        self.num_items = self.num_decode_items + self.num_tiles * hkv
+        self.kv_lens_ref, self.cu_ref = r.kv_lens, r.cu_q_lens
+        self.tile_seq_ref, self.tile_tok_ref = r.tile_seq, r.tile_tok
+
+    def count_for(self, cta, num_ctas: int):
+        return cdiv(jnp.maximum(self.num_items - cta, 0), num_ctas)
+
+    def is_decode(self, w):
+        return w < self.num_decode_items
+
+    def describe(self, w):
+        """Per item (int32 scalars): seq, kv head, decode token or tile's first token, kv_len,
+        q_len, the sequence's token range, the KV block range. is_decode(w) says which kind."""
+        st = self.st
+        hkv, splits, bk = st.num_kv_heads, st.tuning.decode_splits, st.tuning.block_kv
+        is_dec = w < self.num_decode_items
+        # Decode view (clamped so that its loads stay in bounds for prefill items too).
+        wd = jnp.minimum(w, jnp.maximum(self.num_decode_items - 1, 0))
+        sh, split = lax.div(wd, jnp.int32(splits)), lax.rem(wd, jnp.int32(splits))
+        d_seq, d_head = lax.div(sh, jnp.int32(hkv)), lax.rem(sh, jnp.int32(hkv))
+        # Prefill view: tiles run from the last (most KV) to the first.
+        wp = jnp.maximum(w - self.num_decode_items, 0)
+        tile = jnp.maximum(self.num_tiles - 1 - lax.div(wp, jnp.int32(hkv)), 0)
+        p_head = lax.rem(wp, jnp.int32(hkv))
+        p_seq = self.tile_seq_ref[tile]
+        seq = jnp.where(is_dec, d_seq, p_seq)
+        head = jnp.where(is_dec, d_head, p_head)
+        kv_len = self.kv_lens_ref[seq]
+        seq_start = self.cu_ref[seq]
+        seq_end = self.cu_ref[seq + 1]
+        tok0 = jnp.where(is_dec, seq_start, self.tile_tok_ref[tile])
+        q_len = seq_end - seq_start
+        # Block range. Decode: split `split` of the cdiv(kv_len, bk) blocks. Prefill: blocks up
+        # to the position of the tile's last valid token.
+        nb_dec = cdiv(kv_len, bk)
+        b0_dec = lax.div(split * nb_dec, jnp.int32(splits))
+        b1_dec = lax.div((split + 1) * nb_dec, jnp.int32(splits))
+        last_tok = jnp.minimum(tok0 + NUM_COMPUTE_WGS * st.tokens_per_wg, seq_end) - 1
+        nb_pre = cdiv(kv_len - q_len + (last_tok - seq_start) + 1, bk)
+        b0 = jnp.where(is_dec, b0_dec, 0)
+        b1 = jnp.where(is_dec, b1_dec, nb_pre)
+        return dict(
+            seq=seq,
+            head=head,
+            tok0=tok0,
+            kv_len=kv_len,
+            q_len=q_len,
+            seq_start=seq_start,
+            seq_end=seq_end,
+            b0=b0,
+            b1=jnp.maximum(b1, b0),
+        )
+
+
+def tile_rows(st: Statics, first_tok):
+    """First token of a warpgroup's Q box: first_tok, moved back so the box ends inside [0, T).
+
+    Rows of tokens before first_tok then belong to other tiles: computed, never stored.
+    """
+    return jnp.minimum(first_tok, st.num_tokens - st.tokens_per_wg)

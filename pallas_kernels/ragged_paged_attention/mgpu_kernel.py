@@ -1,0 +1,80 @@
+"""Mosaic GPU kernel body: persistent, warp-specialised ragged paged attention (Hopper).
+
+Per CTA: `NUM_COMPUTE_WGS` compute warpgroups and one producer warpgroup. Both roles walk the same
+list of work items (schedule.py) with the same block counts, so they agree on every pipeline slot
+without talking except through barriers:
+
+    producer (mgpu_producer.py): per item, bulk-copy its Q rows into a Q slot (2 slots, one item
+        ahead), then per KV block one TMA per page for K and one for V into a K/V stage.
+    compute (mgpu_consumer.py): per item, load its 64 Q rows, then per KV block
+        S = Q K^T (wgmma, M = 64 rows, N = block_kv), online softmax in registers,
+        O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows.
+
+Decode items are computed by compute warpgroup 0 only; warpgroup 1 just waits on and releases their
+K/V stages (every waiter must observe every completion of a barrier). A prefill tile gives each
+compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; both share the K/V stream.
+
+Rows of a tile that hold no valid (token, head) pair contain garbage: attention is row-independent
+and such rows are never stored. Masked scores are -inf; every valid row sees key 0 in its first
+block, so its running max is finite from the first block on.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention.mgpu_consumer import consumer
+from pallas_kernels.ragged_paged_attention.mgpu_items import Items, Refs, Statics
+from pallas_kernels.ragged_paged_attention.mgpu_producer import producer
+from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS
+
+__all__ = ["Statics", "attention_kernel"]
+
+
+def attention_kernel(
+    meta_ref,  # int32[META_SIZE]              GMEM
+    kv_lens_ref,  # int32[S]                   GMEM
+    cu_ref,  # int32[S + 1]                    GMEM
+    pt_ref,  # int32[S, MP]                    GMEM, MP a multiple of pages_per_block
+    tile_seq_ref,  # int32[MT]                 GMEM
+    tile_tok_ref,  # int32[MT]                 GMEM
+    q_ref,  # [Hkv, T * G, D]                  GMEM, row t * G + g = token t, q head kv_head * G + g
+    kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
+    out_ref,  # [Hkv, T * G, D]                GMEM, q_ref's layout (rows of valid tokens written)
+    opart_ref,  # f32[S*Hkv*splits, G, D]      GMEM (split decode partials) or None
+    lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
+    k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
+    v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
+    q_smem,  # [2, NUM_COMPUTE_WGS, 64, D]     SMEM, Q in, O out (two item slots)
+    qa_smem,  # [NUM_COMPUTE_WGS, 64, D]       SMEM, swizzled Q operand, or None (a_operands="regs")
+    pa_smem,  # [NUM_COMPUTE_WGS, 64, bk]      SMEM, swizzled P operand, or None (a_operands="regs")
+    o32_smem,  # f32[64, D]                    SMEM (split decode only) or None
+    lse_smem,  # f32[64]                       SMEM (split decode only) or None
+    k_full,  # barrier[stages], one arrival per K copy of a block
+    v_full,  # barrier[stages]
+    kv_free,  # barrier[stages], NUM_COMPUTE_WGS arrivals
+    qd_full,  # barrier[2], decode Q landed
+    qp_full,  # barrier[2], prefill Q landed (one box copy per compute warpgroup)
+    qd_free,  # barrier[2], decode Q slot released
+    qp_free,  # barrier[2], prefill Q slot released (NUM_COMPUTE_WGS arrivals)
+    *,
+    st: Statics,
+):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("cta")
+    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, tile_seq_ref, tile_tok_ref, q_ref, kv_ref,
+             out_ref, opart_ref, lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem,
+             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free)  # fmt: skip
+    items = Items(st, r)
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        consumer(st, items, cta, wg, r)
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _producer_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        producer(st, items, cta, r)

@@ -1,0 +1,118 @@
+"""Launch of the Mosaic GPU kernel: scratch buffers, barriers, persistent grid; split merge."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics, attention_kernel
+from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS, ROWS
+
+
+def _mma_transforms(head_dim: int, dtype) -> tuple:
+    """wgmma operand layout in SMEM: (8, swizzle/itemsize) tiles, swizzled."""
+    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+    swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def launch(
+    st: Statics,
+    meta: jax.Array,  # int32[META_SIZE]
+    kv_lens: jax.Array,  # int32[S]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    page_table: jax.Array,  # int32[S, MP]
+    tile_seq: jax.Array,  # int32[MT]
+    tile_tok: jax.Array,  # int32[MT]
+    qh: jax.Array,  # [Hkv, T * G, D]   head-major: row t * G + g is token t, q head kv_head * G + g
+    kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
+    *,
+    interpret,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Runs the kernel; returns (out like qh, split partials or None, their lse or None)."""
+    tn = st.tuning
+    d = st.head_dim
+    num_seqs = kv_lens.shape[0]
+    dtype = qh.dtype
+    split = tn.decode_splits > 1
+    parts = num_seqs * st.num_kv_heads * tn.decode_splits
+    out_types = [
+        jax.ShapeDtypeStruct(qh.shape, dtype),
+        jax.ShapeDtypeStruct((parts, st.group, d), jnp.float32) if split else None,
+        jax.ShapeDtypeStruct((parts, ROWS), jnp.float32) if split else None,
+    ]
+    copies_per_block = st.pages_per_block if st.page_size <= tn.block_kv else 1
+    mma = _mma_transforms(d, dtype)
+    a_smem = st.a_operands == "smem"
+    scratch = [
+        plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # k_smem
+        plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # v_smem
+        plgpu.SMEM((2, NUM_COMPUTE_WGS, ROWS, d), dtype),  # q_smem
+        plgpu.SMEM((NUM_COMPUTE_WGS, ROWS, d), dtype, transforms=mma)
+        if a_smem
+        else None,  # qa_smem
+        plgpu.SMEM(
+            (NUM_COMPUTE_WGS, ROWS, tn.block_kv),
+            dtype,
+            transforms=_mma_transforms(tn.block_kv, dtype),
+        )
+        if a_smem
+        else None,  # pa_smem
+        plgpu.SMEM((ROWS, d), jnp.float32) if split else None,  # o32_smem
+        plgpu.SMEM((ROWS,), jnp.float32) if split else None,  # lse_smem
+        plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
+        plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=tn.num_stages),  # kv_free
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_full
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_full
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_free
+    ]
+    kernel = plgpu.kernel(
+        functools.partial(attention_kernel, st=st),
+        out_type=out_types,
+        scratch_types=scratch,
+        grid=(tn.num_ctas,),
+        grid_names=("cta",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    out, opart, lse = kernel(meta, kv_lens, cu_q_lens, page_table, tile_seq, tile_tok, qh, kv_pages)
+    return out, opart, lse
+
+
+def combine_splits(
+    out: jax.Array,  # [T, Hq, D]
+    opart: jax.Array,  # f32[S * Hkv * splits, G, D]
+    lse: jax.Array,  # f32[S * Hkv * splits, 64]   log2-sum-exp per row
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    num_decode: jax.Array,  # int32[]
+    *,
+    num_kv_heads: int,
+    splits: int,
+) -> jax.Array:
+    """Merge the decode splits (flash-decoding) and write the decode rows into `out`."""
+    num_tokens, hq, d = out.shape
+    num_seqs = cu_q_lens.shape[0] - 1
+    g = hq // num_kv_heads
+    o = opart.reshape(num_seqs, num_kv_heads, splits, g, d)
+    lse = lse[:, :g].reshape(num_seqs, num_kv_heads, splits, g)
+    valid_seq = jnp.arange(num_seqs) < num_decode  # partials of other seqs were never written
+    lse = jnp.where(valid_seq[:, None, None, None], lse, -jnp.inf)
+    top = jnp.max(lse, axis=2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    wts = jnp.exp2(lse - top)  # [S, K, splits, G]
+    o = jnp.where(wts[..., None] > 0, o, 0.0)
+    merged = jnp.einsum("skjg,skjgd->skgd", wts, o) / jnp.maximum(wts.sum(axis=2), 1e-30)[..., None]
+    merged = merged.reshape(num_seqs, hq, d).astype(out.dtype)
+    # Decode sequence s owns token cu_q_lens[s] == s; the first min(S, T) rows hold every decode
+    # token.
+    n = min(num_seqs, num_tokens)
+    is_dec = (jnp.arange(n) < num_decode)[:, None, None]
+    return out.at[:n].set(jnp.where(is_dec, merged[:n], out[:n]))

@@ -1,0 +1,154 @@
+"""Jitted public API of the Pallas (Mosaic GPU) ragged paged attention: reference.py's contract.
+
+On a GPU it compiles the Mosaic GPU kernel (Hopper: TMA + wgmma). On CPU it runs the same kernel in
+Mosaic GPU interpret mode, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
+from pallas_kernels.ragged_paged_attention.mgpu_launch import combine_splits, launch
+from pallas_kernels.ragged_paged_attention.tuning import (
+    NUM_COMPUTE_WGS,
+    ROWS,
+    TuningConfig,
+    default_tuning,
+)
+from pallas_kernels.ragged_paged_attention.validate import check_inputs
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+GPU_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma takes f32 only as tf32, and cannot transpose it
+INTERPRET_DTYPES = (*GPU_DTYPES, jnp.float32)  # interpret mode: exact float32 products
+INTERPRET_NUM_CTAS = 3  # CPU interpret mode: a few CTAs still exercise the persistent item loop
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpret: bool) -> None:
+    """What the kernel supports beyond the shared contract (raises ValueError)."""
+    _, hq, d = q.shape
+    _, hkv, _, page_size, _ = kv_pages.shape
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim={d} must be one of {SUPPORTED_HEAD_DIMS}")
+    if hq // hkv > ROWS:
+        raise ValueError(f"group={hq // hkv} (q heads per kv head) must be <= {ROWS}")
+    if page_size < 8 or page_size & (page_size - 1):
+        raise ValueError(f"{page_size=} must be a power of two >= 8")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"{q.dtype=} must equal {kv_pages.dtype=}")
+    dtypes = INTERPRET_DTYPES if interpret else GPU_DTYPES
+    if not any(q.dtype == dt for dt in dtypes):
+        raise ValueError(f"{q.dtype=} must be one of {dtypes} ({interpret=})")
+    if not sm_scale > 0:
+        raise ValueError(f"{sm_scale=} must be > 0")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{soft_cap=} must be None or > 0")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "tuning", "interpret", "a_operands")
+)
+def ragged_paged_attention_pallas(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
+    kv_lens: jax.Array,  # int32[S]
+    page_table: jax.Array,  # int32[S, MP]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    distribution: jax.Array,  # int32[2]  (num_decode_seqs, num_seqs)
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    tuning: TuningConfig | None = None,
+    interpret: bool | None = None,
+    a_operands: str = "regs",
+) -> jax.Array:
+    """Ragged paged attention of one step (decode rows first, then prefill chunks); see
+    reference.py.
+
+    Constraints beyond reference.py: head_dim 16, 32, 64 or 128, at most 64 q heads per kv head,
+    page_size a power of two >= 8, q and kv_pages of one dtype: bf16 or f16 on GPU, also float32 in
+    interpret mode; cu_q_lens[0] == 0. Page ids are not checked on device: the host validates them.
+    """
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    if interpret is None:
+        interpret = _on_cpu()
+    check_pallas_inputs(
+        q, kv_pages, page_table, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret
+    )
+    num_tokens, hq, d = q.shape
+    _, hkv, _, page_size, _ = kv_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    if tuning is None:
+        tuning = default_tuning(
+            num_seqs=num_seqs,
+            num_kv_heads=hkv,
+            head_dim=d,
+            page_size=page_size,
+            pages_per_seq=pages_per_seq,
+            dtype=q.dtype,
+            num_tokens=num_tokens,
+            num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
+        )
+    if a_operands not in ("regs", "smem"):
+        raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
+    tuning.check_fits(d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_operands == "smem")
+    # Whole blocks of page ids per sequence: pad the table's rows with the null page.
+    ppb = max(1, tuning.block_kv // page_size)
+    pad = -pages_per_seq % ppb
+    if pad:
+        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+    # Head-major Q: one (tile, kv head) is a contiguous slab of rows. A prefill Q box spans
+    # tokens_per_wg tokens and must fit inside it: pad tiny buckets.
+    g = hq // hkv
+    tpw = ROWS // g
+    t_pad = max(num_tokens, tpw)
+    qh = jnp.pad(q, ((0, t_pad - num_tokens), (0, 0), (0, 0))) if t_pad > num_tokens else q
+    qh = qh.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
+    st = Statics(
+        num_tokens=t_pad,
+        num_kv_heads=hkv,
+        group=g,
+        head_dim=d,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq + pad,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        tuning=tuning,
+        a_operands="smem" if interpret else a_operands,
+    )
+    meta, tile_seq, tile_tok = schedule.prefill_tiles(
+        cu_q_lens,
+        distribution,
+        num_tokens=num_tokens,
+        tokens_per_tile=NUM_COMPUTE_WGS * tpw,
+    )
+    interp = plgpu.InterpretGPUParams() if interpret else False
+    oh, opart, lse = launch(
+        st, meta, kv_lens, cu_q_lens, page_table, tile_seq, tile_tok, qh, kv_pages, interpret=interp
+    )
+    out = oh.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:num_tokens]
+    if tuning.decode_splits > 1:
+        out = combine_splits(
+            out,
+            opart,
+            lse,
+            cu_q_lens,
+            distribution[0],
+            num_kv_heads=hkv,
+            splits=tuning.decode_splits,
+        )
+    valid = jnp.arange(num_tokens) < cu_q_lens[distribution[1]]
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))

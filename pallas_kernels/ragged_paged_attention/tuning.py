@@ -1,0 +1,114 @@
+"""Block sizes of the Mosaic GPU ragged paged attention kernel, in one frozen, validated dataclass.
+
+The kernel is persistent and warp specialised: `NUM_COMPUTE_WGS` compute warpgroups and one
+producer warpgroup per CTA. Each compute warpgroup owns a tile of `ROWS` = 64 query rows (wgmma's
+M); rows are (token, q head of the GQA group) pairs of one sequence and one kv head. A decode token
+fills `group` rows of a tile; a prefill warpgroup packs `tokens_per_wg = 64 // group` tokens. K/V
+stream through `num_stages` SMEM buffers of `block_kv` tokens, one bulk copy per page for K and one
+for V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+ROWS = 64  # query rows per compute warpgroup (wgmma M)
+NUM_COMPUTE_WGS = 2
+SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on Hopper
+SMEM_SLACK = 4 * 1024  # barriers, reduction scratch and alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static schedule of one launch.
+
+    block_kv:      tokens of K (and of V) per pipeline stage; a multiple of 64, at most 256.
+    num_stages:    K/V stages in flight per CTA (>= 2).
+    decode_splits: KV splits per (decode sequence, kv head); > 1 adds a small combine pass and is
+                   what keeps the GPU busy at small batch.
+    num_ctas:      persistent CTAs (use the SM count; tests use a few).
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    decode_splits: int = 1
+    num_ctas: int = 132
+
+    def __post_init__(self) -> None:
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"{self.block_kv=} must be a multiple of 64 in [64, 256]")
+        if self.num_stages < 2:
+            raise ValueError(f"{self.num_stages=} must be >= 2")
+        if self.decode_splits < 1:
+            raise ValueError(f"{self.decode_splits=} must be >= 1")
+        if self.num_ctas < 1:
+            raise ValueError(f"{self.num_ctas=} must be >= 1")
+
+    def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
+        """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, and the
+        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM)."""
+        item = jnp.dtype(dtype).itemsize
+        kv = 2 * self.num_stages * self.block_kv * head_dim * item
+        q = 2 * NUM_COMPUTE_WGS * ROWS * head_dim * item
+        split = (ROWS * head_dim * 4 + ROWS * 4) if self.decode_splits > 1 else 0
+        a_ops = NUM_COMPUTE_WGS * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
+        return kv + q + split + a_ops
+
+    def check_fits(
+        self, head_dim: int, page_size: int, dtype, *, on_chip: bool = True, a_in_smem: bool = False
+    ) -> None:
+        """ValueError unless pages tile into blocks and (on_chip: a real GPU) SMEM suffices."""
+        if page_size % self.block_kv and self.block_kv % page_size:
+            raise ValueError(f"{page_size=} and {self.block_kv=}: one must divide the other")
+        need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem)
+        if on_chip and need > SMEM_BYTES - SMEM_SLACK:
+            raise ValueError(f"{self} needs {need} bytes of SMEM for {head_dim=}, {dtype=}")
+
+
+def default_tuning(
+    *,
+    num_seqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    dtype,
+    num_ctas: int = 132,
+    num_tokens: int = 0,
+) -> TuningConfig:
+    """A schedule from static shapes only; the choices are backed by docs/benchmarks.md (H200).
+
+    Decode (head_dim 128, page 16, B=256, ctx 1024): 64-token blocks x 3 stages 3.09 TB/s, x 4
+    stages
+    2.91, 128-token blocks x 2 stages 2.93. Prefill (8192-token chunk): 128-token blocks x 2 stages
+    482 TFLOP/s, 64 x 3 452. So token buckets >= 2048 (prefill-heavy) take 128-token blocks.
+    head_dim 64 was measured with 128-token blocks x 3 stages only.
+    """
+    prefill_heavy = num_tokens >= 2048
+    if head_dim < 128:  # as measured for head_dim 64 (both layouts, decode and prefill)
+        prefs = [(128, 3), (128, 2), (64, 3)]
+    elif prefill_heavy:
+        prefs = [(128, 2), (64, 3), (64, 2)]
+    else:
+        prefs = [(64, 3), (64, 2)]
+    prefs = [(bk, s) for bk, s in prefs if not (page_size % bk and bk % page_size)]
+    prefs = prefs or [(max(64, min(256, page_size)), 2)]
+    max_blocks = max(1, pages_per_seq * page_size // prefs[-1][0])
+    # Split decode items until there are about two per CTA, but never below 4 blocks per split.
+    items = max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(-(-2 * num_ctas // items), max_blocks // 4, 16))
+    budget = SMEM_BYTES - SMEM_SLACK
+    # Split-decode staging costs SMEM: prefill-heavy buckets drop the splits before the big blocks,
+    # decode buckets keep the splits and take smaller blocks.
+    order = (
+        [(p, k) for p in prefs for k in (splits, 1)]
+        if prefill_heavy
+        else [(p, k) for k in (splits, 1) for p in prefs]
+    )
+    for (bk, stages), want_splits in order:
+        cfg = TuningConfig(bk, stages, want_splits, num_ctas)
+        if cfg.smem_bytes(head_dim, dtype) <= budget:
+            return cfg
+    return TuningConfig(64, 2, 1, num_ctas)
