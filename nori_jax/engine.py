@@ -92,6 +92,7 @@ class LLMEngine:
             self.scheduler_config.max_pages_per_seq, self.scheduler.buckets,
         )
         self.runner.compile_all()
+        self.runner.warm_up()
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)

@@ -104,6 +104,39 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds)
 
+    def warm_up(self) -> None:
+        """Run every compiled bucket once on a plan that touches only the null page.
+
+        First executions may still build programs (interpret-mode kernels on CPU trace their
+        bodies on first use; some backends load or autotune lazily); doing it here keeps the
+        serving loop at zero compiles. Each plan has a decode row and a prefill row, so both
+        kernel paths run; every slot maps into page 0, whose contents are garbage by design.
+        """
+        s, mp = self.max_num_seqs, self.max_pages_per_seq
+        for t in self.buckets:
+            q_lens = [1, t - 1] if t > 1 and s > 1 else [1]
+            q_lens[-1] = min(q_lens[-1], mp * self.page_size)
+            n = sum(q_lens)
+            cu = np.zeros(s + 1, np.int32)
+            cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+            cu[len(q_lens) + 1 :] = n
+            kv_lens = np.zeros(s, np.int32)
+            kv_lens[: len(q_lens)] = q_lens
+            positions = np.zeros(t, np.int32)
+            positions[1:n] = np.arange(n - 1)
+            plan = StepPlan(
+                input_ids=np.ones(t, np.int32), positions=positions,
+                slot_mapping=positions % self.page_size, cu_q_lens=cu, kv_lens=kv_lens,
+                page_table=np.zeros((s, mp), np.int32),
+                distribution=np.asarray([1, len(q_lens)], np.int32),
+                logits_indices=np.maximum(cu[1:] - 1, 0), temperature=np.ones(s, np.float32),
+                top_p=np.full(s, 0.9, np.float32), top_k=np.full(s, 5, np.int32),
+                seeds=np.zeros(s, np.int32), sample_index=np.zeros(s, np.int32),
+                prev_index=np.full(t, -1, np.int32), request_ids=[], num_scheduled_tokens=[],
+                samples=[], num_tokens=n,
+            )
+            self.step(plan)
+
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
 
