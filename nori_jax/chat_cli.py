@@ -1,4 +1,4 @@
-"""`nori-jax chat`: an interactive terminal chat with streamed replies, through the chat template."""
+"""`nori-jax chat`: an interactive terminal chat with streamed replies (the chat template)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from nori_jax.sampling_params import SamplingParams
 HELP = "Type a message; /reset starts over, /exit (or Ctrl-D) quits."
 
 
-def stream_reply(engine: LLMEngine, messages: list[dict], params: SamplingParams, out=sys.stdout) -> str:
+def stream_reply(
+    engine: LLMEngine, messages: list[dict], params: SamplingParams, out=sys.stdout
+) -> str:
     """Generate the assistant's next turn, writing text as it arrives; returns the whole reply."""
     request_id = engine.add_request(None, engine.tokenizer.encode_chat(messages), params)
     reply = ""
@@ -32,7 +34,9 @@ def _chat(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use `nori-jax generate` instead")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+    )
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)
     print(HELP)

@@ -16,9 +16,14 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     llm = LLM.__new__(LLM)
     llm.engine = engine
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompt or [sys.stdin.read()]
     for out in llm.generate(prompts, params):
         print(out.text)
@@ -53,7 +58,9 @@ def _optional_commands(sub) -> None:
     from nori_jax.bench.cli import add_bench_serve_parser
     from nori_jax.bench.offline import add_bench_offline_parser
 
-    bench = sub.add_parser("bench", help="benchmarks: load generator against a server, offline runs")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: load generator against a server, offline runs"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(bench_sub)
     add_bench_offline_parser(bench_sub)
@@ -71,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # force: importing orbax makes absl configure the root logger first.
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except ValueError as e:

@@ -9,7 +9,9 @@ import jax
 
 
 def enable(cache_dir: str | None = None) -> Path:
-    path = Path(cache_dir or os.environ.get("NORI_JAX_CACHE_DIR") or "~/.cache/nori_jax/xla").expanduser()
+    path = Path(
+        cache_dir or os.environ.get("NORI_JAX_CACHE_DIR") or "~/.cache/nori_jax/xla"
+    ).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     # The defaults skip programs that compile in under a second: on CPU that is nearly all of ours.

@@ -15,7 +15,9 @@ from nori_jax.tokenizer import Tokenizer
 
 def byte_tokenizer(vocab_size: int) -> Tokenizer:
     if vocab_size < 258:
-        raise ValueError(f"vocab_size={vocab_size} must be >= 258 for the byte-level dummy tokenizer")
+        raise ValueError(
+            f"vocab_size={vocab_size} must be >= 258 for the byte-level dummy tokenizer"
+        )
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
     vocab = {ch: i for i, ch in enumerate(byte_chars)}
@@ -26,15 +28,23 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     # The last two ids act as BOS/EOS so stop handling has something to work with.
     bos, eos = vocab_size - 2, vocab_size - 1
-    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=(eos,), bos_token=f"<t{bos}>",
-                     eos_token=f"<t{eos}>")
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_ids=(eos,),
+        bos_token=f"<t{bos}>",
+        eos_token=f"<t{eos}>",
+    )
 
 
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, others to 256+."""
     code = ord(ch)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if code in printable:
         return code
     others = [b for b in range(256) if b not in printable]

@@ -64,8 +64,13 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         start = time.perf_counter()
         self.model = load_model(
-            config.model, dtype=config.dtype, load_format=config.load_format, mesh=self.mesh,
-            attention_backend=self.attention_backend, seed=config.seed, tokenizer=config.tokenizer,
+            config.model,
+            dtype=config.dtype,
+            load_format=config.load_format,
+            mesh=self.mesh,
+            attention_backend=self.attention_backend,
+            seed=config.seed,
+            tokenizer=config.tokenizer,
             param_cache=config.param_cache,
         )
         self.load_seconds = time.perf_counter() - start
@@ -74,22 +79,34 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
         num_pages = config.num_pages or num_pages_for_memory(
-            mcfg, config.page_size, self.model.dtype, self.mesh, config.gpu_memory_utilization,
+            mcfg,
+            config.page_size,
+            self.model.dtype,
+            self.mesh,
+            config.gpu_memory_utilization,
             config.cpu_kv_cache_gib,
         )
         self.scheduler_config = SchedulerConfig(
-            max_model_len=self.max_model_len, page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             long_prefill_threshold=config.long_prefill_threshold,
             long_prefill_token_share=config.long_prefill_token_share,
-            kv_headroom=config.kv_headroom, max_num_waiting=config.max_num_waiting,
+            kv_headroom=config.kv_headroom,
+            max_num_waiting=config.max_num_waiting,
         )
         allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, allocator)
         self.runner = ModelRunner(
-            self.model, self.mesh, num_pages, config.page_size, config.max_num_seqs,
-            self.scheduler_config.max_pages_per_seq, self.scheduler.buckets,
+            self.model,
+            self.mesh,
+            num_pages,
+            config.page_size,
+            config.max_num_seqs,
+            self.scheduler_config.max_pages_per_seq,
+            self.scheduler.buckets,
         )
         self.runner.compile_all()
         self.runner.warm_up()
@@ -104,8 +121,13 @@ class LLMEngine:
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
         logger.info(
             "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
-            self.model.source, self.model.dtype.__name__ if hasattr(self.model.dtype, "__name__")
-            else self.model.dtype, num_pages, config.page_size, self.scheduler.buckets,
+            self.model.source,
+            self.model.dtype.__name__
+            if hasattr(self.model.dtype, "__name__")
+            else self.model.dtype,
+            num_pages,
+            config.page_size,
+            self.scheduler.buckets,
             self.attention_backend,
         )
 
@@ -139,8 +161,12 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt), prompt
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) for t in prompt
+        ):
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not prompt:
             raise ValueError("prompt is empty (no token ids)")
         vocab = self.model.config.vocab_size
@@ -150,10 +176,13 @@ class LLMEngine:
         return [int(t) for t in prompt], None
 
     def add_request(
-        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; raises ValueError for bad input, QueueFullError when the queue is full."""
+        """Queue a request; ValueError for bad input, QueueFullError when the queue is full."""
         params = params or SamplingParams()
         params.validate()
         token_ids, text = self.tokenize(prompt)
@@ -164,8 +193,11 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         req = Request(
-            request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids, params=params,
-            seed=seed, eos_token_ids=self._eos,
+            request_id=request_id or self.new_request_id(),
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            eos_token_ids=self._eos,
             times=RequestTimes(arrival_time if arrival_time is not None else time.monotonic()),
         )
         self.scheduler.add_request(req)

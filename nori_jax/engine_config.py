@@ -1,4 +1,4 @@
-"""Everything that configures an engine, in one frozen dataclass; YAML presets fill it, CLIs override."""
+"""Everything that configures an engine, in one frozen dataclass: YAML fills it, CLIs override."""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf file, or preset (with load_format="dummy"); None: default
+    model: str | None = (
+        None  # HF dir, .gguf file, or preset (with load_format="dummy"); None: default
+    )
     tokenizer: str | None = None  # HF dir with tokenizer.json, overriding the model's own
     dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0
-    param_cache: bool = True  # keep converted parameters in an orbax cache (see weights/checkpoint_cache.py)
+    param_cache: bool = (
+        True  # keep converted parameters in an orbax cache (see weights/checkpoint_cache.py)
+    )
     # KV cache
     page_size: int = 64
     num_pages: int | None = None  # None: sized from gpu_memory_utilization
@@ -49,9 +53,13 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 

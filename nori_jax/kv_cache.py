@@ -21,11 +21,17 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     """All layers' bytes for one page index across the whole mesh."""
-    return cfg.num_layers * 2 * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return (
+        cfg.num_layers * 2 * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    )
 
 
 def num_pages_for_memory(
-    cfg: ModelConfig, page_size: int, dtype, mesh: Mesh, gpu_memory_utilization: float,
+    cfg: ModelConfig,
+    page_size: int,
+    dtype,
+    mesh: Mesh,
+    gpu_memory_utilization: float,
     cpu_kv_cache_gib: float,
 ) -> int:
     """Pages that fit in the memory budget left after the weights (already on the devices).
@@ -44,7 +50,9 @@ def num_pages_for_memory(
     return int(budget // per_page)
 
 
-def allocate_kv_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh) -> list[jax.Array]:
+def allocate_kv_pages(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh
+) -> list[jax.Array]:
     layout = KVLayout(num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     sharding = kv_sharding(mesh)
     zeros = jax.jit(lambda: jnp.zeros(layout.shape, dtype), out_shardings=sharding)

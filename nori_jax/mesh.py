@@ -1,4 +1,4 @@
-"""Device mesh with axes (`data`, `model`): one device by default, tensor parallelism over `model`."""
+"""Device mesh with axes (`data`, `model`): one device by default, tensor parallel over `model`."""
 
 from __future__ import annotations
 
@@ -36,8 +36,11 @@ class MeshConfig:
     def check_model(self, cfg: ModelConfig) -> None:
         """Tensor parallelism splits heads and MLP columns: each must divide evenly."""
         tp = self.model
-        for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+        for name, n in (
+            ("num_heads", cfg.num_heads),
+            ("num_kv_heads", cfg.num_kv_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
             if n % tp:
                 raise ValueError(f"mesh model={tp} does not divide {name}={n}")
 

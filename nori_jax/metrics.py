@@ -12,12 +12,70 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nori_jax.request import Request
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-                          0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,
-                 0.256, 0.512, 1.024, 2.048)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_STEP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.004,
+    0.008,
+    0.016,
+    0.032,
+    0.064,
+    0.128,
+    0.256,
+    0.512,
+    1.024,
+    2.048,
+)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -30,32 +88,56 @@ class EngineMetrics:
             return Histogram(f"nori:{name}", doc, buckets=buckets, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
-        self.tpot = hist("time_per_output_token_seconds",
-                         "Mean time between output tokens of a request (decode time / (tokens - 1)).",
-                         _TOKEN_LATENCY_BUCKETS)
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Mean time between output tokens of a request (decode time / (tokens - 1)).",
+            _TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
-        self.step_duration = hist("step_duration_seconds", "Wall time of one engine step.", _STEP_BUCKETS)
-        self.scheduler_duration = hist("scheduler_duration_seconds",
-                                       "Host time to schedule one step and build its plan.",
-                                       _STEP_BUCKETS)
-        self.running = Gauge("nori:num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("nori:num_requests_waiting", "Requests waiting for admission.", registry=r)
-        self.kv_usage = Gauge("nori:kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", registry=r)
-        self.prompt_tokens = Counter("nori:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.step_duration = hist(
+            "step_duration_seconds", "Wall time of one engine step.", _STEP_BUCKETS
+        )
+        self.scheduler_duration = hist(
+            "scheduler_duration_seconds",
+            "Host time to schedule one step and build its plan.",
+            _STEP_BUCKETS,
+        )
+        self.running = Gauge(
+            "nori:num_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "nori:num_requests_waiting", "Requests waiting for admission.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "nori:kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "nori:prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
         self.generation_tokens = Counter("nori:generation_tokens", "Generated tokens.", registry=r)
-        self.success = Counter("nori:request_success", "Finished requests by finish reason.",
-                               ["finished_reason"], registry=r)
+        self.success = Counter(
+            "nori:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
         for reason in FINISH_REASONS:
             self.success.labels(finished_reason=reason)
-        self.preemptions = Counter("nori:num_preemptions", "Requests preempted (recomputed).", registry=r)
-        self.recompiles = Counter("nori:recompiles", "XLA programs built after warm-up.", registry=r)
-        self.prefix_hits = Counter("nori:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                   registry=r)
-        self.prefix_queries = Counter("nori:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.preemptions = Counter(
+            "nori:num_preemptions", "Requests preempted (recomputed).", registry=r
+        )
+        self.recompiles = Counter(
+            "nori:recompiles", "XLA programs built after warm-up.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "nori:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.prefix_queries = Counter(
+            "nori:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
 
     def observe_finished(self, req: Request) -> None:
         t = req.times
@@ -79,8 +161,10 @@ class EngineMetrics:
         for family in self.registry.collect():
             if family.type == "histogram":
                 samples = {s.name: s.value for s in family.samples if not s.labels.get("le")}
-                out[family.name] = {"count": samples.get(f"{family.name}_count", 0.0),
-                                    "sum": samples.get(f"{family.name}_sum", 0.0)}
+                out[family.name] = {
+                    "count": samples.get(f"{family.name}_count", 0.0),
+                    "sum": samples.get(f"{family.name}_sum", 0.0),
+                }
             elif family.type == "counter":
                 for s in family.samples:
                     if not s.name.endswith("_total"):

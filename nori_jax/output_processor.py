@@ -28,8 +28,9 @@ class OutputProcessor:
     def add(self, req: Request, prompt: str | None) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                           req.params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            )
         self._streams[req.request_id] = _Stream(req, prompt, detok)
 
     def detokenize(self, req: Request) -> bool:
@@ -40,8 +41,12 @@ class OutputProcessor:
         if s.detok is None:
             return False
         p = req.params
-        if (req.finish_reason == "stop" and new_ids and not p.include_stop_str_in_output
-                and (new_ids[-1] in p.stop_token_ids or new_ids[-1] in req.eos_token_ids)):
+        if (
+            req.finish_reason == "stop"
+            and new_ids
+            and not p.include_stop_str_in_output
+            and (new_ids[-1] in p.stop_token_ids or new_ids[-1] in req.eos_token_ids)
+        ):
             new_ids = new_ids[:-1]  # the stop token itself is not part of the text
         for tok in new_ids:
             s.text += s.detok.add(tok)
@@ -57,7 +62,9 @@ class OutputProcessor:
         for stop in stops:
             i = s.text.find(stop, start)
             if i >= 0:
-                s.text = s.text[: i + len(stop) if s.request.params.include_stop_str_in_output else i]
+                s.text = s.text[
+                    : i + len(stop) if s.request.params.include_stop_str_in_output else i
+                ]
                 return True
         return False
 

@@ -24,8 +24,15 @@ class RequestMetrics:
         t = req.times
         ttft = None if t.first_token is None else t.first_token - t.arrival
         e2e = None if t.finished is None else t.finished - t.arrival
-        return cls(t.queue_time, t.prefill_time, t.decode_time, ttft, e2e, req.num_preemptions,
-                   req.num_cached_tokens)
+        return cls(
+            t.queue_time,
+            t.prefill_time,
+            t.decode_time,
+            ttft,
+            e2e,
+            req.num_preemptions,
+            req.num_cached_tokens,
+        )
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """The device side: one jitted ragged step, compiled ahead of time for every token bucket.
 
-    step(state, kv_pages, prev_tokens, batch) -> (next_tokens int32[S], logprobs float32[S], kv_pages)
+    step(state, kv_pages, prev_tokens, batch)
+        -> (next_tokens int32[S], logprobs float32[S], kv_pages)
 
 `state` is the model's parameters (nnx.split once; the graphdef is closed over), `kv_pages` is
 donated and comes back updated in place, and only S tokens + S logprobs return to the host.
@@ -39,13 +40,20 @@ def _step(graphdef, state, kv_pages, prev_tokens, batch):
     prev = batch["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["input_ids"])
     meta = AttentionInputs(
-        slot_mapping=batch["slot_mapping"], kv_lens=batch["kv_lens"], page_table=batch["page_table"],
-        cu_q_lens=batch["cu_q_lens"], distribution=batch["distribution"],
+        slot_mapping=batch["slot_mapping"],
+        kv_lens=batch["kv_lens"],
+        page_table=batch["page_table"],
+        cu_q_lens=batch["cu_q_lens"],
+        distribution=batch["distribution"],
     )
     hidden, kv_pages = model(input_ids, batch["positions"], kv_pages, meta)
     logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
     tokens, logprobs = sample(
-        logits, batch["temperature"], batch["top_p"], batch["top_k"], batch["seeds"],
+        logits,
+        batch["temperature"],
+        batch["top_p"],
+        batch["top_k"],
+        batch["seeds"],
         batch["sample_index"],
     )
     return tokens, logprobs, kv_pages
@@ -53,8 +61,14 @@ def _step(graphdef, state, kv_pages, prev_tokens, batch):
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, mesh: Mesh, num_pages: int, page_size: int, max_num_seqs: int,
-        max_pages_per_seq: int, buckets: list[int],
+        self,
+        loaded: LoadedModel,
+        mesh: Mesh,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        buckets: list[int],
     ):
         self.model = loaded
         self.mesh = mesh
@@ -69,7 +83,11 @@ class ModelRunner:
         self._jitted = jax.jit(
             functools.partial(_step, loaded.graphdef),
             donate_argnums=(1,),
-            out_shardings=(self._replicated, self._replicated, [self._kv_sharding] * cfg.num_layers),
+            out_shardings=(
+                self._replicated,
+                self._replicated,
+                [self._kv_sharding] * cfg.num_layers,
+            ),
         )
         self._executables: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
@@ -79,13 +97,24 @@ class ModelRunner:
         s, mp, rep = self.max_num_seqs, self.max_pages_per_seq, self._replicated
         i32, f32 = jnp.int32, jnp.float32
         shapes = {
-            "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
-            "cu_q_lens": ((s + 1,), i32), "kv_lens": ((s,), i32), "page_table": ((s, mp), i32),
-            "distribution": ((2,), i32), "logits_indices": ((s,), i32), "temperature": ((s,), f32),
-            "top_p": ((s,), f32), "top_k": ((s,), i32), "seeds": ((s,), i32),
-            "sample_index": ((s,), i32), "prev_index": ((t,), i32),
+            "input_ids": ((t,), i32),
+            "positions": ((t,), i32),
+            "slot_mapping": ((t,), i32),
+            "cu_q_lens": ((s + 1,), i32),
+            "kv_lens": ((s,), i32),
+            "page_table": ((s, mp), i32),
+            "distribution": ((2,), i32),
+            "logits_indices": ((s,), i32),
+            "temperature": ((s,), f32),
+            "top_p": ((s,), f32),
+            "top_k": ((s,), i32),
+            "seeds": ((s,), i32),
+            "sample_index": ((s,), i32),
+            "prev_index": ((t,), i32),
         }
-        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()}
+        return {
+            k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()
+        }
 
     def compile_all(self) -> None:
         """Lower every bucket, then compile them in parallel (XLA releases the GIL)."""
@@ -98,11 +127,17 @@ class ModelRunner:
             t: self._jitted.lower(state_abs, kv_abs, prev_abs, self._abstract_batch(t))
             for t in self.buckets
         }
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True))
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(16, os.cpu_count() or 4)
+        ) as pool:
+            compiled = dict(
+                zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True)
+            )
         self._executables.update(compiled)
         self.compile_seconds = time.perf_counter() - start
-        logger.info("compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds)
+        logger.info(
+            "compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds
+        )
 
     def warm_up(self) -> None:
         """Run every compiled bucket once on a plan that touches only the null page.
@@ -125,15 +160,24 @@ class ModelRunner:
             positions = np.zeros(t, np.int32)
             positions[1:n] = np.arange(n - 1)
             plan = StepPlan(
-                input_ids=np.ones(t, np.int32), positions=positions,
-                slot_mapping=positions % self.page_size, cu_q_lens=cu, kv_lens=kv_lens,
+                input_ids=np.ones(t, np.int32),
+                positions=positions,
+                slot_mapping=positions % self.page_size,
+                cu_q_lens=cu,
+                kv_lens=kv_lens,
                 page_table=np.zeros((s, mp), np.int32),
                 distribution=np.asarray([1, len(q_lens)], np.int32),
-                logits_indices=np.maximum(cu[1:] - 1, 0), temperature=np.ones(s, np.float32),
-                top_p=np.full(s, 0.9, np.float32), top_k=np.full(s, 5, np.int32),
-                seeds=np.zeros(s, np.int32), sample_index=np.zeros(s, np.int32),
-                prev_index=np.full(t, -1, np.int32), request_ids=[], num_scheduled_tokens=[],
-                samples=[], num_tokens=n,
+                logits_indices=np.maximum(cu[1:] - 1, 0),
+                temperature=np.ones(s, np.float32),
+                top_p=np.full(s, 0.9, np.float32),
+                top_k=np.full(s, 5, np.int32),
+                seeds=np.zeros(s, np.int32),
+                sample_index=np.zeros(s, np.int32),
+                prev_index=np.full(t, -1, np.int32),
+                request_ids=[],
+                num_scheduled_tokens=[],
+                samples=[],
+                num_tokens=n,
             )
             self.step(plan)
 

@@ -38,7 +38,7 @@ def sample(
     seeds: jax.Array,  # int32[S]
     sample_index: jax.Array,  # int32[S]
 ) -> tuple[jax.Array, jax.Array]:
-    """Returns (tokens int32[S], logprob of each token under the unscaled distribution float32[S])."""
+    """(tokens int32[S], each token's logprob under the unscaled distribution float32[S])."""
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_random = temperature > 0.0
 

@@ -1,4 +1,4 @@
-"""Per-request sampling settings, with vLLM's field names. None of them changes a compiled program."""
+"""Per-request sampling settings, with vLLM's field names. None changes a compiled program."""
 
 from __future__ import annotations
 
@@ -46,11 +46,15 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be 0 or -1 (disabled) or a positive integer")
+            raise ValueError(
+                f"top_k={self.top_k!r} must be 0 or -1 (disabled) or a positive integer"
+            )
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**31):
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**31)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)")
+            raise ValueError(
+                f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop={self.stop!r} must hold non-empty strings")

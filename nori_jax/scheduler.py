@@ -207,7 +207,9 @@ class Scheduler:
                 break
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
-            cached = self.allocator.lookup(self._page_hashes(req, (req.num_tokens - 1) // self.page_size))
+            cached = self.allocator.lookup(
+                self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
+            )
             num_cached = len(cached) * self.page_size
             n = self._chunk_size(req, num_cached, budget, long_budget)
             need = math.ceil((num_cached + n) / self.page_size) - len(cached)
@@ -279,8 +281,10 @@ class Scheduler:
         prev_index = np.full(t, -1, np.int32)
         prev_index[:num_dec] = [r.last_row if r.num_pending_tokens else -1 for r in decodes]
         input_ids[:num_dec] = [
-            0 if r.num_pending_tokens
-            else r.last_token if r.num_computed_tokens == r.num_tokens - 1
+            0
+            if r.num_pending_tokens
+            else r.last_token
+            if r.num_computed_tokens == r.num_tokens - 1
             else r.token_ids(r.num_computed_tokens, r.num_computed_tokens + 1)[0]
             for r in decodes
         ]
@@ -297,7 +301,10 @@ class Scheduler:
             offset += n
         sample_index = np.zeros(s, np.int32)
         sample_index[:num_rows] = [len(r.output_token_ids) + r.num_pending_tokens for r in reqs]
-        samples = [int(k) + n == r.num_scheduled_total for r, k, n in zip(reqs, start, counts, strict=False)]
+        samples = [
+            int(k) + n == r.num_scheduled_total
+            for r, k, n in zip(reqs, start, counts, strict=False)
+        ]
         # The plan is final: advance each request as if the step had run (see Request).
         for i, (r, n, smp) in enumerate(zip(reqs, counts, samples, strict=True)):
             r.num_computed_tokens += n
@@ -307,19 +314,31 @@ class Scheduler:
         # JAX clips out-of-range indices silently, which would corrupt another request's KV.
         assert 0 <= page_table.min() and page_table.max() < self.allocator.num_pages, "bad page id"
         return StepPlan(
-            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
-            kv_lens=kv_lens, page_table=page_table,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens,
+            page_table=page_table,
             distribution=np.asarray([num_dec, num_rows], np.int32),
-            logits_indices=logits_indices, temperature=slots.temperature[row_slots],
-            top_p=slots.top_p[row_slots], top_k=slots.top_k[row_slots], seeds=slots.seeds[row_slots],
-            sample_index=sample_index, prev_index=prev_index,
-            request_ids=[r.request_id for r in reqs], num_scheduled_tokens=counts,
-            samples=samples, num_tokens=num_tokens,
+            logits_indices=logits_indices,
+            temperature=slots.temperature[row_slots],
+            top_p=slots.top_p[row_slots],
+            top_k=slots.top_k[row_slots],
+            seeds=slots.seeds[row_slots],
+            sample_index=sample_index,
+            prev_index=prev_index,
+            request_ids=[r.request_id for r in reqs],
+            num_scheduled_tokens=counts,
+            samples=samples,
+            num_tokens=num_tokens,
         )
 
     # ---- results ----------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, next_tokens: np.ndarray, logprobs: np.ndarray) -> list[Request]:
+    def update(
+        self, plan: StepPlan, next_tokens: np.ndarray, logprobs: np.ndarray
+    ) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that gained a token this step.
 
         The plan already advanced every request's progress when it was built; this only delivers

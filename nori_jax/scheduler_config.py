@@ -24,8 +24,13 @@ class SchedulerConfig:
     max_num_waiting: int | None = None  # bound on queued requests; None: unbounded
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_num_long_prefills"):
+        for name in (
+            "max_model_len",
+            "page_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_num_long_prefills",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -36,7 +41,9 @@ class SchedulerConfig:
         if self.long_prefill_threshold is not None and self.long_prefill_threshold < 1:
             raise ValueError(f"long_prefill_threshold={self.long_prefill_threshold} must be >= 1")
         if not 0.0 < self.long_prefill_token_share <= 1.0:
-            raise ValueError(f"long_prefill_token_share={self.long_prefill_token_share} must be in (0, 1]")
+            raise ValueError(
+                f"long_prefill_token_share={self.long_prefill_token_share} must be in (0, 1]"
+            )
         if not 0.0 <= self.kv_headroom < 1.0:
             raise ValueError(f"kv_headroom={self.kv_headroom} must be in [0, 1)")
         if self.max_num_waiting is not None and self.max_num_waiting < 1:

@@ -5,12 +5,12 @@ One array per layer:
     kv_pages: [num_pages, num_kv_heads, 2, page_size, head_dim]     (axis 2: 0 = K, 1 = V)
 
 Why this order: the tile a kernel streams for one (page, kv head) is `kv_pages[page, head]`, a
-contiguous [2, page_size, head_dim] block holding both K and V. One bulk copy (TMA on Hopper) fetches
-it, every GMEM stride but the last is a multiple of 16 bytes for head_dim >= 8, and tensor
+contiguous [2, page_size, head_dim] block holding both K and V. One bulk copy (TMA on Hopper)
+fetches it, every GMEM stride but the last is a multiple of 16 bytes for head_dim >= 8, and tensor
 parallelism shards axis 1 (kv heads) without touching the page axis.
 
-Page 0 is the null page: padded tokens write into it and padded page-table entries point at it. It is
-never handed to a request, so its contents are garbage by design and never read unmasked.
+Page 0 is the null page: padded tokens write into it and padded page-table entries point at it.
+It is never handed to a request, so its contents are garbage by design and never read unmasked.
 
 A token's slot is `page * page_size + offset`; `slot_mapping[T]` carries one slot per step token.
 """
@@ -57,7 +57,9 @@ class KVLayout:
 
 def _check_write_inputs(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     if kv_pages.ndim != 5 or kv_pages.shape[2] != 2:
-        raise ValueError(f"{kv_pages.shape=} must be [num_pages, num_kv_heads, 2, page_size, head_dim]")
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_pages, num_kv_heads, 2, page_size, head_dim]"
+        )
     _, hkv, _, _, d = kv_pages.shape
     if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (hkv, d):
         raise ValueError(f"{k.shape=} and {v.shape=} must both be [T, {hkv}, {d}]")
@@ -71,7 +73,7 @@ def write_kv_reference(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # int32[T]
 ) -> jax.Array:
-    """Scatter the step's K/V into their slots. Padding tokens target page 0 and may collide there."""
+    """Scatter the step's K/V into their slots. Padding tokens target page 0 and may collide."""
     _check_write_inputs(kv_pages, k, v, slot_mapping)
     page_size = kv_pages.shape[3]
     pages = slot_mapping // page_size
@@ -84,5 +86,5 @@ def write_kv_reference(
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Jitted, donating KV write; inside the engine's step the reference body is inlined directly."""
+    """Jitted, donating KV write; inside the engine's step the reference body is inlined."""
     return write_kv_reference(kv_pages, k, v, slot_mapping)

@@ -11,8 +11,13 @@ import pytest
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
 
 TINY_COMMON = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
 )
 
 
@@ -22,15 +27,25 @@ def _hf_configs():
     return {
         # GQA, llama3 rope scaling, untied embeddings.
         "llama": LlamaConfig(
-            **TINY_COMMON, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **TINY_COMMON,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         ),
         # qkv bias, tied embeddings, MQA.
-        "qwen2": Qwen2Config(**TINY_COMMON, num_key_value_heads=1, tie_word_embeddings=True,
-                             use_sliding_window=False),
-        "mistral": MistralConfig(**TINY_COMMON, num_key_value_heads=2, sliding_window=None,
-                                 tie_word_embeddings=False),
+        "qwen2": Qwen2Config(
+            **TINY_COMMON, num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False
+        ),
+        "mistral": MistralConfig(
+            **TINY_COMMON, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False
+        ),
     }
 
 

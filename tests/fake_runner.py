@@ -21,12 +21,15 @@ def make_scheduler(num_pages: int = 64, **overrides) -> Scheduler:
     cfg = dict(max_model_len=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
     cfg.update(overrides)
     config = SchedulerConfig(**cfg)
-    return Scheduler(config, PageAllocator(num_pages, config.page_size, config.enable_prefix_caching))
+    return Scheduler(
+        config, PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+    )
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
-                   seed=0)
+    return Request(
+        rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, **params), seed=0
+    )
 
 
 def check_plan(s: Scheduler, plan: StepPlan) -> None:
@@ -51,8 +54,9 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
         assert plan.positions[lo:hi].tolist() == list(range(start, start + hi - lo))
         known = plan.prev_index[lo:hi] < 0
         expected = req.token_ids(start, start + hi - lo)
-        assert [t for t, k in zip(plan.input_ids[lo:hi].tolist(), known, strict=True) if k] == \
-            [t for t, k in zip(expected, known, strict=False) if k]
+        assert [t for t, k in zip(plan.input_ids[lo:hi].tolist(), known, strict=True) if k] == [
+            t for t, k in zip(expected, known, strict=False) if k
+        ]
         pages = np.asarray(req.pages)
         pos = plan.positions[lo:hi]
         assert (plan.slot_mapping[lo:hi] == pages[pos // ps] * ps + pos % ps).all()
@@ -69,8 +73,9 @@ class FakeDevice:
         self.last_sample: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> np.ndarray:
-        ids = np.where(plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)],
-                       plan.input_ids)
+        ids = np.where(
+            plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
+        )
         tokens = np.zeros(self.s.config.max_num_seqs, np.int32)
         for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
             lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
@@ -92,8 +97,13 @@ def fake_step(s: Scheduler, plan: StepPlan) -> list[Request]:
     return s.update(plan, tokens, np.zeros(s.config.max_num_seqs, np.float32))
 
 
-def run_to_completion(s: Scheduler, requests: list[Request], max_steps: int = 10_000,
-                      on_step=None, overlap: bool = False) -> dict[str, Request]:
+def run_to_completion(
+    s: Scheduler,
+    requests: list[Request],
+    max_steps: int = 10_000,
+    on_step=None,
+    overlap: bool = False,
+) -> dict[str, Request]:
     """Run until every request finishes. With `overlap`, plan N+1 is built before plan N's
     samples are delivered, as the engine's async scheduling does."""
     for r in requests:
@@ -131,4 +141,4 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     seq = list(prompt)
     for _ in range(max_tokens):
         seq.append(next_token(seq))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]

@@ -16,12 +16,24 @@ from nori_jax.weights.loader import LoadedModel, load_model
 
 
 def load(path, backend: str = "reference", dtype: str = "float32") -> LoadedModel:
-    return load_model(str(path), dtype=dtype, mesh=make_mesh(MeshConfig()), attention_backend=backend)
+    return load_model(
+        str(path), dtype=dtype, mesh=make_mesh(MeshConfig()), attention_backend=backend
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _forward(graphdef, state, kv_pages, input_ids, positions, slot_mapping, kv_lens, page_table,
-             cu_q_lens, distribution):
+def _forward(
+    graphdef,
+    state,
+    kv_pages,
+    input_ids,
+    positions,
+    slot_mapping,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    distribution,
+):
     model = nnx.merge(graphdef, state)
     meta = AttentionInputs(slot_mapping, kv_lens, page_table, cu_q_lens, distribution)
     hidden, kv_pages = model(input_ids, positions, kv_pages, meta)
@@ -35,21 +47,29 @@ class PagedSequence:
         self.loaded = loaded
         self.page_size = page_size
         num_pages = max_len // page_size + 2
-        self.kv = allocate_kv_pages(loaded.config, num_pages, page_size, loaded.dtype,
-                                    make_mesh(MeshConfig()))
+        self.kv = allocate_kv_pages(
+            loaded.config, num_pages, page_size, loaded.dtype, make_mesh(MeshConfig())
+        )
         # A shuffled page table, so the test exercises real paging, not contiguous memory.
-        self.pages = np.random.default_rng(seed).permutation(np.arange(1, num_pages)).astype(np.int32)
+        self.pages = (
+            np.random.default_rng(seed).permutation(np.arange(1, num_pages)).astype(np.int32)
+        )
         self.length = 0
 
     def feed(self, token_ids: list[int]) -> np.ndarray:
         n, ps, start = len(token_ids), self.page_size, self.length
         pos = np.arange(start, start + n, dtype=np.int32)
         logits, self.kv = _forward(
-            self.loaded.graphdef, self.loaded.state, self.kv,
-            jnp.asarray(token_ids, jnp.int32), jnp.asarray(pos),
+            self.loaded.graphdef,
+            self.loaded.state,
+            self.kv,
+            jnp.asarray(token_ids, jnp.int32),
+            jnp.asarray(pos),
             jnp.asarray(self.pages[pos // ps] * ps + pos % ps),
-            jnp.asarray([start + n], jnp.int32), jnp.asarray(self.pages[None, :]),
-            jnp.asarray([0, n], jnp.int32), jnp.asarray([1 if n == 1 else 0, 1], jnp.int32),
+            jnp.asarray([start + n], jnp.int32),
+            jnp.asarray(self.pages[None, :]),
+            jnp.asarray([0, n], jnp.int32),
+            jnp.asarray([1 if n == 1 else 0, 1], jnp.int32),
         )
         self.length += n
         return np.asarray(logits)
@@ -73,8 +93,12 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     with torch.no_grad():
         for prompt in prompts:
             gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+                eos_token_id=None,
             )
-            outs.append(gen[0, len(prompt):].tolist())
+            outs.append(gen[0, len(prompt) :].tolist())
     return outs

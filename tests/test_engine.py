@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from engine_fixtures import small_llm
+
 from nori_jax import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -30,8 +30,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def test_batch_invariance_across_neighbours_and_buckets(hf_checkpoints, llm):
     target = [11, 22, 33, 44, 55, 66, 77]
     alone = llm.generate([target], GREEDY)[0].token_ids
-    crowded = llm.generate(_prompts(7, seed=5)[:3] + [target] + _prompts(4, seed=6), GREEDY)[3].token_ids
-    other_buckets = small_llm(str(hf_checkpoints["llama"]), max_num_batched_tokens=256, max_num_seqs=16)
+    crowded = llm.generate(_prompts(7, seed=5)[:3] + [target] + _prompts(4, seed=6), GREEDY)[
+        3
+    ].token_ids
+    other_buckets = small_llm(
+        str(hf_checkpoints["llama"]), max_num_batched_tokens=256, max_num_seqs=16
+    )
     in_big_bucket = other_buckets.generate(_prompts(5, seed=7) + [target], GREEDY)[-1].token_ids
     assert alone == crowded == in_big_bucket
 
@@ -40,9 +44,15 @@ def test_no_compiles_after_warmup_over_many_shapes_and_settings(llm):
     rng = np.random.default_rng(0)
     prompts = _prompts(30, seed=1)
     params = [
-        SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.7, 1.3])),
-                       top_p=float(rng.choice([1.0, 0.9, 0.5])), top_k=int(rng.choice([0, 1, 20])),
-                       seed=int(rng.integers(0, 1000)), ignore_eos=True, logprobs=int(rng.integers(0, 2)))
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 30)),
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5])),
+            top_k=int(rng.choice([0, 1, 20])),
+            seed=int(rng.integers(0, 1000)),
+            ignore_eos=True,
+            logprobs=int(rng.integers(0, 2)),
+        )
         for _ in prompts
     ]
     outs = llm.generate(prompts, params)
@@ -55,7 +65,9 @@ def test_same_seed_same_output_whatever_the_batch(llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     a = llm.generate([[5, 6, 7]], p)[0].token_ids
     b = llm.generate(_prompts(5, seed=2) + [[5, 6, 7]], [GREEDY] * 5 + [p])[-1].token_ids
-    c = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    c = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert a == b
     assert a != c[0].token_ids
 
@@ -63,23 +75,29 @@ def test_same_seed_same_output_whatever_the_batch(llm):
 def test_top_k_one_and_tiny_top_p_equal_greedy(llm):
     prompt = [[9, 8, 7, 6]]
     greedy = llm.generate(prompt, GREEDY)[0].token_ids
-    top1 = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=3,
-                                               ignore_eos=True))[0].token_ids
-    top_p = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=2.0, top_p=1e-6, seed=3,
-                                                ignore_eos=True))[0].token_ids
+    top1 = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=3, ignore_eos=True)
+    )[0].token_ids
+    top_p = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=2.0, top_p=1e-6, seed=3, ignore_eos=True)
+    )[0].token_ids
     assert greedy == top1 == top_p
 
 
 def test_logprobs_are_log_probabilities_of_sampled_tokens(llm):
-    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, logprobs=1,
-                                                   ignore_eos=True))[0]
+    out = llm.generate(
+        [[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+    )[0]
     assert len(out.logprobs) == 8
     assert all(lp <= 0.0 for lp in out.logprobs)
     from model_harness import PagedSequence, load
 
     logits = PagedSequence(load(llm.engine.model.source)).feed([3, 4, 5] + out.token_ids[:-1])[2:]
-    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    ref = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     expected = ref[np.arange(8), out.token_ids]
     np.testing.assert_allclose(out.logprobs, expected, rtol=1e-4, atol=1e-4)
 
@@ -87,38 +105,53 @@ def test_logprobs_are_log_probabilities_of_sampled_tokens(llm):
 def test_stop_token_ids_and_eos(llm):
     greedy = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
     stop_at = greedy[4]
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=0.0,
-                                                   stop_token_ids=[stop_at], ignore_eos=True))[0]
+    out = llm.generate(
+        [[1, 2, 3]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+    )[0]
     assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
     assert out.finish_reason == "stop"
 
 
 def test_stop_strings_cut_text(text_llm):
-    full = text_llm.generate(["hello"], SamplingParams(max_tokens=20, temperature=0.0,
-                                                         ignore_eos=True))[0]
+    full = text_llm.generate(
+        ["hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )[0]
     assert len(full.text) > 6
     stop = full.text[3:6]
-    out = text_llm.generate(["hello"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop],
-                                                        ignore_eos=True))[0]
+    out = text_llm.generate(
+        ["hello"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
-    kept = text_llm.generate(["hello"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop],
-                                                         include_stop_str_in_output=True,
-                                                         ignore_eos=True))[0]
+    kept = text_llm.generate(
+        ["hello"],
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            stop=[stop],
+            include_stop_str_in_output=True,
+            ignore_eos=True,
+        ),
+    )[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
 def test_max_model_len_finishes_with_length(hf_checkpoints):
     llm = small_llm(str(hf_checkpoints["llama"]), max_model_len=40)
-    out = llm.generate([list(range(3, 33))], SamplingParams(max_tokens=100, temperature=0.0,
-                                                            ignore_eos=True))[0]
+    out = llm.generate(
+        [list(range(3, 33))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    )[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 
 def test_outputs_in_input_order_text_and_ids(text_llm):
     outs = text_llm.generate(["abc", [104, 105], "a longer prompt here"], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [[97, 98, 99], [104, 105],
-                                                   text_llm.tokenizer.encode("a longer prompt here")]
+    assert [o.prompt_token_ids for o in outs] == [
+        [97, 98, 99],
+        [104, 105],
+        text_llm.tokenizer.encode("a longer prompt here"),
+    ]
     assert outs[0].prompt == "abc" and outs[1].prompt is None
 
 

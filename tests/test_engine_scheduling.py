@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from engine_fixtures import small_llm
+
 from nori_jax import SamplingParams
 
 PAGE = 32
@@ -20,8 +20,12 @@ BASE = dict(page_size=PAGE, num_pages=96, max_model_len=512, max_num_seqs=16)
 
 @pytest.fixture(scope="module")
 def reference_tokens(hf_checkpoints):
-    llm = small_llm(str(hf_checkpoints["llama"]), **BASE, max_num_batched_tokens=256,
-                    enable_prefix_caching=False)
+    llm = small_llm(
+        str(hf_checkpoints["llama"]),
+        **BASE,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
     return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
 
 
@@ -56,10 +60,17 @@ def test_greedy_outputs_identical(hf_checkpoints, reference_tokens, overrides):
 
 def test_preemption_under_a_tiny_kv_pool_loses_nothing(hf_checkpoints, reference_tokens):
     # 8 usable pages of 32 tokens: far less than the 9 requests need together (~40 pages).
-    llm = small_llm(str(hf_checkpoints["llama"]), **{**BASE, "num_pages": 9, "max_model_len": 256},
-                    max_num_batched_tokens=128, kv_headroom=0.0)
+    llm = small_llm(
+        str(hf_checkpoints["llama"]),
+        **{**BASE, "num_pages": 9, "max_model_len": 256},
+        max_num_batched_tokens=128,
+        kv_headroom=0.0,
+    )
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == reference_tokens
     assert llm.get_metrics()["nori:num_preemptions_total"] > 0
-    assert sum(o.metrics.num_preemptions for o in outs) == llm.get_metrics()["nori:num_preemptions_total"]
+    assert (
+        sum(o.metrics.num_preemptions for o in outs)
+        == llm.get_metrics()["nori:num_preemptions_total"]
+    )
     assert llm.engine.scheduler.allocator.num_used_pages == 0

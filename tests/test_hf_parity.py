@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from model_harness import PagedSequence, hf_greedy, hf_logits, load
+
 from nori_jax import LLM, SamplingParams
 
 MODELS = ["llama", "qwen2", "mistral"]
@@ -31,9 +31,18 @@ def test_logits_match_transformers(hf_checkpoints, name):
 def test_greedy_tokens_match_transformers_batched(hf_checkpoints, name):
     """Several prompts of different lengths generated together give transformers' greedy tokens."""
     path = hf_checkpoints[name]
-    llm = LLM(str(path), dtype="float32", page_size=16, num_pages=48, max_num_seqs=4,
-              max_num_batched_tokens=64, max_model_len=128)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+    )
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
     for out, want in zip(outs, expected, strict=True):
         assert out.token_ids == want

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from model_harness import PagedSequence, load
 
 TOKENS = [(i * 37 + 11) % 300 + 3 for i in range(70)]

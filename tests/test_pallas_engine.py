@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from model_harness import PagedSequence, hf_greedy, hf_logits, load
+
 from nori_jax import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 33, 101, 7, 250, 12, 99, 64, 3, 180, 44, 21], [9], list(range(40, 60))]
@@ -22,8 +22,16 @@ def test_pallas_logits_match_transformers(hf_checkpoints, name):
 
 def test_pallas_engine_greedy_tokens_match_transformers(hf_checkpoints):
     path = hf_checkpoints["llama"]
-    llm = LLM(str(path), dtype="float32", page_size=16, num_pages=48, max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=128, attention_backend="pallas")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        attention_backend="pallas",
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, PROMPTS, 32)
     assert llm.engine.num_recompiles == 0

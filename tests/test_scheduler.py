@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fake_runner import (
     expected_output,
     make_request,
     make_scheduler,
     run_to_completion,
 )
+
 from nori_jax.scheduler import QueueFullError
 
 
 def _random_requests(n: int, seed: int, max_prompt: int = 120, max_out: int = 20):
     rng = np.random.default_rng(seed)
     return [
-        make_request(f"r{i}", rng.integers(3, 900, rng.integers(1, max_prompt)).tolist(),
-                     int(rng.integers(1, max_out)))
+        make_request(
+            f"r{i}",
+            rng.integers(3, 900, rng.integers(1, max_prompt)).tolist(),
+            int(rng.integers(1, max_out)),
+        )
         for i in range(n)
     ]
 
@@ -27,7 +30,9 @@ def test_all_requests_finish_with_exact_tokens_and_no_leaks():
     reqs = _random_requests(40, seed=0)
     done = run_to_completion(make_scheduler(num_pages=96), reqs)
     for r in reqs:
-        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+        assert done[r.request_id].output_token_ids == expected_output(
+            r.prompt_token_ids, r.params.max_tokens
+        )
         assert done[r.request_id].finish_reason == "length"
 
 
@@ -84,7 +89,9 @@ def test_chunked_prefill_splits_long_prompt_page_aligned_and_decodes_continue():
 
 def test_budget_smaller_than_a_page_still_progresses():
     reqs = _random_requests(6, seed=3, max_prompt=60)
-    done = run_to_completion(make_scheduler(num_pages=64, max_num_batched_tokens=8, max_num_seqs=4), reqs)
+    done = run_to_completion(
+        make_scheduler(num_pages=64, max_num_batched_tokens=8, max_num_seqs=4), reqs
+    )
     assert len(done) == 6
 
 
@@ -94,7 +101,9 @@ def test_preemption_keeps_outputs_identical_and_is_counted():
     done = run_to_completion(s, reqs)
     assert s.counters.num_preemptions > 0
     for r in reqs:
-        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+        assert done[r.request_id].output_token_ids == expected_output(
+            r.prompt_token_ids, r.params.max_tokens
+        )
 
 
 def test_prefix_cache_hits_for_shared_system_prompt_and_refcounts():
@@ -147,9 +156,15 @@ def test_prefix_caching_off_gives_no_hits():
 
 def test_long_request_isolation_bounds_short_wait():
     """Short requests behind a very long prompt are admitted within a few steps, not after it."""
+
     def first_steps(threshold):
-        s = make_scheduler(num_pages=200, max_model_len=2048, max_num_batched_tokens=64,
-                           long_prefill_threshold=threshold, long_prefill_token_share=0.25)
+        s = make_scheduler(
+            num_pages=200,
+            max_model_len=2048,
+            max_num_batched_tokens=64,
+            long_prefill_threshold=threshold,
+            long_prefill_token_share=0.25,
+        )
         long = make_request("long", [4] * 1500, 2)
         shorts = [make_request(f"s{i}", [5 + i] * 10, 2) for i in range(4)]
         first_seen, step = {}, 0
@@ -206,19 +221,29 @@ def test_overlapped_scheduling_gives_the_same_tokens():
     reqs = _random_requests(40, seed=4)
     done = run_to_completion(make_scheduler(num_pages=96), reqs, overlap=True)
     for r in reqs:
-        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+        assert done[r.request_id].output_token_ids == expected_output(
+            r.prompt_token_ids, r.params.max_tokens
+        )
 
 
 def test_overlapped_scheduling_with_preemption_and_prefix_cache():
     system = list(range(300, 340))
     rng = np.random.default_rng(8)
-    reqs = [make_request(f"r{i}", system + rng.integers(3, 900, int(rng.integers(1, 50))).tolist(),
-                         int(rng.integers(1, 40))) for i in range(24)]
+    reqs = [
+        make_request(
+            f"r{i}",
+            system + rng.integers(3, 900, int(rng.integers(1, 50))).tolist(),
+            int(rng.integers(1, 40)),
+        )
+        for i in range(24)
+    ]
     s = make_scheduler(num_pages=20, max_model_len=128, kv_headroom=0.0)
     done = run_to_completion(s, reqs, overlap=True)
     assert s.counters.num_preemptions > 0 and s.counters.prefix_cache_hits > 0
     for r in reqs:
-        assert done[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
+        assert done[r.request_id].output_token_ids == expected_output(
+            r.prompt_token_ids, r.params.max_tokens
+        )
 
 
 def test_overlapped_stop_token_discards_the_in_flight_sample():
@@ -226,6 +251,8 @@ def test_overlapped_stop_token_discards_the_in_flight_sample():
     full = expected_output(prompt, 12)
     stop = full[3]
     s = make_scheduler()
-    done = run_to_completion(s, [make_request("a", prompt, 12, stop_token_ids=[stop])], overlap=True)
+    done = run_to_completion(
+        s, [make_request("a", prompt, 12, stop_token_ids=[stop])], overlap=True
+    )
     assert done["a"].output_token_ids == full[: full.index(stop) + 1]
     assert done["a"].finish_reason == "stop"

@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent(
     import jax
     from nori_jax import LLM, MeshConfig, SamplingParams
     path = sys.argv[1]
-    kw = dict(dtype="float32", page_size=16, num_pages=32, max_num_seqs=4, max_num_batched_tokens=32,
+    kw = dict(dtype="float32", page_size=16, num_pages=32, max_num_seqs=4,
+              max_num_batched_tokens=32,
               max_model_len=128)
     prompts = [[5, 17, 33, 101, 7], list(range(40, 70))]
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -34,9 +35,16 @@ SCRIPT = textwrap.dedent(
 
 
 def test_two_way_tensor_parallel_matches_single_device(hf_checkpoints, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(hf_checkpoints["llama"])], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(hf_checkpoints["llama"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2

@@ -28,8 +28,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=303, help="fixed, as PERF.md's HF figure")
     ap.add_argument("--input-max", type=int, default=6144)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attn", default="auto",
-                    help="attention implementation; auto tries the paged sdpa names of 5.x releases")
+    ap.add_argument(
+        "--attn",
+        default="auto",
+        help="attention implementation; auto tries the paged sdpa names of 5.x releases",
+    )
     ap.add_argument("--result-json", default=None)
     args = ap.parse_args()
 
@@ -40,8 +43,9 @@ def main() -> None:
     names = ["paged|sdpa", "sdpa_paged", "sdpa"] if args.attn == "auto" else [args.attn]
     for name in names:  # the paged sdpa kernel's name changed between transformers releases
         try:
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=dtype,
-                                                     attn_implementation=name)
+            model = AutoModelForCausalLM.from_config(
+                LlamaConfig(**cfg), dtype=dtype, attn_implementation=name
+            )
             args.attn = name
             break
         except ValueError:
@@ -50,8 +54,13 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     ins = sample_lengths(LognormalLengths(6.2, 0.8, 1, args.input_max), args.num_prompts, rng)
     prompts = [rng.integers(10, cfg["vocab_size"] - 10, int(k)).tolist() for k in ins]
-    gen = GenerationConfig(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model.generate_batch(prompts[:4], generation_config=gen)  # warm-up
     if device == "cuda":
         torch.cuda.synchronize()
@@ -63,10 +72,16 @@ def main() -> None:
     n_out = sum(len(o.generated_tokens) for o in outs.values())
     n_in = int(ins.sum())
     result = {
-        "model": args.model, "num_prompts": args.num_prompts, "elapsed_s": elapsed,
-        "input_tokens": n_in, "output_tokens": n_out,
-        "total_token_throughput": (n_in + n_out) / elapsed, "output_throughput": n_out / elapsed,
-        "request_throughput": args.num_prompts / elapsed, "attn": args.attn, "device": device,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "elapsed_s": elapsed,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "total_token_throughput": (n_in + n_out) / elapsed,
+        "output_throughput": n_out / elapsed,
+        "request_throughput": args.num_prompts / elapsed,
+        "attn": args.attn,
+        "device": device,
     }
     print(json.dumps(result))
     if args.result_json:

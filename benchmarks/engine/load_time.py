@@ -16,7 +16,9 @@ import jax
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
+    ap.add_argument(
+        "--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF"
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -42,7 +44,9 @@ def main() -> None:
         times["restore (warm cache)"].append(time.perf_counter() - t)
     print(f"{m.source} dtype={m.dtype} backend={jax.default_backend()}")
     for k, v in times.items():
-        print(f"{k:<24} median {sorted(v)[len(v) // 2]:6.2f} s   ({', '.join(f'{x:.2f}' for x in v)})")
+        print(
+            f"{k:<24} median {sorted(v)[len(v) // 2]:6.2f} s   ({', '.join(f'{x:.2f}' for x in v)})"
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,20 @@ PERF = ["--dataset", "lognormal", "--input-max", "6144", "--output-max", "2048"]
 
 def run(model: str, backend: str, n: int, extra: list[str] | None = None) -> list[str]:
     """PERF.md's workload on configs/engine/h200-throughput.yaml's shapes (shared compile cache)."""
-    return ["--config", "h200-throughput", "--model", model, "--attention-backend", backend, *PERF,
-            "--num-prompts", str(n), "--warmup-requests", "16", *(extra or [])]
+    return [
+        "--config",
+        "h200-throughput",
+        "--model",
+        model,
+        "--attention-backend",
+        backend,
+        *PERF,
+        "--num-prompts",
+        str(n),
+        "--warmup-requests",
+        "16",
+        *(extra or []),
+    ]
 
 
 # Issue 7's experiments, all on SmolLM2-135M with the Pallas kernel. RATE is replaced by a Poisson
@@ -56,8 +68,12 @@ SUITES: dict[str, dict[str, list[str]]] = {
     # Issue 7: prefix caching, isolation, KV capacity.
     "scheduling": {
         "shared-prefix/cache-on": run("smollm2-135m", "pallas", 100, SHARED),
-        "shared-prefix/cache-off": run("smollm2-135m", "pallas", 100, SHARED + ["--no-prefix-caching"]),
-        "long-mix/isolated": run("smollm2-135m", "pallas", 100, LONG_MIX + ["--long-prefill-threshold", "2048"]),
+        "shared-prefix/cache-off": run(
+            "smollm2-135m", "pallas", 100, SHARED + ["--no-prefix-caching"]
+        ),
+        "long-mix/isolated": run(
+            "smollm2-135m", "pallas", 100, LONG_MIX + ["--long-prefill-threshold", "2048"]
+        ),
         "long-mix/not-isolated": run("smollm2-135m", "pallas", 100, LONG_MIX),
         "kv/80pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0.2"]),
         "kv/100pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0"]),
@@ -71,11 +87,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--only", default=None, help="comma-separated run names")
-    ap.add_argument("--num-prompts", default=None,
-                    help="override the runs' prompt counts: N, or name=N,name=N")
-    ap.add_argument("--rate", type=float, default=None,
-                    help="Poisson rate for RATE placeholders; default: half the req/s of a pallas "
-                         "offline result in --out")
+    ap.add_argument(
+        "--num-prompts", default=None, help="override the runs' prompt counts: N, or name=N,name=N"
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson rate for RATE placeholders; default: half the req/s of a pallas "
+        "offline result in --out",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,14 +116,25 @@ def main() -> int:
         if args.only and name not in args.only.split(","):
             continue
         tag = name.replace("/", "_")
-        cmd = [sys.executable, "-m", "nori_jax.cli", "--log-level", "INFO", "bench", "offline", *flags,
-               "--result-json", str(out / f"{tag}.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nori_jax.cli",
+            "--log-level",
+            "INFO",
+            "bench",
+            "offline",
+            *flags,
+            "--result-json",
+            str(out / f"{tag}.json"),
+        ]
         print("$", " ".join(cmd[1:]), flush=True)
         t = time.time()
         with open(out / f"{tag}.log", "w") as log:
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    timeout=args.timeout).returncode
+                rc = subprocess.run(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         print(f"  {name}: rc={rc} in {time.time() - t:.0f}s", flush=True)
@@ -111,18 +143,22 @@ def main() -> int:
             rows.append((name, r))
         else:
             print((out / f"{tag}.log").read_text()[-3000:])
-    print(f"\n{'run':<26}{'total tok/s':>12}{'out tok/s':>10}{'req/s':>7}{'step ms':>8}"
-          f"{'tok/step':>9}{'sched%':>7}{'launch%':>8}{'wait%':>6}{'post%':>6}{'preempt':>8}"
-          f"{'hit%':>5}{'TTFT p50/p99 short (ms)':>25}")
+    print(
+        f"\n{'run':<26}{'total tok/s':>12}{'out tok/s':>10}{'req/s':>7}{'step ms':>8}"
+        f"{'tok/step':>9}{'sched%':>7}{'launch%':>8}{'wait%':>6}{'post%':>6}{'preempt':>8}"
+        f"{'hit%':>5}{'TTFT p50/p99 short (ms)':>25}"
+    )
     for name, r in rows:
         e = r["elapsed_s"]
         ttft = r["latency_ms"].get("ttft_short") or {}
-        print(f"{name:<26}{r['total_token_throughput']:>12.0f}{r['output_throughput']:>10.0f}"
-              f"{r['request_throughput']:>7.2f}{r['mean_step_ms']:>8.2f}{r['mean_tokens_per_step']:>9.0f}"
-              f"{100 * r['schedule_s'] / e:>7.1f}{100 * r['launch_s'] / e:>8.1f}"
-              f"{100 * r['wait_s'] / e:>6.1f}{100 * r['postprocess_s'] / e:>6.1f}"
-              f"{r['num_preemptions']:>8}{100 * r['prefix_cache_hit_rate']:>5.0f}"
-              f"{ttft.get('p50', 0):>13.0f} / {ttft.get('p99', 0):<9.0f}")
+        print(
+            f"{name:<26}{r['total_token_throughput']:>12.0f}{r['output_throughput']:>10.0f}"
+            f"{r['request_throughput']:>7.2f}{r['mean_step_ms']:>8.2f}{r['mean_tokens_per_step']:>9.0f}"
+            f"{100 * r['schedule_s'] / e:>7.1f}{100 * r['launch_s'] / e:>8.1f}"
+            f"{100 * r['wait_s'] / e:>6.1f}{100 * r['postprocess_s'] / e:>6.1f}"
+            f"{r['num_preemptions']:>8}{100 * r['prefix_cache_hit_rate']:>5.0f}"
+            f"{ttft.get('p50', 0):>13.0f} / {ttft.get('p99', 0):<9.0f}"
+        )
     return 0
 
 

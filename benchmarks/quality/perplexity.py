@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the text below is prose, kept as printed)
 """Perplexity of a model on a short public-domain text: a smoke metric of load + model correctness.
 
     python benchmarks/quality/perplexity.py [--model PATH_OR_GGUF] [--dtype float32] [--hf]
@@ -46,16 +47,22 @@ TEXT = (
 def our_logits(loaded, ids: list[int], page_size: int = 16) -> np.ndarray:
     n = len(ids)
     num_pages = n // page_size + 2
-    kv = allocate_kv_pages(loaded.config, num_pages, page_size, loaded.dtype, make_mesh(MeshConfig()))
+    kv = allocate_kv_pages(
+        loaded.config, num_pages, page_size, loaded.dtype, make_mesh(MeshConfig())
+    )
     pages = np.arange(1, num_pages, dtype=np.int32)
     pos = np.arange(n, dtype=np.int32)
 
     @jax.jit
     def forward(state, kv):
         model = nnx.merge(loaded.graphdef, state)
-        meta = AttentionInputs(jnp.asarray(pages[pos // page_size] * page_size + pos % page_size),
-                               jnp.asarray([n], jnp.int32), jnp.asarray(pages[None, :]),
-                               jnp.asarray([0, n], jnp.int32), jnp.asarray([0, 1], jnp.int32))
+        meta = AttentionInputs(
+            jnp.asarray(pages[pos // page_size] * page_size + pos % page_size),
+            jnp.asarray([n], jnp.int32),
+            jnp.asarray(pages[None, :]),
+            jnp.asarray([0, n], jnp.int32),
+            jnp.asarray([0, 1], jnp.int32),
+        )
         hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos), kv, meta)
         return model.compute_logits(hidden)
 
@@ -72,7 +79,9 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
+    ap.add_argument(
+        "--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF"
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--hf", action="store_true", help="also compute transformers' perplexity")
     args = ap.parse_args()
@@ -90,8 +99,9 @@ def main() -> None:
         from pathlib import Path
 
         path = Path(path)
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].numpy()
         print(f"transformers perplexity (float32, same GGUF): {perplexity(ref, ids):.3f}")

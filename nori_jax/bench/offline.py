@@ -76,7 +76,9 @@ def draw_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
         )
     is_long = np.zeros(n, bool)
     if args.long_prompts:  # spread the long ones evenly through the measured requests
-        idx = args.warmup_requests + np.linspace(0, args.num_prompts - 1, args.long_prompts).astype(int)
+        idx = args.warmup_requests + np.linspace(0, args.num_prompts - 1, args.long_prompts).astype(
+            int
+        )
         ins[idx], is_long[idx] = args.long_len, True
     shared = rng.integers(10, vocab_size - 10, args.shared_prefix_len).tolist()
     ins = np.minimum(ins, max_model_len - 1 - len(shared))  # keep every request inside the context
@@ -89,15 +91,25 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     a = 1e3 * np.asarray(values)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
-def run_workload(engine: LLMEngine, w: Workload, warmup: int, request_rate: float, seed: int) -> OfflineResult:
+def run_workload(
+    engine: LLMEngine, w: Workload, warmup: int, request_rate: float, seed: int
+) -> OfflineResult:
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in w.output_lens]
 
     def run(indices: list[int], rate: float):
         rng = np.random.default_rng(seed)
-        gaps = rng.exponential(1.0 / rate, len(indices)) if np.isfinite(rate) else np.zeros(len(indices))
+        gaps = (
+            rng.exponential(1.0 / rate, len(indices))
+            if np.isfinite(rate)
+            else np.zeros(len(indices))
+        )
         arrivals = np.cumsum(gaps) - gaps[0]
         finished: dict[int, object] = {}
         ids: dict[str, int] = {}
@@ -134,24 +146,35 @@ def run_workload(engine: LLMEngine, w: Workload, warmup: int, request_rate: floa
         outs = [o for i, o in finished.items() if keep(i)]
         latency[f"ttft_{label}"] = _percentiles([o.metrics.time_to_first_token for o in outs])
         latency[f"tpot_{label}"] = _percentiles(
-            [o.metrics.decode_time / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1])
+            [o.metrics.decode_time / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1]
+        )
         latency[f"e2e_{label}"] = _percentiles([o.metrics.e2e_latency for o in outs])
     n_in = sum(len(w.prompts[i]) for i in measured)
     n_out = sum(w.output_lens[i] for i in measured)
     queries = c1.prefix_cache_queries - c0.prefix_cache_queries
     return OfflineResult(
-        num_requests=len(measured), elapsed_s=elapsed, input_tokens=n_in, output_tokens=n_out,
-        request_throughput=len(measured) / elapsed, output_throughput=n_out / elapsed,
-        total_token_throughput=(n_in + n_out) / elapsed, steps=d.steps,
+        num_requests=len(measured),
+        elapsed_s=elapsed,
+        input_tokens=n_in,
+        output_tokens=n_out,
+        request_throughput=len(measured) / elapsed,
+        output_throughput=n_out / elapsed,
+        total_token_throughput=(n_in + n_out) / elapsed,
+        steps=d.steps,
         mean_step_ms=1e3 * (d.schedule + d.launch + d.wait + d.postprocess) / max(d.steps, 1),
         mean_tokens_per_step=d.tokens / max(d.steps, 1),
         padding_fraction=1 - d.tokens / max(d.padded_tokens, 1),
-        schedule_s=d.schedule, launch_s=d.launch, wait_s=d.wait, postprocess_s=d.postprocess,
+        schedule_s=d.schedule,
+        launch_s=d.launch,
+        wait_s=d.wait,
+        postprocess_s=d.postprocess,
         other_s=other,
         num_preemptions=c1.num_preemptions - c0.num_preemptions,
         prefix_cache_hit_rate=(c1.prefix_cache_hits - c0.prefix_cache_hits) / max(queries, 1),
-        num_recompiles=engine.num_recompiles, compile_s=engine.runner.compile_seconds,
-        load_s=engine.load_seconds, latency_ms=latency,
+        num_recompiles=engine.num_recompiles,
+        compile_s=engine.runner.compile_seconds,
+        load_s=engine.load_seconds,
+        latency_ms=latency,
     )
 
 
@@ -167,13 +190,19 @@ def format_result(r: OfflineResult) -> str:
         row("Output token throughput (tok/s):", f"{r.output_throughput:.1f}"),
         row("Total token throughput (tok/s):", f"{r.total_token_throughput:.1f}"),
         row("Steps / mean step (ms):", f"{r.steps} / {r.mean_step_ms:.2f}"),
-        row("Tokens per step / padding:", f"{r.mean_tokens_per_step:.0f} / {100 * r.padding_fraction:.0f}%"),
+        row(
+            "Tokens per step / padding:",
+            f"{r.mean_tokens_per_step:.0f} / {100 * r.padding_fraction:.0f}%",
+        ),
         row("Time: schedule", pct(r.schedule_s)),
         row("Time: launch (transfer + dispatch)", pct(r.launch_s)),
         row("Time: waiting on the device", pct(r.wait_s)),
         row("Time: postprocess", pct(r.postprocess_s)),
         row("Time: driver loop / idle", pct(r.other_s)),
-        row("Preemptions / prefix hit rate:", f"{r.num_preemptions} / {100 * r.prefix_cache_hit_rate:.0f}%"),
+        row(
+            "Preemptions / prefix hit rate:",
+            f"{r.num_preemptions} / {100 * r.prefix_cache_hit_rate:.0f}%",
+        ),
         row("Recompiles after warm-up:", r.num_recompiles),
         row("Load / compile (s):", f"{r.load_s:.1f} / {r.compile_s:.1f}"),
     ]
@@ -191,8 +220,12 @@ def _run(args: argparse.Namespace) -> int:
     print(format_result(result))
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump({**dataclasses.asdict(result), "config": dataclasses.asdict(engine.config)}, f,
-                      indent=2, default=str)
+            json.dump(
+                {**dataclasses.asdict(result), "config": dataclasses.asdict(engine.config)},
+                f,
+                indent=2,
+                default=str,
+            )
     return 0
 
 
@@ -202,8 +235,12 @@ def add_bench_offline_parser(sub) -> None:
     p.add_argument("--dataset", choices=["lognormal", "fixed"], default="lognormal")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--warmup-requests", type=int, default=16)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals in process (req/s); inf queues everything at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals in process (req/s); inf queues everything at once",
+    )
     p.add_argument("--input-mu", type=float, default=6.2)
     p.add_argument("--input-sigma", type=float, default=0.8)
     p.add_argument("--input-max", type=int, default=6144)
@@ -212,8 +249,12 @@ def add_bench_offline_parser(sub) -> None:
     p.add_argument("--output-max", type=int, default=2048)
     p.add_argument("--input-len", type=int, default=1024, help="fixed dataset")
     p.add_argument("--output-len", type=int, default=128, help="fixed dataset")
-    p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="tokens of a system prompt every request starts with")
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of a system prompt every request starts with",
+    )
     p.add_argument("--long-prompts", type=int, default=0, help="very long prompts mixed in")
     p.add_argument("--long-len", type=int, default=6000, help="length of those long prompts")
     p.add_argument("--bench-seed", type=int, default=0, dest="seed")

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
 
-Every parameter carries its tensor-parallel sharding as metadata (`out_sharding`, Megatron style over
-the mesh axis `model`: q/k/v/gate/up split by output columns, o/down by input rows, embeddings by
-vocab), so tensor parallelism is a mesh configuration, not a rewrite. Kernels are stored [in, out].
+Every parameter carries its tensor-parallel sharding as metadata (`out_sharding`, Megatron style
+over the mesh axis `model`: q/k/v/gate/up split by output columns, o/down by input rows,
+embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. Kernels are
+stored [in, out].
 
 Shapes: T = tokens of the step, H = hidden, Hq/Hkv = heads, D = head_dim, V = vocab, F = MLP width.
 """
@@ -24,7 +25,7 @@ MODEL = "model"  # mesh axis for tensor parallelism
 
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
-    """The StepPlan's attention metadata as device arrays (see pallas_kernels.ragged_paged_attention)."""
+    """The StepPlan's attention metadata as device arrays (see ragged_paged_attention)."""
 
     slot_mapping: jax.Array  # int32[T]
     kv_lens: jax.Array  # int32[S]
@@ -33,7 +34,9 @@ class AttentionInputs:
     distribution: jax.Array  # int32[2]
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, sharding: tuple[str | None, ...], init="normal"):
+def _param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], dtype, sharding: tuple[str | None, ...], init="normal"
+):
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
@@ -80,8 +83,17 @@ class Attention(nnx.Module):
         k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out, kv_pages = attention_step(
-            q, k, v, kv_pages, meta.slot_mapping, meta.kv_lens, meta.page_table, meta.cu_q_lens,
-            meta.distribution, sm_scale=self.sm_scale, backend=self.backend,
+            q,
+            k,
+            v,
+            kv_pages,
+            meta.slot_mapping,
+            meta.kv_lens,
+            meta.page_table,
+            meta.cu_q_lens,
+            meta.distribution,
+            sm_scale=self.sm_scale,
+            backend=self.backend,
         )
         return out.reshape(t, self.num_heads * self.head_dim) @ self.o_proj[...], kv_pages
 
@@ -94,7 +106,9 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, h), dtype, (MODEL, None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])) @ self.down_proj[...]
+        return (jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])) @ self.down_proj[
+            ...
+        ]
 
 
 class DecoderLayer(nnx.Module):
@@ -111,7 +125,9 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention_backend: str = "reference"):
+    def __init__(
+        self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention_backend: str = "reference"
+    ):
         self.config = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
         self.layers = nnx.List(
@@ -128,7 +144,7 @@ class LlamaForCausalLM(nnx.Module):
         kv_pages: list[jax.Array],  # num_layers x [P, Hkv, 2, PS, D]
         meta: AttentionInputs,
     ) -> tuple[jax.Array, list[jax.Array]]:
-        """Run the decoder over the step's tokens; returns final hidden states [T, H] and new pages."""
+        """Run the decoder over the step's tokens: final hidden states [T, H] and new pages."""
         x = self.embed_tokens[...][input_ids]
         cos, sin = rope_cos_sin(positions, inverse_frequencies(self.config))
         new_pages = []

@@ -47,15 +47,18 @@ def _flat(state: nnx.State) -> dict[str, jax.Array]:
     return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
-def restore(key: str, abstract_state: nnx.State, shardings: dict[tuple, jax.sharding.Sharding]) -> nnx.State | None:
-    """The cached parameters placed on `shardings`, or None if this key is not cached (or broken)."""
+def restore(
+    key: str, abstract_state: nnx.State, shardings: dict[tuple, jax.sharding.Sharding]
+) -> nnx.State | None:
+    """The cached parameters placed on `shardings`; None if this key is not cached (or broken)."""
     path = cache_root() / key
     if not path.is_dir():  # entries appear by an atomic rename once complete
         return None
     flat = nnx.to_flat_state(abstract_state)
     target = {
-        ".".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
-                                                    sharding=shardings[p])
+        ".".join(map(str, p)): jax.ShapeDtypeStruct(
+            v.get_value().shape, v.get_value().dtype, sharding=shardings[p]
+        )
         for p, v in flat
     }
     try:

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.dummy_tokenizer import byte_tokenizer
+from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights import checkpoint_cache, hf_names
@@ -78,11 +78,15 @@ def place_tensors(
             array = array.T
         want = flat[path].get_value()
         if tuple(array.shape) != tuple(want.shape):
-            raise ValueError(f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}")
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
+            )
         placed[path] = jax.device_put(np.asarray(array).astype(want.dtype), shardings[path])
     missing = sorted(".".join(map(str, p)) for p in flat if p not in placed)
     if missing:
-        raise ValueError(f"{source}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} in all)")
+        raise ValueError(
+            f"{source}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} in all)"
+        )
     return _fill(abstract_state, placed)
 
 
@@ -96,8 +100,9 @@ def dummy_state(abstract_state: nnx.State, mesh: Mesh, seed: int) -> nnx.State:
     for i, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
         spec = var.get_value()
         ones = path[-1] == "weight"  # RMSNorm scales
-        placed[path] = _dummy_array(jax.random.fold_in(key, i), spec.shape, jnp.dtype(spec.dtype),
-                                    shardings[path], ones)
+        placed[path] = _dummy_array(
+            jax.random.fold_in(key, i), spec.shape, jnp.dtype(spec.dtype), shardings[path], ones
+        )
     return _fill(abstract_state, placed)
 
 
@@ -150,12 +155,15 @@ def load_model(
             tok = Tokenizer.from_hf_dir(path)
     elif model in list_presets():
         if load_format != "dummy":
-            raise ValueError(f"model={model!r} is a shape preset without weights; use load_format='dummy'")
+            raise ValueError(
+                f"model={model!r} is a shape preset without weights; use load_format='dummy'"
+            )
         hf_config, source = load_preset(model), f"preset {model}"
         tok = byte_tokenizer(int(hf_config["vocab_size"]))
     else:
         raise ValueError(
-            f"model={model!r} is neither a Hugging Face directory (with config.json), a .gguf file, "
+            f"model={model!r} is neither a Hugging Face directory (with config.json), a .gguf "
+            f"file, "
             f"nor a preset ({', '.join(list_presets())})"
         )
     cfg = ModelConfig.from_hf_dict(hf_config)
@@ -165,7 +173,12 @@ def load_model(
         state = dummy_state(abstract, mesh, seed)
     else:
         state, from_cache = _convert_or_restore(
-            path, cfg, jdtype, abstract, mesh, param_cache,
+            path,
+            cfg,
+            jdtype,
+            abstract,
+            mesh,
+            param_cache,
             lambda: place_tensors(iter_safetensors(path), abstract, mesh, source),
         )
     if tokenizer is not None:
@@ -186,7 +199,9 @@ def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, conv
     return state, False
 
 
-def _load_gguf(path: Path, jdtype, load_format, mesh, attention_backend, seed, param_cache) -> LoadedModel:
+def _load_gguf(
+    path: Path, jdtype, load_format, mesh, attention_backend, seed, param_cache
+) -> LoadedModel:
     from nori_jax.weights.gguf import load_gguf
 
     if not path.is_file():
@@ -199,7 +214,12 @@ def _load_gguf(path: Path, jdtype, load_format, mesh, attention_backend, seed, p
         state = dummy_state(abstract, mesh, seed)
     else:
         state, from_cache = _convert_or_restore(
-            path, cfg, jdtype, abstract, mesh, param_cache,
+            path,
+            cfg,
+            jdtype,
+            abstract,
+            mesh,
+            param_cache,
             lambda: place_tensors(ckpt.tensors(), abstract, mesh, str(path)),
         )
     return LoadedModel(cfg, jdtype, graphdef, state, ckpt.tokenizer, str(path), from_cache)

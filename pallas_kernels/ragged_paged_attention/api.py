@@ -1,4 +1,4 @@
-"""Public entry points: the engine's attention step (KV write + attention) and the attention op alone.
+"""Public entry points: the engine's attention step (KV write + attention) and attention alone.
 
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
 
@@ -69,7 +69,14 @@ def attention_step(
     _check_backend(backend)
     kv_pages = write_kv_reference(kv_pages, k, v, slot_mapping)
     out = ragged_paged_attention(
-        q, kv_pages, kv_lens, page_table, cu_q_lens, distribution,
-        sm_scale=sm_scale, soft_cap=soft_cap, backend=backend,
+        q,
+        kv_pages,
+        kv_lens,
+        page_table,
+        cu_q_lens,
+        distribution,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        backend=backend,
     )
     return out, kv_pages

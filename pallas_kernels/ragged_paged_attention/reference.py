@@ -3,19 +3,20 @@
 Inputs (S sequences, T tokens, P pages, MP pages per sequence):
 
     q            [T, Hq, D]            the step's queries, sequences laid end to end
-    kv_pages     [P, Hkv, 2, PS, D]    one layer's pages (see kv_layout); already holding this step's K/V
+    kv_pages     [P, Hkv, 2, PS, D]    one layer's pages (kv_layout), holding this step's K/V
     kv_lens      int32[S]              tokens in each sequence's cache, this step's included
-    page_table   int32[S, MP]          page ids per sequence; unused entries may be anything in range
-    cu_q_lens    int32[S + 1]          query offsets; sequence s owns tokens [cu_q_lens[s], cu_q_lens[s+1])
+    page_table   int32[S, MP]          page ids per sequence; unused entries: any valid page
+    cu_q_lens    int32[S + 1]          query offsets; sequence s owns tokens
+                                       [cu_q_lens[s], cu_q_lens[s+1])
     distribution int32[2]              (num_decode_seqs, num_seqs): sequences [0, d) have one query
                                        token each, [d, n) are prefill chunks, [n, S) are padding
 
 Query token i of sequence s sits at position kv_lens[s] - q_len[s] + i and attends causally to the
 cached positions [0, that position]. Tokens past cu_q_lens[num_seqs] are padding: output 0.
 
-The loop runs over page slots j, gathering for every token the j-th page of its own sequence, with an
-online softmax. Memory per iteration is T * Hkv * PS * D, whatever the context length; the cost is
-T * max_pages page reads, which is why the kernels exist.
+The loop runs over page slots j, gathering for every token the j-th page of its own sequence,
+with an online softmax. Memory per iteration is T * Hkv * PS * D, whatever the context length;
+the cost is T * max_pages page reads, which is why the kernels exist.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from pallas_kernels.ragged_paged_attention.validate import check_inputs
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def token_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, distribution: jax.Array, num_tokens: int):
+def token_metadata(
+    kv_lens: jax.Array, cu_q_lens: jax.Array, distribution: jax.Array, num_tokens: int
+):
     """Per-token sequence id, query position and validity (shared with the kernels' wrappers)."""
     num_seqs = distribution[1]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -65,7 +68,7 @@ def ragged_paged_attention_reference(
     num_page_slots = (jnp.max(token_kv_len) + page_size - 1) // page_size
 
     def body(carry):
-        j, m, l, acc = carry
+        j, m, denom, acc = carry
         pages = page_table[seq_ids, j]  # [T]
         kv = kv_pages[pages].astype(jnp.float32)  # [T, K, 2, PS, D]
         k, v = kv[:, :, K_INDEX], kv[:, :, V_INDEX]  # [T, K, PS, D]
@@ -79,9 +82,9 @@ def ragged_paged_attention_reference(
         p = jnp.exp(s - m_new[..., None])
         p = jnp.where(mask[:, None, None, :], p, 0.0)
         alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + p.sum(axis=-1)
+        denom_new = alpha * denom + p.sum(axis=-1)
         acc_new = alpha[..., None] * acc + jnp.einsum("tkgp,tkpd->tkgd", p, v)
-        return j + 1, m_new, l_new, acc_new
+        return j + 1, m_new, denom_new, acc_new
 
     init = (
         jnp.int32(0),
@@ -89,7 +92,7 @@ def ragged_paged_attention_reference(
         jnp.zeros((num_tokens, hkv, group), jnp.float32),
         jnp.zeros((num_tokens, hkv, group, d), jnp.float32),
     )
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_page_slots, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < num_page_slots, body, init)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, hq, d).astype(q.dtype)

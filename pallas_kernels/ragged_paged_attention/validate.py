@@ -14,11 +14,13 @@ def check_inputs(
     cu_q_lens: jax.Array,
     distribution: jax.Array,
 ) -> None:
-    """Raise ValueError naming the offending value; shapes and dtypes only (values live on device)."""
+    """Raise ValueError naming the bad value; shapes and dtypes only (values are on device)."""
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [T, num_q_heads, head_dim]")
     if kv_pages.ndim != 5 or kv_pages.shape[2] != 2:
-        raise ValueError(f"{kv_pages.shape=} must be [num_pages, num_kv_heads, 2, page_size, head_dim]")
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_pages, num_kv_heads, 2, page_size, head_dim]"
+        )
     _, hq, d = q.shape
     _, hkv, _, _, d_kv = kv_pages.shape
     if d != d_kv:
@@ -34,7 +36,11 @@ def check_inputs(
         raise ValueError(f"{cu_q_lens.shape=} must be ({s + 1},)")
     if distribution.shape != (2,):
         raise ValueError(f"{distribution.shape=} must be (2,): (num_decode_seqs, num_seqs)")
-    for name, x in (("kv_lens", kv_lens), ("page_table", page_table), ("cu_q_lens", cu_q_lens),
-                    ("distribution", distribution)):
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_table", page_table),
+        ("cu_q_lens", cu_q_lens),
+        ("distribution", distribution),
+    ):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={x.dtype} must be int32")

@@ -35,12 +35,33 @@ def test_short_bench_run_against_the_real_server(server: Server, tmp_path) -> No
     byte_tokenizer(vocab).backend.save(str(tok_dir / "tokenizer.json"))
     before = _success_total(server.url)
     out = tmp_path / "r.json"
-    rc = bench_main([
-        "serve", "--base-url", server.url, "--tokenizer", str(tok_dir), "--prompt-format", "token-ids",
-        "--ignore-eos", "--num-prompts", "12", "--request-rate", "50", "--input-max", "120",
-        "--output-max", "24", "--seed", "3", "--result-json", str(out), "--disable-tqdm",
-        "--num-client-processes", "1",
-    ])
+    rc = bench_main(
+        [
+            "serve",
+            "--base-url",
+            server.url,
+            "--tokenizer",
+            str(tok_dir),
+            "--prompt-format",
+            "token-ids",
+            "--ignore-eos",
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "50",
+            "--input-max",
+            "120",
+            "--output-max",
+            "24",
+            "--seed",
+            "3",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+            "--num-client-processes",
+            "1",
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 12 and r["failed"] == 0

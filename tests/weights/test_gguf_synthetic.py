@@ -57,6 +57,7 @@ def test_matches_transformers_on_the_same_file(tmp_path: Path, model: TinyModel)
     """transformers' own GGUF loader agrees on names, layout (q/k order), biases and config."""
     import torch
     import transformers
+
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, model, qtype=Q.Q8_0, pre="qwen2" if model.arch == "qwen2" else "smollm")
     ckpt = load_gguf(path)
@@ -139,6 +140,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path, params: dict):
     """llama.cpp stores Llama 3's rope scaling as a `rope_freqs` tensor; the config must give HF's
     llama3 rope the same frequencies."""
     import transformers  # noqa: F401
+
     theta, head_dim = 500000.0, 64
     hf_scaling = {
         "rope_type": "llama3",
@@ -186,6 +188,7 @@ def test_linear_and_yarn_rope_scaling(tmp_path: Path):
 )
 def test_tokenizer_matches_transformers(tmp_path: Path, pre: str, add_bos: bool | None):
     import transformers
+
     path = tmp_path / "tok.gguf"
     write_tiny_gguf(path, pre=pre, add_bos=add_bos)
     tok = load_gguf(path).tokenizer
