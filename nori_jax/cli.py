@@ -11,11 +11,8 @@ from nori_jax.engine_args import add_engine_args, engine_config_from_args
 
 def _generate(args: argparse.Namespace) -> int:
     from nori_jax import LLM, SamplingParams
-    from nori_jax.engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args))
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_config(engine_config_from_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

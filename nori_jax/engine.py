@@ -115,7 +115,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
-        self._num_recompiles = 0
+        self._num_recompiles = self._recompiles_seen = 0
         self.step_times = StepTimes()
         self._in_flight = None  # (plan, device handle) launched but not yet fetched
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
@@ -155,6 +155,15 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """Validate a prompt and return (token ids, text or None)."""
+        token_ids, text = self._encode(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                f"room to generate"
+            )
+        return token_ids, text
+
+    def _encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -181,16 +190,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        tokenized: tuple[list[int], str | None] | None = None,
     ) -> str:
-        """Queue a request; ValueError for bad input, QueueFullError when the queue is full."""
+        """Queue a request; ValueError for bad input, QueueFullError when the queue is full.
+
+        `tokenized` is `self.tokenize(prompt)` when the caller already ran it (batch validation).
+        """
         params = params or SamplingParams()
         params.validate()
-        token_ids, text = self.tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                f"room to generate"
-            )
+        token_ids, text = tokenized or self.tokenize(prompt)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         req = Request(
             request_id=request_id or self.new_request_id(),
@@ -299,8 +307,8 @@ class LLMEngine:
         m.prefix_queries.inc(c.prefix_cache_queries - self._queries_seen)
         self._preemptions_seen, self._hits_seen = c.num_preemptions, c.prefix_cache_hits
         self._queries_seen = c.prefix_cache_queries
-        recompiles = self.num_recompiles
-        m.recompiles.inc(recompiles - m.recompiles._value.get())
+        m.recompiles.inc(self._num_recompiles - self._recompiles_seen)
+        self._recompiles_seen = self._num_recompiles
 
     def get_metrics(self) -> dict:
         self._update_gauges()

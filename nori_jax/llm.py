@@ -31,6 +31,13 @@ class LLM:
             mesh = MeshConfig(**mesh)
         self.engine = LLMEngine(EngineConfig(model=model, mesh=mesh or MeshConfig(), **kwargs))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an engine built from a complete EngineConfig (CLIs, YAML presets)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -50,13 +57,14 @@ class LLM:
         param_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
-        # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        for prompt, p in zip(prompts, param_list, strict=True):
-            self.engine.tokenize(prompt)
+        # Validate (and tokenize) everything before queueing anything, so a bad prompt leaves no
+        # work behind.
+        tokenized = [self.engine.tokenize(prompt) for prompt in prompts]
+        for p in param_list:
             p.validate()
         ids = [
-            self.engine.add_request(None, prompt, p)
-            for prompt, p in zip(prompts, param_list, strict=True)
+            self.engine.add_request(None, prompt, p, tokenized=tok)
+            for prompt, p, tok in zip(prompts, param_list, tokenized, strict=True)
         ]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):

@@ -190,3 +190,10 @@ def test_unknown_model_raises_value_error():
         LLM("no-such-model")
     with pytest.raises(ValueError, match="preset"):
         LLM("llama3.2-1b")  # a preset without load_format="dummy"
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(text_llm):
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        text_llm.generate([[5, 6], "fine", [5] * 300], GREEDY)
+    assert not text_llm.engine.has_unfinished_requests()
+    assert text_llm.engine.scheduler.allocator.num_used_pages == 0
