@@ -145,12 +145,18 @@ def load_model(
 
         model = str(default_model_path())
     path = Path(model).expanduser()
+    tensors = None  # a callable yielding (HF name, array), for every format with weights
     tok: Tokenizer | None = None
     if path.suffix == ".gguf" or load_format == "gguf":
-        return _load_gguf(path, jdtype, load_format, mesh, attention_backend, seed, param_cache)
-    if is_hf_dir(path):
-        hf_config = read_hf_config(path)
-        source = str(path)
+        from nori_jax.weights.gguf import load_gguf
+
+        if not path.is_file():
+            raise ValueError(f"model={str(path)!r}: no such GGUF file")
+        ckpt = load_gguf(path)
+        hf_config, source, tok, tensors = ckpt.hf_config, str(path), ckpt.tokenizer, ckpt.tensors
+    elif is_hf_dir(path):
+        hf_config, source = read_hf_config(path), str(path)
+        tensors = lambda: iter_safetensors(path)  # noqa: E731
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_hf_dir(path)
     elif model in list_presets():
@@ -162,9 +168,8 @@ def load_model(
         tok = byte_tokenizer(int(hf_config["vocab_size"]))
     else:
         raise ValueError(
-            f"model={model!r} is neither a Hugging Face directory (with config.json), a .gguf "
-            f"file, "
-            f"nor a preset ({', '.join(list_presets())})"
+            f"model={model!r} is neither a Hugging Face directory (with config.json), "
+            f"a .gguf file, nor a preset ({', '.join(list_presets())})"
         )
     cfg = ModelConfig.from_hf_dict(hf_config)
     graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
@@ -179,7 +184,7 @@ def load_model(
             abstract,
             mesh,
             param_cache,
-            lambda: place_tensors(iter_safetensors(path), abstract, mesh, source),
+            lambda: place_tensors(tensors(), abstract, mesh, source),
         )
     if tokenizer is not None:
         tok = Tokenizer.from_hf_dir(tokenizer)
@@ -197,29 +202,3 @@ def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, conv
     state = convert()
     checkpoint_cache.save(key, state)
     return state, False
-
-
-def _load_gguf(
-    path: Path, jdtype, load_format, mesh, attention_backend, seed, param_cache
-) -> LoadedModel:
-    from nori_jax.weights.gguf import load_gguf
-
-    if not path.is_file():
-        raise ValueError(f"model={str(path)!r}: no such GGUF file")
-    ckpt = load_gguf(path)
-    cfg = ModelConfig.from_hf_dict(ckpt.hf_config)
-    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
-    from_cache = False
-    if load_format == "dummy":
-        state = dummy_state(abstract, mesh, seed)
-    else:
-        state, from_cache = _convert_or_restore(
-            path,
-            cfg,
-            jdtype,
-            abstract,
-            mesh,
-            param_cache,
-            lambda: place_tensors(ckpt.tensors(), abstract, mesh, str(path)),
-        )
-    return LoadedModel(cfg, jdtype, graphdef, state, ckpt.tokenizer, str(path), from_cache)
