@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of engine benchmarks, each part bounded in time, logs under $OUT.
-#   PARTS="offline scheduling serve hf" benchmarks/engine/gpu_suite.sh
+#   PARTS="offline llama profile scheduling serve hf" benchmarks/engine/gpu_suite.sh
 # Needs the wheels the GPU image lacks (fastapi, uvicorn, gguf ...) on PYTHONPATH; see
 # ../shared/tools/device-wheels.sh.
 set -u
@@ -15,8 +15,12 @@ for part in $PARTS; do
   case $part in
     offline)    timeout 330 python3 "$here/offline_suite.py" pallas-smollm2 --out "$OUT" --timeout 200 \
                   ${OFFLINE_N:+--num-prompts "$OFFLINE_N"} ;;
-    llama)      timeout 330 python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 ;;
-    scheduling) timeout 330 python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 \
+    llama)      timeout ${T_LLAMA:-330} python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 \
+                  ${LLAMA_N:+--num-prompts "$LLAMA_N"} ;;
+    profile)    timeout 200 python3 "$here/step_profile.py" --config h200-throughput --model smollm2-135m \
+                  --load-format dummy --attention-backend pallas --batch 128 --context 1024 --steps 30 \
+                  --json "$OUT/step_profile.json" 2>&1 | grep -v "^WARNING\|^I0000" | tail -16 ;;
+    scheduling) timeout ${T_SCHED:-330} python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 \
                   ${SCHED_ONLY:+--only "$SCHED_ONLY"} ;;
     serve)      OUT="$OUT/serve" N=${SERVE_N:-100} RATES=${RATES:-4,8,16,32} timeout 300 "$here/serve_sweep.sh" 2>&1 | tail -25 ;;
     hf)         timeout 200 python3 "$here/hf_continuous_batching.py" --model smollm2-135m \

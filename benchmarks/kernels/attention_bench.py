@@ -8,8 +8,9 @@ reports causal attention FLOP/s (4 * D * Hq per visible (query, key) pair) again
 JAX's own Pallas (Triton) `paged_attention` runs on the same decode shapes in its own page layout.
 
 Every timed call is checked first: rows of the first (up to) 8 sequences against the reference, as
-relative L2 error. Times are device times per call: one jitted program runs `--reps` calls on
-different page tables (so repeated calls do not hit in L2), median of `--trials` such programs.
+relative L2 error. Times are device times per call: one compiled program dispatched `--reps`
+times back to back on different page tables (so repeated calls do not hit in L2), median of
+`--trials` such rounds (see back_to_back: calls shorter than their dispatch are upper bounds).
 """
 
 from __future__ import annotations
@@ -62,24 +63,32 @@ def rel_err(out, ref) -> float:
 # Ceilings
 
 
-def _per_call(fn, xs: list, trials: int) -> float:
-    """Device time of one fn(x): one program calls fn on each x of xs, median over trials."""
-    prog = jax.jit(lambda *a: [fn(x) for x in a])
-    for _ in range(3):
-        jax.block_until_ready(prog(*xs))
-    return timed(lambda: jax.block_until_ready(prog(*xs)), trials) / len(xs)
+def back_to_back(fn, xs: list, trials: int) -> float:
+    """Time per call of fn(x), called on each x of xs back to back, median over trials.
+
+    fn must be jitted with every array an argument (a closed-over array would be baked into the
+    program as a constant: slow to compile, and not the program an engine runs). Calls are
+    dispatched without waiting: while a call takes longer on the device than its dispatch on the
+    host (~10-30 us), this is the device time per call; below that it is an upper bound
+    (dispatch-bound), which is what short calls get in a real step too. Cycling through xs
+    (different page tables) keeps the KV out of L2 between calls.
+    """
+    for _ in range(2):
+        jax.block_until_ready([fn(x) for x in xs])
+    return timed(lambda: jax.block_until_ready([fn(x) for x in xs]), trials) / len(xs)
 
 
 def measure_ceilings(trials: int, dry: bool = False) -> dict:
     n = 1 << (20 if dry else 30)  # 2 GiB of bf16
     xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(3)]
-    t_scale = _per_call(lambda a: a * 2, xs, 4 * trials)
-    t_copy = _per_call(lambda a: jnp.copy(a), xs, 4 * trials)
+    t_scale = back_to_back(jax.jit(lambda a: a * 2), xs, 4 * trials)
+    t_copy = back_to_back(jax.jit(jnp.copy), xs, 4 * trials)
     del xs
     m = 256 if dry else 8192
     b = jax.random.normal(jax.random.key(9), (m, m), jnp.bfloat16)
     as_ = [jax.random.normal(jax.random.key(10 + i), (m, m), jnp.bfloat16) for i in range(4)]
-    t_mm = _per_call(lambda a_: a_ @ b, as_, 4 * trials)
+    matmul = jax.jit(jnp.matmul)
+    t_mm = back_to_back(lambda a_: matmul(a_, b), as_, 4 * trials)
     res = dict(
         copy_tbs=4 * n / t_copy / 1e12,
         scale_tbs=4 * n / t_scale / 1e12,
@@ -191,12 +200,12 @@ def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs"):
             a_operands=a_operands,
         )
 
-    out = call(p["tables"][0])
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(call(p["tables"][0]))  # the jitted entry; arrays are arguments
+    first_call_s = time.perf_counter() - t0  # compile (or compile-cache hit) + one run
     reps = max(reps, len(p["tables"]))
     tabs = [p["tables"][i % len(p["tables"])] for i in range(reps)]
-    prog = jax.jit(lambda *ts: [call(t) for t in ts])
-    t = timed(lambda: jax.block_until_ready(prog(*tabs)), trials) / reps
-    return out, t
+    return out, back_to_back(call, tabs, trials), first_call_s
 
 
 def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
@@ -212,17 +221,15 @@ def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
     mp = -(-int(jnp.max(lens)) // page_size)  # its natural table width: just the context
     k_splits = 16 if mp % 16 == 0 else 1
 
-    def call(pt):
-        return jpa.paged_attention(
-            q, k_pages, v_pages, pt[:num_decode, :mp], lens, k_splits=k_splits
-        )
+    kernel = jax.jit(jpa.paged_attention, static_argnames=("k_splits",))
 
-    out = call(p["tables"][0])
-    reps = max(reps, len(p["tables"]))
-    tabs = [p["tables"][i % len(p["tables"])] for i in range(reps)]
-    prog = jax.jit(lambda *ts: [call(t) for t in ts])
-    t = timed(lambda: jax.block_until_ready(prog(*tabs)), trials) / reps
-    return out, t
+    def call(pt):
+        return kernel(q, k_pages, v_pages, pt, lens, k_splits=k_splits)
+
+    tables = [t[:num_decode, :mp] for t in p["tables"]]
+    out = call(tables[0])
+    reps = max(reps, len(tables))
+    return out, back_to_back(call, [tables[i % len(tables)] for i in range(reps)], trials)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +279,7 @@ def run_decode(
                 num_ctas=args.num_ctas,
                 num_tokens=p["q"].shape[0],
             )
-            out, t = time_ours(
+            out, t, first_s = time_ours(
                 p,
                 sm_scale=sm_scale,
                 tuning=tn,
@@ -285,6 +292,7 @@ def run_decode(
                 a_operands=a_ops,
                 err=check_subset(out, p, sm_scale=sm_scale, num_check=8),
                 ms=t * 1e3,
+            first_call_s=first_s,
                 tbs=kv_bytes / t / 1e12,
             )
             row["pct_copy"] = 100 * row["tbs"] / ceil["copy_bw_tbs"]
@@ -353,7 +361,7 @@ def run_prefill(
             num_ctas=args.num_ctas,
             num_tokens=chunk,
         )
-        out, t = time_ours(
+        out, t, first_s = time_ours(
             p, sm_scale=sm_scale, tuning=tn, reps=args.reps, trials=args.trials, a_operands=a_ops
         )
         row.update(
@@ -361,6 +369,7 @@ def run_prefill(
             a_operands=a_ops,
             err=check_subset(out, p, sm_scale=sm_scale, num_check=1),
             ms=t * 1e3,
+            first_call_s=first_s,
             tflops=flops / t / 1e12,
         )
         row["pct_matmul"] = 100 * row["tflops"] / ceil["matmul_tflops"]
@@ -476,6 +485,11 @@ def main() -> None:
     ap.add_argument("--no-jax-baseline", action="store_true")
     ap.add_argument("--decode-list", default="", help='"layout,batch,ctx;..." instead of the grid')
     ap.add_argument(
+        "--decode-tunings",
+        default="",
+        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS,..." e.g. "64x3x2"',
+    )
+    ap.add_argument(
         "--prefill-variants",
         action="store_true",
         help="also time 64- and 128-token KV blocks explicitly",
@@ -501,6 +515,10 @@ def main() -> None:
     ceil = ceilings(args)
     rows = []
     layouts = args.layouts.split(",")
+    decode_tunings = [("ours", None, "regs")] + [
+        (f"ours bk{b} s{s} x{k}", TuningConfig(int(b), int(s), int(k), args.num_ctas), "regs")
+        for b, s, k in (t.split("x") for t in filter(None, args.decode_tunings.split(",")))
+    ]
     if args.phase == "smoke":
         run_mixed_checks(rng, args)
         rows += run_decode(
@@ -526,7 +544,7 @@ def main() -> None:
                 int(ctx),
                 layout,
                 args.page_size,
-                [("ours", None, "regs")],
+                decode_tunings,
                 pages_per_seq=mp,
                 jax_baseline=not args.no_jax_baseline,
             )
@@ -544,7 +562,7 @@ def main() -> None:
                         ctx,
                         layout,
                         args.page_size,
-                        [("ours", None, "regs")],
+                        decode_tunings,
                         pages_per_seq=mp,
                         jax_baseline=not args.no_jax_baseline,
                     )

@@ -21,8 +21,10 @@ import time
 
 import numpy as np
 
+from nori_jax.bench.arrivals import arrival_times
 from nori_jax.bench.config import LognormalLengths
 from nori_jax.bench.dataset import sample_lengths
+from nori_jax.bench.runner import seeded_streams
 from nori_jax.engine import LLMEngine, StepTimes
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.sampling_params import SamplingParams
@@ -62,28 +64,40 @@ class OfflineResult:
 
 
 def draw_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
-    """Token-id prompts (exact lengths, no tokenizer needed) and output lengths."""
-    rng = np.random.default_rng(args.seed)
-    n = args.num_prompts + args.warmup_requests
-    if args.dataset == "fixed":
-        ins, outs = np.full(n, args.input_len), np.full(n, args.output_len)
-    else:
+    """Token-id prompts (exact lengths, no tokenizer needed) and output lengths, warm-up first.
+
+    Lengths come from `bench serve`'s seeded streams in its order (input lengths, then output
+    lengths), so one --bench-seed gives the lengths that `bench serve --seed` sends; only the
+    random token ids differ.
+    """
+    data_rng, warm_rng, _ = seeded_streams(args.bench_seed)
+
+    def lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        if args.dataset == "fixed":
+            return np.full(n, args.input_len), np.full(n, args.output_len)
         ins = sample_lengths(
             LognormalLengths(args.input_mu, args.input_sigma, 1, args.input_max), n, rng
         )
         outs = sample_lengths(
             LognormalLengths(args.output_mu, args.output_sigma, 1, args.output_max), n, rng
         )
-    is_long = np.zeros(n, bool)
+        return ins, outs
+
+    (w_in, w_out), (m_in, m_out) = (
+        lengths(args.warmup_requests, warm_rng),
+        lengths(args.num_prompts, data_rng),
+    )
+    ins, outs = np.concatenate([w_in, m_in]), np.concatenate([w_out, m_out])
+    is_long = np.zeros(len(ins), bool)
     if args.long_prompts:  # spread the long ones evenly through the measured requests
         idx = args.warmup_requests + np.linspace(0, args.num_prompts - 1, args.long_prompts).astype(
             int
         )
         ins[idx], is_long[idx] = args.long_len, True
-    shared = rng.integers(10, vocab_size - 10, args.shared_prefix_len).tolist()
+    shared = data_rng.integers(10, vocab_size - 10, args.shared_prefix_len).tolist()
     ins = np.minimum(ins, max_model_len - 1 - len(shared))  # keep every request inside the context
     outs = np.minimum(outs, max_model_len - len(shared) - ins)
-    prompts = [shared + rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
+    prompts = [shared + data_rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
     return Workload(prompts, [int(o) for o in outs], is_long.tolist())
 
 
@@ -104,13 +118,9 @@ def run_workload(
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in w.output_lens]
 
     def run(indices: list[int], rate: float):
-        rng = np.random.default_rng(seed)
-        gaps = (
-            rng.exponential(1.0 / rate, len(indices))
-            if np.isfinite(rate)
-            else np.zeros(len(indices))
-        )
-        arrivals = np.cumsum(gaps) - gaps[0]
+        # bench serve's arrival times for this seed and rate (Poisson, last arrival at n / rate)
+        *_, arr_rng = seeded_streams(seed)
+        arrivals = arrival_times(len(indices), rate, 1.0, arr_rng)
         finished: dict[int, object] = {}
         ids: dict[str, int] = {}
         start = time.perf_counter()
@@ -216,7 +226,7 @@ def format_result(r: OfflineResult) -> str:
 def _run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     w = draw_workload(args, engine.model.config.vocab_size, engine.max_model_len)
-    result = run_workload(engine, w, args.warmup_requests, args.request_rate, args.seed)
+    result = run_workload(engine, w, args.warmup_requests, args.request_rate, args.bench_seed)
     print(format_result(result))
     if args.result_json:
         with open(args.result_json, "w") as f:
@@ -257,6 +267,10 @@ def add_bench_offline_parser(sub) -> None:
     )
     p.add_argument("--long-prompts", type=int, default=0, help="very long prompts mixed in")
     p.add_argument("--long-len", type=int, default=6000, help="length of those long prompts")
-    p.add_argument("--bench-seed", type=int, default=0, dest="seed")
+    # Its own dest: the engine's --seed (sampling, dummy weights) defaults to None, and sharing
+    # one dest would make every run draw a different workload.
+    p.add_argument(
+        "--bench-seed", type=int, default=0, help="seed of the drawn workload and arrivals"
+    )
     p.add_argument("--result-json", default=None)
     p.set_defaults(func=_run)

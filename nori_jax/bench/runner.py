@@ -29,6 +29,13 @@ from nori_jax.bench.wire import request_body
 _SEED_DATA, _SEED_WARMUP, _SEED_ARRIVALS = 0, 1, 2
 
 
+def seeded_streams(seed: int) -> tuple[np.random.Generator, ...]:
+    """(requests, warm-up requests, arrivals) generators of a seed. `bench offline` draws from
+    the same streams in the same order, so for one seed it runs the lengths and arrival times
+    that `bench serve` sends."""
+    return _rngs(seed, _SEED_DATA, _SEED_WARMUP, _SEED_ARRIVALS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     model: str
@@ -76,7 +83,7 @@ def prepare_workload(cfg: BenchConfig) -> Workload:
         )
     else:
         prompts = WordPrompts(endpoint)
-    data_rng, warm_rng = _rngs(cfg.seed, _SEED_DATA, _SEED_WARMUP)
+    data_rng, warm_rng, _ = seeded_streams(cfg.seed)
     requests = build_requests(cfg.dataset, prompts, cfg.dataset.num_prompts, data_rng)
     # negative indices: warm-up requests can never be mistaken for requests of the run
     n_warm = cfg.warmup_requests
@@ -98,7 +105,7 @@ def run_once(
 ) -> RunResult:
     rate = cfg.load.request_rate if request_rate is None else request_rate
     n = len(workload.requests)
-    (arr_rng,) = _rngs(cfg.seed, _SEED_ARRIVALS)
+    *_, arr_rng = seeded_streams(cfg.seed)
     arrivals = arrival_times(n, rate, cfg.load.burstiness, arr_rng)
     wires = [
         WireRequest(r.index, float(t), body, r.output_len)

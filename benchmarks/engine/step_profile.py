@@ -1,0 +1,152 @@
+"""Where an engine step's time goes: host stages against device kernels, from a profiler trace.
+
+    python benchmarks/engine/step_profile.py --config h200-throughput --model smollm2-135m \
+        --load-format dummy --batch 128 --context 1024 --steps 40 [--trace-dir DIR] [--json F]
+
+Fills the engine with `--batch` requests of `--context` random prompt tokens, waits until every
+one is decoding, then runs `--steps` decode steps twice: once timed by the engine's own stage
+clocks (schedule / launch / wait / postprocess), once under `jax.profiler.trace`. From the trace it
+reports, per step: the number of device kernels, the device busy time (union of kernel
+intervals), and the top kernels by total time. Device busy time well below the step's wall time
+means the host (dispatch) bounds the step; close to it means the device does.
+Run it under different XLA_FLAGS (e.g. command buffers on or off) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import time
+
+import numpy as np
+
+from nori_jax.engine import LLMEngine
+from nori_jax.engine_args import add_engine_args, engine_config_from_args
+from nori_jax.sampling_params import SamplingParams
+
+
+def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> None:
+    """Admit `batch` requests and step until each has its first token (all now decode)."""
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    pending = set()
+    for _ in range(batch):
+        prompt = rng.integers(10, vocab - 10, context).tolist()
+        pending.add(engine.add_request(None, prompt, params))
+    while pending:
+        for out in engine.step():
+            pending.discard(out.request_id)
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every GPU stream event in the trace."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        data = ProfileData.from_file(path)
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+    return events
+
+
+def busy_ns(events: list[tuple[str, int, int]]) -> int:
+    """Length of the union of the event intervals."""
+    total, end = 0, -1
+    for _, start, dur in sorted(events, key=lambda e: e[1]):
+        lo, hi = max(start, end), start + dur
+        if hi > lo:
+            total += hi - lo
+        end = max(end, hi)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(parser)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--trace-dir", default="/tmp/nori_step_trace")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args()
+
+    import jax
+
+    engine = LLMEngine(engine_config_from_args(args))
+    fill_decoding(engine, args.batch, args.context)
+    for _ in range(5):  # settle: every row is a decode row from here on
+        engine.step()
+
+    st0 = engine.step_times
+    before = (st0.steps, st0.schedule, st0.launch, st0.wait, st0.postprocess)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / args.steps
+    st = engine.step_times
+    n = st.steps - before[0]
+    stages = {
+        name: 1e3 * (getattr(st, name) - before[i + 1]) / n
+        for i, name in enumerate(("schedule", "launch", "wait", "postprocess"))
+    }
+
+    with jax.profiler.trace(args.trace_dir):
+        t1 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        engine.drain()
+        traced_wall = (time.perf_counter() - t1) / args.steps
+    events = device_kernels(args.trace_dir)
+    by_name: dict[str, list[int]] = collections.defaultdict(list)
+    for name, _, dur in events:
+        by_name[name].append(dur)
+    # The trace holds steps + the one in flight before it (async scheduling): per step ~ / steps.
+    steps_in_trace = args.steps
+    result = {
+        "batch": args.batch,
+        "context": args.context,
+        "steps": args.steps,
+        "wall_ms_per_step": 1e3 * wall,
+        "stage_ms_per_step": stages,
+        "traced_wall_ms_per_step": 1e3 * traced_wall,
+        "kernels_per_step": len(events) / steps_in_trace,
+        "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps_in_trace,
+        "device_kernel_sum_ms_per_step": sum(e[2] for e in events) / 1e6 / steps_in_trace,
+        "top_kernels": [
+            {
+                "name": name[:90],
+                "ms_per_step": sum(d) / 1e6 / steps_in_trace,
+                "calls_per_step": len(d) / steps_in_trace,
+                "mean_us": sum(d) / len(d) / 1e3,
+            }
+            for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+        ],
+    }
+    print(
+        f"batch {args.batch} x context {args.context}: {result['wall_ms_per_step']:.2f} ms/step "
+        f"wall ({', '.join(f'{k} {v:.2f}' for k, v in stages.items())}); traced "
+        f"{result['traced_wall_ms_per_step']:.2f} ms/step, {result['kernels_per_step']:.0f} "
+        f"kernels/step, device busy {result['device_busy_ms_per_step']:.2f} ms/step"
+    )
+    for k in result["top_kernels"]:
+        print(
+            f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls "
+            f"{k['mean_us']:8.1f} us  {k['name']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

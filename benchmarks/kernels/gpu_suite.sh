@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call's worth of attention-kernel measurements, each part bounded in time, logs in $OUT.
+#   PARTS="smoke ncu grid prefill" OUT=/tmp/k benchmarks/kernels/gpu_suite.sh
+#   smoke    mixed-step correctness on the GPU + the headline decode case with tuning variants
+#   ncu      Nsight Compute sections of one headline decode call (needs ncu; Firecracker hosts)
+#   grid     decode: batch 1/32/256/512 x ctx 512/2048/8192 for LAYOUTS, ours and JAX's kernel
+#   prefill  chunks of 512 to 8192 tokens, 64- and 128-token KV blocks
+# Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL (seconds).
+set -u
+OUT=${OUT:-/tmp/kernel_suite}
+PARTS=${PARTS:-"smoke ncu grid prefill"}
+LAYOUTS=${LAYOUTS:-"32q/8kv/128,32q/8kv/64,9q/3kv/64"}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+bench="python3 $(dirname "$0")/attention_bench.py --out $OUT"
+for part in $PARTS; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    smoke)   timeout ${T_SMOKE:-200} $bench --phase smoke > "$OUT/smoke.log" 2>&1; tail -12 "$OUT/smoke.log" ;;
+    ncu)     timeout ${T_NCU:-150} ncu --clock-control none --kernel-name regex:'mosaic|attention' \
+               --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+               --section WarpStateStats --section SchedulerStats --section Occupancy \
+               --section LaunchStats $bench --phase decode --decode-list "32q/8kv/128,256,1024" \
+               --no-jax-baseline --reps 1 --trials 1 > "$OUT/ncu.txt" 2>&1
+             grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Stall|Warp Cycles|Eligible|Issued Warp|==PROF==|==ERROR==" "$OUT/ncu.txt" | head -40 ;;
+    grid)    timeout ${T_GRID:-420} $bench --phase decode --layouts "$LAYOUTS" > "$OUT/grid.log" 2>&1
+             grep -c '"kind": "decode"' "$OUT/grid.log"; sed -n '/^ceilings/,$p' "$OUT/grid.log" ;;
+    prefill) timeout ${T_PREFILL:-200} $bench --phase prefill --layouts "$LAYOUTS" --chunks 512,2048,8192,2048+6144 \
+               --prefill-variants > "$OUT/prefill.log" 2>&1
+             sed -n '/^ceilings/,$p' "$OUT/prefill.log" ;;
+  esac
+done
+echo "=== done ($(date +%T))"
