@@ -21,6 +21,7 @@ for part in $PARTS; do
                   --load-format dummy --attention-backend pallas --batch 128 --context 1024 --steps 30 \
                   --json "$OUT/step_profile.json" 2>&1 | grep -v "^WARNING\|^I0000" | tail -16 ;;
     scheduling) timeout ${T_SCHED:-330} python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 \
+                  ${SCHED_RATE:+--rate "$SCHED_RATE"} \
                   ${SCHED_ONLY:+--only "$SCHED_ONLY"} ;;
     serve)      OUT="$OUT/serve" N=${SERVE_N:-100} RATES=${RATES:-4,8,16,32} timeout 300 "$here/serve_sweep.sh" 2>&1 | tail -25 ;;
     hf)         timeout 200 python3 "$here/hf_continuous_batching.py" --model smollm2-135m \
