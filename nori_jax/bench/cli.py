@@ -181,6 +181,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sweep-max-steps", type=int, default=10, help="most runs of --sweep auto")
     g.add_argument(
+        "--sweep-prompts",
+        choices=["fresh", "same"],
+        default="fresh",
+        help="fresh: every rate sends the same lengths with other tokens (a prefix-caching "
+        "server cannot reuse an earlier rate's prompts); same: identical prompts at every rate",
+    )
+    g.add_argument(
         "--knee-min-gain",
         type=float,
         default=DEFAULT_MIN_GAIN,
@@ -357,10 +364,18 @@ def _sweep(
 
     outer = tqdm(total=sweep.num_steps, desc="sweep", disable=not cfg.show_progress, position=0)
 
+    from nori_jax.bench.runner import prepare_workload
+
+    rates_run = 0
+
     def run_at(rate: float) -> RunResult:
+        nonlocal rates_run
+        fresh = args.sweep_prompts == "fresh" and rates_run > 0
+        load = prepare_workload(cfg, rates_run, workload.model) if fresh else workload
+        rates_run += 1
         update, bar = _progress_bar(cfg, f"{rate:g} req/s", position=1, leave=False)
         try:
-            run = run_once(cfg, workload, request_rate=rate, progress=update)
+            run = run_once(cfg, load, request_rate=rate, progress=update)
         finally:
             bar.close()
         outer.update(1)

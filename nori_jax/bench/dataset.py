@@ -34,8 +34,13 @@ def build_requests(
     num: int,
     rng: np.random.Generator,
     first_index: int = 0,
+    content_rng: np.random.Generator | None = None,
 ) -> list[BenchRequest]:
-    """`num` requests; the rng alone decides lengths and tokens, so a seed fixes the workload."""
+    """`num` requests; the rng alone decides lengths and tokens, so a seed fixes the workload.
+
+    content_rng, when given, draws the prompts' tokens instead: the same lengths with other
+    content (a sweep's later rates, so a prefix-caching server cannot reuse earlier prompts).
+    """
     if cfg.kind == "jsonl":
         assert cfg.path is not None  # DatasetConfig checks it
         return _jsonl_requests(Path(cfg.path), cfg, prompts, num, first_index)
@@ -45,6 +50,7 @@ def build_requests(
     else:
         input_lens = np.full(num, cfg.input_len, dtype=np.int64)
         output_lens = np.full(num, cfg.output_len, dtype=np.int64)
+    rng = content_rng or rng
     if cfg.prompt_format == "token-ids":
         assert isinstance(prompts, TokenizerPrompts)  # BenchConfig checks it
         built = [prompts.token_ids(n, rng) for n in input_lens.tolist()]

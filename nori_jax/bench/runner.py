@@ -26,7 +26,7 @@ from nori_jax.bench.shard import ShardSpec
 from nori_jax.bench.stream_request import RequestResult, WireRequest
 from nori_jax.bench.wire import request_body
 
-_SEED_DATA, _SEED_WARMUP, _SEED_ARRIVALS = 0, 1, 2
+_SEED_DATA, _SEED_WARMUP, _SEED_ARRIVALS, _SEED_CONTENT = 0, 1, 2, 3
 
 
 def seeded_streams(seed: int) -> tuple[np.random.Generator, ...]:
@@ -74,8 +74,14 @@ def discover_model(client: ClientConfig, timeout_s: float = 30.0) -> str:
         raise ValueError(f"could not read a model name from {url} ({e}); pass --model") from e
 
 
-def prepare_workload(cfg: BenchConfig) -> Workload:
-    model = cfg.client.model or discover_model(cfg.client)
+def prepare_workload(cfg: BenchConfig, variant: int = 0, model: str | None = None) -> Workload:
+    """The run's requests and warm-up requests, serialised.
+
+    variant > 0 keeps every length and the warm-up but draws other prompt tokens (a sweep's later
+    rates): a server with prefix caching then cannot serve one rate's prompts from another's
+    cache. JSONL prompts come from the file and are the same in every variant.
+    """
+    model = model or cfg.client.model or discover_model(cfg.client)
     endpoint = cfg.client.endpoint_kind
     if cfg.tokenizer_path is not None:
         prompts: TokenizerPrompts | WordPrompts = TokenizerPrompts(
@@ -84,7 +90,10 @@ def prepare_workload(cfg: BenchConfig) -> Workload:
     else:
         prompts = WordPrompts(endpoint)
     data_rng, warm_rng, _ = seeded_streams(cfg.seed)
-    requests = build_requests(cfg.dataset, prompts, cfg.dataset.num_prompts, data_rng)
+    content_rng = np.random.default_rng([cfg.seed, _SEED_CONTENT, variant]) if variant else None
+    requests = build_requests(
+        cfg.dataset, prompts, cfg.dataset.num_prompts, data_rng, content_rng=content_rng
+    )
     # negative indices: warm-up requests can never be mistaken for requests of the run
     n_warm = cfg.warmup_requests
     warmup = build_requests(cfg.dataset, prompts, n_warm, warm_rng, first_index=-n_warm)

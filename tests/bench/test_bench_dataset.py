@@ -157,3 +157,24 @@ def test_request_body_shapes() -> None:
     assert comp["prompt"] == [5, 6] and "ignore_eos" not in comp
     with pytest.raises(ValueError, match="token ids"):
         request_body("chat", "m", [1, 2], 3, ignore_eos=False, temperature=0.0)
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "fixed"])
+def test_sweep_variants_keep_lengths_and_change_tokens(kind: str) -> None:
+    """A sweep's later rates (variant > 0) send the same lengths with other prompts, so a server
+    with prefix caching cannot serve them from an earlier rate's cache; warm-up stays the same."""
+    from nori_jax.bench.config import BenchConfig, ClientConfig
+    from nori_jax.bench.runner import prepare_workload
+
+    cfg = BenchConfig(
+        client=ClientConfig(base_url="http://127.0.0.1:9", model="m"),
+        dataset=DatasetConfig(kind=kind, num_prompts=30, input_len=40, output_len=7),
+        warmup_requests=3,
+    )
+    base, fresh = prepare_workload(cfg), prepare_workload(cfg, variant=1)
+    assert prepare_workload(cfg).bodies == base.bodies  # a seed fixes the workload
+    lengths = lambda w: [(r.prompt_len, r.output_len) for r in w.requests]  # noqa: E731
+    assert lengths(fresh) == lengths(base)
+    assert all(a != b for a, b in zip(fresh.bodies, base.bodies, strict=True))
+    assert fresh.warmup_bodies == base.warmup_bodies
+    assert prepare_workload(cfg, variant=2).bodies != fresh.bodies
