@@ -292,7 +292,7 @@ def run_decode(
                 a_operands=a_ops,
                 err=check_subset(out, p, sm_scale=sm_scale, num_check=8),
                 ms=t * 1e3,
-            first_call_s=first_s,
+                first_call_s=first_s,
                 tbs=kv_bytes / t / 1e12,
             )
             row["pct_copy"] = 100 * row["tbs"] / ceil["copy_bw_tbs"]
@@ -473,7 +473,7 @@ def ceilings(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", default="smoke", choices=["smoke", "decode", "prefill"])
+    ap.add_argument("--phase", default="smoke", choices=["smoke", "mixed", "decode", "prefill"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--trials", type=int, default=5)
@@ -487,7 +487,8 @@ def main() -> None:
     ap.add_argument(
         "--decode-tunings",
         default="",
-        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS,..." e.g. "64x3x2"',
+        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xahead],..." e.g. '
+        '"64x3x2,64x3x1xahead" (ahead: TuningConfig.items_ahead)',
     )
     ap.add_argument(
         "--prefill-variants",
@@ -516,9 +517,15 @@ def main() -> None:
     rows = []
     layouts = args.layouts.split(",")
     decode_tunings = [("ours", None, "regs")] + [
-        (f"ours bk{b} s{s} x{k}", TuningConfig(int(b), int(s), int(k), args.num_ctas), "regs")
-        for b, s, k in (t.split("x") for t in filter(None, args.decode_tunings.split(",")))
+        (
+            f"ours bk{b} s{s} x{k}{' ahead' if rest else ''}",
+            TuningConfig(int(b), int(s), int(k), args.num_ctas, items_ahead=rest == ["ahead"]),
+            "regs",
+        )
+        for b, s, k, *rest in (t.split("x") for t in filter(None, args.decode_tunings.split(",")))
     ]
+    if args.phase == "mixed":  # correctness only: mixed steps in three layouts
+        run_mixed_checks(rng, args)
     if args.phase == "smoke":
         run_mixed_checks(rng, args)
         rows += run_decode(

@@ -10,7 +10,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention.mgpu_items import Items, Refs, Statics, cdiv, tile_rows
+from pallas_kernels.ragged_paged_attention.mgpu_items import (
+    Items,
+    Refs,
+    Statics,
+    cdiv,
+    for_each_item,
+    tile_rows,
+)
 from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 LOG2E = math.log2(math.e)
@@ -113,9 +120,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         safe = jnp.maximum(denom, 1e-30)  # empty decode splits: acc == 0, so O = 0
         return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
 
-    def item_body(i, kvc):
+    def item_body(i, it, kvc):
         w = cta + i * num_ctas
-        it = items.describe(w)
         is_dec = items.is_decode(w)
         qs = lax.rem(i, 2)
         b0, b1 = it["b0"], it["b1"]
@@ -187,4 +193,5 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         return kvc + (b1 - b0)
 
-    lax.fori_loop(0, items.count_for(cta, num_ctas), item_body, jnp.int32(0))
+    keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
+    for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))

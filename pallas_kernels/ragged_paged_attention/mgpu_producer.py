@@ -7,8 +7,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention.mgpu_items import Items, Refs, Statics, tile_rows
+from pallas_kernels.ragged_paged_attention.mgpu_items import (
+    Items,
+    Refs,
+    Statics,
+    for_each_item,
+    tile_rows,
+)
 from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS
+
+PRODUCER_KEYS = ("seq", "head", "tok0", "b0", "b1")  # few: the producer has 40 registers
 
 
 def producer(st: Statics, items: Items, cta, r: Refs) -> None:
@@ -36,9 +44,8 @@ def producer(st: Statics, items: Items, cta, r: Refs) -> None:
             plgpu.copy_gmem_to_smem(r.kv_pages.at[pages[0], head, 0, rows], k_dst, k_bar)
             plgpu.copy_gmem_to_smem(r.kv_pages.at[pages[0], head, 1, rows], v_dst, v_bar)
 
-    def item_body(i, kvc):
+    def item_body(i, it, kvc):
         w = cta + i * num_ctas
-        it = items.describe(w)
         is_dec = items.is_decode(w)
         qs = lax.rem(i, 2)
 
@@ -71,8 +78,7 @@ def producer(st: Statics, items: Items, cta, r: Refs) -> None:
 
         return lax.fori_loop(it["b0"], it["b1"], block_body, kvc)
 
-    n = items.count_for(cta, num_ctas)
-    kvc = lax.fori_loop(0, n, item_body, jnp.int32(0))
+    kvc, n = for_each_item(items, cta, num_ctas, PRODUCER_KEYS, item_body, jnp.int32(0))
     # Drain: observe the releases of the last stages and Q slots (a barrier must not end its life
     # with completions that one of its waiters has not seen).
     for j in range(stages):

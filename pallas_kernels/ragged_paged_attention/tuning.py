@@ -29,12 +29,18 @@ class TuningConfig:
     decode_splits: KV splits per (decode sequence, kv head); > 1 adds a small combine pass and is
                    what keeps the GPU busy at small batch.
     num_ctas:      persistent CTAs (use the SM count; tests use a few).
+    items_ahead:   load each work item's scalars while the previous item streams (mgpu_items.
+                   for_each_item), to hide the fixed cost per item that docs/benchmarks.md measured
+                   (about 9 us). Off until measured on the GPU. Interpret mode forces it off: there,
+                   with both roles looking ahead, the interpreter's threads deadlock on a 2-core
+                   machine (its callbacks wait for a pool that the blocked barrier waits hold).
     """
 
     block_kv: int = 128
     num_stages: int = 2
     decode_splits: int = 1
     num_ctas: int = 132
+    items_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
