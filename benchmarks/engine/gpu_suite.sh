@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of engine benchmarks, each part bounded in time, logs under $OUT.
 #   PARTS="offline llama profile scheduling serve hf" benchmarks/engine/gpu_suite.sh
+# e.g. nori-jax against transformers on equal terms, one call:
+#   PARTS="offline hf" OFFLINE_N=64 HF_N=64 OFFLINE_ONLY=smollm2-135m/pallas benchmarks/engine/gpu_suite.sh
 # Needs the wheels the GPU image lacks (fastapi, uvicorn, gguf ...) on PYTHONPATH; see
 # ../shared/tools/device-wheels.sh.
 set -u
@@ -14,7 +16,7 @@ for part in $PARTS; do
   echo "=== $part ($(date +%T))"
   case $part in
     offline)    timeout 330 python3 "$here/offline_suite.py" pallas-smollm2 --out "$OUT" --timeout 200 \
-                  ${OFFLINE_N:+--num-prompts "$OFFLINE_N"} ;;
+                  ${OFFLINE_N:+--num-prompts "$OFFLINE_N"} ${OFFLINE_ONLY:+--only "$OFFLINE_ONLY"} ;;
     llama)      timeout ${T_LLAMA:-330} python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 \
                   ${LLAMA_N:+--num-prompts "$LLAMA_N"} ;;
     profile)    timeout 200 python3 "$here/step_profile.py" --config h200-throughput --model smollm2-135m \
