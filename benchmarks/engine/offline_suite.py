@@ -78,6 +78,10 @@ SUITES: dict[str, dict[str, list[str]]] = {
             "smollm2-135m", "pallas", 100, LONG_MIX + ["--long-prefill-threshold", "2048"]
         ),
         "long-mix/not-isolated": run("smollm2-135m", "pallas", 100, LONG_MIX),
+        # A budget above every prompt: each prefill runs whole in one step (no chunking).
+        "long-mix/unchunked": run(
+            "smollm2-135m", "pallas", 100, LONG_MIX + ["--max-num-batched-tokens", "8192"]
+        ),
         "kv/80pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0.2"]),
         "kv/100pct": run("smollm2-135m", "pallas", 150, SMALL_POOL + ["--kv-headroom", "0"]),
     },
