@@ -19,9 +19,16 @@ for part in $PARTS; do
                   ${OFFLINE_N:+--num-prompts "$OFFLINE_N"} ${OFFLINE_ONLY:+--only "$OFFLINE_ONLY"} ;;
     llama)      timeout ${T_LLAMA:-330} python3 "$here/offline_suite.py" pallas-llama --out "$OUT" --timeout 200 \
                   ${LLAMA_N:+--num-prompts "$LLAMA_N"} ;;
-    profile)    timeout 200 python3 "$here/step_profile.py" --config h200-throughput --model smollm2-135m \
-                  --load-format dummy --attention-backend pallas --batch 128 --context 1024 --steps 30 \
-                  --json "$OUT/step_profile.json" 2>&1 | grep -v "^WARNING\|^I0000" | tail -16 ;;
+    profile)    # the step as XLA launches it by default, then with CUDA graphs asked for everywhere
+                for variant in default cmdbuf; do
+                  flags=""
+                  [ $variant = cmdbuf ] && flags="${CMDBUF_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1}"
+                  echo "--- $variant ${flags}"
+                  XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 200 python3 "$here/step_profile.py" \
+                    --config h200-throughput --model smollm2-135m --load-format dummy \
+                    --attention-backend pallas --batch 128 --context 1024 --steps 30 \
+                    --json "$OUT/step_profile_$variant.json" 2>&1 | grep -v "^WARNING\|^I0000" | tail -16
+                done ;;
     scheduling) timeout ${T_SCHED:-330} python3 "$here/offline_suite.py" scheduling --out "$OUT" --timeout 90 \
                   ${SCHED_RATE:+--rate "$SCHED_RATE"} \
                   ${SCHED_ONLY:+--only "$SCHED_ONLY"} ;;
