@@ -99,3 +99,15 @@ def test_offline_draws_the_lengths_bench_serve_sends():
     assert [len(p) for p in w.prompts] == [r.prompt_len for r in served]
     assert w.output_lens == [r.output_len for r in served]
     assert np.std([len(p) for p in w.prompts]) > 0  # lognormal, not a constant
+
+
+def test_bad_workload_flags_exit_2_before_loading_a_model(capsys):
+    base = ["bench", "offline", "--model", "tiny-llama", "--load-format", "dummy"]
+    for bad in (
+        ["--request-rate", "0"],
+        ["--num-prompts", "0"],
+        ["--num-prompts", "3", "--long-prompts", "4"],
+    ):
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and bad[-2] in err

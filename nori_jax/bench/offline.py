@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 import numpy as np
@@ -223,7 +224,28 @@ def format_result(r: OfflineResult) -> str:
     return "\n".join(lines)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first bad workload flag (before any model is loaded)."""
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.num_prompts < 1 or args.warmup_requests < 0:
+        raise ValueError(
+            f"need --num-prompts >= 1 and --warmup-requests >= 0, got {args.num_prompts} and "
+            f"{args.warmup_requests}"
+        )
+    if not 0 <= args.long_prompts <= args.num_prompts or args.shared_prefix_len < 0:
+        raise ValueError(
+            f"need 0 <= --long-prompts <= --num-prompts and --shared-prefix-len >= 0, got "
+            f"{args.long_prompts} and {args.shared_prefix_len}"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine = LLMEngine(engine_config_from_args(args))
     w = draw_workload(args, engine.model.config.vocab_size, engine.max_model_len)
     result = run_workload(engine, w, args.warmup_requests, args.request_rate, args.bench_seed)
