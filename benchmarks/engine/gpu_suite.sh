@@ -24,7 +24,8 @@ for part in $PARTS; do
                   flags=""
                   [ $variant = cmdbuf ] && flags="${CMDBUF_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1}"
                   echo "--- $variant ${flags}"
-                  XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 200 python3 "$here/step_profile.py" \
+                  # XLA reads a non-flag XLA_FLAGS value (even " ") as a file name: set it only when needed
+                  env ${flags:+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags"} timeout 200 python3 "$here/step_profile.py" \
                     --config h200-throughput --model smollm2-135m --load-format dummy \
                     --attention-backend pallas --batch 128 --context 1024 --steps 30 \
                     --json "$OUT/step_profile_$variant.json" 2>&1 | grep -v "^WARNING\|^I0000" | tail -16

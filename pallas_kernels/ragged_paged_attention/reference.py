@@ -38,7 +38,9 @@ def token_metadata(
     """Per-token sequence id, query position and validity (shared with the kernels' wrappers)."""
     num_seqs = distribution[1]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_ids = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    # compare_all: one fused reduction; the default method is an XLA while loop (schedule.py).
+    seq_ids = jnp.searchsorted(cu_q_lens[1:], t, side="right", method="compare_all")
+    seq_ids = seq_ids.astype(jnp.int32)
     seq_ids = jnp.minimum(seq_ids, kv_lens.shape[0] - 1)
     valid = t < cu_q_lens[num_seqs]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

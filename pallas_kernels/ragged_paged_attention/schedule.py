@@ -8,6 +8,10 @@ The kernel walks a flat list of items, decode items first:
 A prefill tile is `tokens_per_tile` consecutive query tokens of one prefill sequence (the last
 tile of a sequence may be partial). Tiles never cross sequences, so a tile's rows share one page
 table row.
+
+Everything here is loop-free on purpose: `jnp.searchsorted`'s default method lowers to an XLA while
+loop, and on a GPU each iteration of a while loop waits for the host to read its predicate. Once
+per layer, that turned the engine's step from device-bound into host-bound (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ def prefill_tiles(
     tile_end = jnp.cumsum(tiles, dtype=jnp.int32)  # [S]
     mt = max_prefill_tiles(num_tokens, num_seqs_max, tokens_per_tile)
     k = jnp.arange(mt, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, k, side="right"), num_seqs_max - 1)
+    # [MT, S] comparisons fused into one reduction: no while loop (see the module docstring).
+    tile_seq = jnp.searchsorted(tile_end, k, side="right", method="compare_all")
+    tile_seq = jnp.minimum(tile_seq, num_seqs_max - 1)
     tile_seq = tile_seq.astype(jnp.int32)
     first = tile_end[tile_seq] - tiles[tile_seq]
     tile_tok = cu_q_lens[tile_seq] + (k - first) * tokens_per_tile
