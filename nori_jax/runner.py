@@ -190,9 +190,11 @@ class ModelRunner:
         executable = self._executables.get(plan.bucket)
         if executable is None:
             raise RuntimeError(f"bucket {plan.bucket} was not compiled (buckets: {self.buckets})")
-        batch = jax.device_put(plan.device_arrays(), self._replicated)
+        # The plan's numpy arrays go straight into the call: the executable's C++ dispatch path
+        # transfers them to their (replicated) shardings for a fraction of what jax.device_put
+        # of the same dict costs in Python (docs/benchmarks.md, "host launch cost").
         tokens, logprobs, self.kv_pages = executable(
-            self.model.state, self.kv_pages, self._prev_tokens, batch
+            self.model.state, self.kv_pages, self._prev_tokens, plan.device_arrays()
         )
         self._prev_tokens = tokens
         # Start the device-to-host copy now, so fetching later does not add a round trip.
