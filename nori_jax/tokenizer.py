@@ -19,6 +19,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 
 def _raise_template_error(message: str) -> None:
@@ -181,32 +182,29 @@ def _check_messages(messages: Any) -> None:
 
 
 class IncrementalDetokenizer:
-    """Streams text as tokens arrive without re-decoding the whole output each step.
+    """Streams text as tokens arrive, one token at a time, in the tokenizers library's own
+    incremental decoder (`tokenizers.decoders.DecodeStream`, Rust).
 
-    Keeps a short window of already-emitted tokens as context, because byte-level BPE pieces and
-    sentencepiece's leading-space handling only decode right next to their neighbours; text that
-    ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+    Byte-level BPE pieces and sentencepiece's leading-space handling only decode right next to
+    their neighbours, so the stream is first fed the prompt's last few tokens (their text is
+    discarded); text that ends in an incomplete UTF-8 sequence is held back until a later token
+    completes it. Each step costs one call into Rust (about 2 us) instead of two full decodes of a
+    token window in Python.
     """
+
+    CONTEXT_TOKENS = 6  # prompt tokens fed first, as context for the first output token
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
     ):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-6:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in prompt_ids[-self.CONTEXT_TOKENS :]:
+            self._stream.step(self._backend, token_id)
         self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
-        self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        delta = self._stream.step(self._backend, token_id) or ""
         self.text += delta
         return delta
