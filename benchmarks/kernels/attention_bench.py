@@ -448,6 +448,24 @@ def run_mixed_checks(rng, args):
                 log(**row)
 
 
+def parse_decode_tuning(spec: str, num_ctas: int) -> TuningConfig:
+    """A --decode-tunings entry, BLOCKxSTAGESxSPLITS[xahead][xwg2], as a TuningConfig.
+
+    ahead: items_ahead; wg2: decode_wgs=2 (both compute warpgroups take decode items)."""
+    block, stages, splits, *flags = spec.split("x")
+    unknown = set(flags) - {"ahead", "wg2"}
+    if unknown:
+        raise SystemExit(f"--decode-tunings {spec!r}: unknown flags {sorted(unknown)}")
+    return TuningConfig(
+        int(block),
+        int(stages),
+        int(splits),
+        num_ctas,
+        items_ahead="ahead" in flags,
+        decode_wgs=2 if "wg2" in flags else 1,
+    )
+
+
 def headline_tunings(num_ctas: int) -> list:
     return [
         ("ours bk128 s2", TuningConfig(128, 2, 1, num_ctas), "regs"),
@@ -487,8 +505,9 @@ def main() -> None:
     ap.add_argument(
         "--decode-tunings",
         default="",
-        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xahead],..." e.g. '
-        '"64x3x2,64x3x1xahead" (ahead: TuningConfig.items_ahead)',
+        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xahead][xwg2],..." '
+        'e.g. "64x3x2,64x3x1xahead,64x3x1xwg2" (ahead: TuningConfig.items_ahead, wg2: '
+        "decode_wgs=2)",
     )
     ap.add_argument(
         "--prefill-variants",
@@ -512,18 +531,14 @@ def main() -> None:
         num_ctas=args.num_ctas,
         argv=sys.argv[1:],
     )
+    decode_tunings = [("ours", None, "regs")] + [  # parsed first: a typo fails before any work
+        (f"ours {spec}", parse_decode_tuning(spec, args.num_ctas), "regs")
+        for spec in filter(None, args.decode_tunings.split(","))
+    ]
     rng = np.random.default_rng(0)
     ceil = ceilings(args)
     rows = []
     layouts = args.layouts.split(",")
-    decode_tunings = [("ours", None, "regs")] + [
-        (
-            f"ours bk{b} s{s} x{k}{' ahead' if rest else ''}",
-            TuningConfig(int(b), int(s), int(k), args.num_ctas, items_ahead=rest == ["ahead"]),
-            "regs",
-        )
-        for b, s, k, *rest in (t.split("x") for t in filter(None, args.decode_tunings.split(",")))
-    ]
     if args.phase == "mixed":  # correctness only: mixed steps in three layouts
         run_mixed_checks(rng, args)
     if args.phase == "smoke":

@@ -126,7 +126,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         qs = lax.rem(i, 2)
         b0, b1 = it["b0"], it["b1"]
 
-        @pl.when(is_dec & (wg == 0))
+        mine = items.decode_owner(i) == wg
+
+        @pl.when(is_dec & mine)
         def _decode():
             plgpu.barrier_wait(r.qd_full.at[qs])
             q = load_q(qs)
@@ -135,20 +137,22 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             acc, m, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b1, row_pos0)
             o = normalise(acc, denom)
             if splits == 1:
-                r.q_smem.at[qs, 0][...] = o.astype(r.q_smem.dtype)
+                r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
                 plgpu.commit_smem()
                 dst = r.out.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
-                plgpu.copy_smem_to_gmem(r.q_smem.at[qs, 0, pl.ds(0, g)], dst)
+                plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
             else:
-                r.o32_smem[...] = o
-                r.lse_smem[...] = m + jnp.log(denom) * (1.0 / LN2)
+                stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
+                o32, lse = r.o32_smem.at[stage], r.lse_smem.at[stage]
+                o32[...] = o
+                lse[...] = m + jnp.log(denom) * (1.0 / LN2)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(r.o32_smem.at[pl.ds(0, g)], r.opart.at[w])
-                plgpu.copy_smem_to_gmem(r.lse_smem, r.lse.at[w])
+                plgpu.copy_smem_to_gmem(o32.at[pl.ds(0, g)], r.opart.at[w])
+                plgpu.copy_smem_to_gmem(lse, r.lse.at[w])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(r.qd_free.at[qs])
 
-        @pl.when(is_dec & (wg != 0))
+        @pl.when(is_dec & ~mine)
         def _decode_idle():
             _skip_blocks(st, r, kvc, b1 - b0)
 

@@ -95,6 +95,13 @@ class Items:
     def is_decode(self, w):
         return w < self.num_decode_items
 
+    def decode_owner(self, i):
+        """The compute warpgroup that computes this CTA's i-th item if it is a decode item. With
+        two it is i % 2, which is also the item's Q slot: each warpgroup keeps to one slot."""
+        if self.st.tuning.decode_wgs == 1:
+            return jnp.int32(0)
+        return lax.rem(i, jnp.int32(self.st.tuning.decode_wgs))
+
     def describe(self, w):
         """Per item (int32 scalars): seq, kv head, decode token or tile's first token, kv_len,
         q_len, the sequence's token range, the KV block range. is_decode(w) says which kind."""

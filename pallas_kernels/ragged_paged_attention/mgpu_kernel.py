@@ -10,8 +10,9 @@ without talking except through barriers:
         S = Q K^T (wgmma, M = 64 rows, N = block_kv), online softmax in registers,
         O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows.
 
-Decode items are computed by compute warpgroup 0 only; warpgroup 1 just waits on and releases their
-K/V stages (every waiter must observe every completion of a barrier). A prefill tile gives each
+Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
+tuning.decode_wgs == 2) the two in turn; the other just waits on and releases their K/V stages
+(every waiter must observe every completion of a barrier). A prefill tile gives each
 compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; both share the K/V stream.
 
 Rows of a tile that hold no valid (token, head) pair contain garbage: attention is row-independent
@@ -50,8 +51,8 @@ def attention_kernel(
     q_smem,  # [2, NUM_COMPUTE_WGS, 64, D]     SMEM, Q in, O out (two item slots)
     qa_smem,  # [NUM_COMPUTE_WGS, 64, D]       SMEM, swizzled Q operand, or None (a_operands="regs")
     pa_smem,  # [NUM_COMPUTE_WGS, 64, bk]      SMEM, swizzled P operand, or None (a_operands="regs")
-    o32_smem,  # f32[64, D]                    SMEM (split decode only) or None
-    lse_smem,  # f32[64]                       SMEM (split decode only) or None
+    o32_smem,  # f32[decode_wgs, 64, D]        SMEM (split decode only) or None
+    lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], NUM_COMPUTE_WGS arrivals

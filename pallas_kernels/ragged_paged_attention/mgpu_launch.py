@@ -62,8 +62,8 @@ def launch(
         )
         if a_smem
         else None,  # pa_smem
-        plgpu.SMEM((ROWS, d), jnp.float32) if split else None,  # o32_smem
-        plgpu.SMEM((ROWS,), jnp.float32) if split else None,  # lse_smem
+        plgpu.SMEM((tn.decode_wgs, ROWS, d), jnp.float32) if split else None,  # o32_smem
+        plgpu.SMEM((tn.decode_wgs, ROWS), jnp.float32) if split else None,  # lse_smem
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=tn.num_stages),  # kv_free

@@ -58,7 +58,8 @@ def producer(st: Statics, items: Items, cta, r: Refs) -> None:
         @pl.when(is_dec)
         def _q_decode():
             src = r.q.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
-            plgpu.copy_gmem_to_smem(src, r.q_smem.at[qs, 0, pl.ds(0, g)], r.qd_full.at[qs])
+            dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
+            plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
 
         @pl.when(~is_dec)
         def _q_prefill():

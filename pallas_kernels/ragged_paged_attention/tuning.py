@@ -34,6 +34,10 @@ class TuningConfig:
                    (about 9 us). Off until measured on the GPU. Interpret mode forces it off: there,
                    with both roles looking ahead, the interpreter's threads deadlock on a 2-core
                    machine (its callbacks wait for a pool that the blocked barrier waits hold).
+    decode_wgs:    compute warpgroups that take decode items: 1 (warpgroup 0; warpgroup 1 only
+                   releases the K/V stages) or 2 (items alternate between them, so one
+                   warpgroup's epilogue, output store and next Q overlap the other's blocks).
+                   Each warpgroup then has its own split-decode staging. 1 until measured.
     """
 
     block_kv: int = 128
@@ -41,6 +45,7 @@ class TuningConfig:
     decode_splits: int = 1
     num_ctas: int = 132
     items_ahead: bool = False
+    decode_wgs: int = 1
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -51,6 +56,8 @@ class TuningConfig:
             raise ValueError(f"{self.decode_splits=} must be >= 1")
         if self.num_ctas < 1:
             raise ValueError(f"{self.num_ctas=} must be >= 1")
+        if self.decode_wgs not in (1, NUM_COMPUTE_WGS):
+            raise ValueError(f"{self.decode_wgs=} must be 1 or {NUM_COMPUTE_WGS}")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
         """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, and the
@@ -58,7 +65,7 @@ class TuningConfig:
         item = jnp.dtype(dtype).itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
         q = 2 * NUM_COMPUTE_WGS * ROWS * head_dim * item
-        split = (ROWS * head_dim * 4 + ROWS * 4) if self.decode_splits > 1 else 0
+        split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
         a_ops = NUM_COMPUTE_WGS * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
         return kv + q + split + a_ops
 
