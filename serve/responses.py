@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from nori_jax.outputs import RequestOutput
@@ -17,7 +16,7 @@ def usage(out: RequestOutput) -> dict[str, int]:
 def stage_metrics(out: RequestOutput) -> dict[str, Any]:
     """The request's own timings in seconds (queue, prefill, decode, TTFT, E2E): the extension
     field `metrics` of a response."""
-    return dataclasses.asdict(out.metrics)
+    return out.metrics._asdict()
 
 
 def token_strings(tok: Tokenizer | None, token_ids: list[int]) -> list[str]:
