@@ -29,7 +29,12 @@ import numpy as np
 
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention.tuning import TuningConfig, default_tuning
+from pallas_kernels.ragged_paged_attention.tuning import (
+    SMEM_BYTES,
+    SMEM_SLACK,
+    TuningConfig,
+    default_tuning,
+)
 
 LAYOUTS = {"32q/8kv/128": (32, 8, 128), "32q/8kv/64": (32, 8, 64), "9q/3kv/64": (9, 3, 64)}
 LOG: list[dict] = []
@@ -466,6 +471,14 @@ def parse_decode_tuning(spec: str, num_ctas: int) -> TuningConfig:
     )
 
 
+def prefill_variants(head_dim: int, num_ctas: int) -> list[TuningConfig]:
+    """Explicit KV blocks for --prefill-variants: 64 x 3 and 128 x 2 stages, and for head_dim 64
+    (whose blocks are half the bytes) 128 x 4 and 256 x 2; only those that fit shared memory."""
+    shapes = [(64, 3), (128, 2)] + ([(128, 4), (256, 2)] if head_dim <= 64 else [])
+    tunings = [TuningConfig(bk, stages, 1, num_ctas) for bk, stages in shapes]
+    return [t for t in tunings if t.smem_bytes(head_dim, jnp.bfloat16) <= SMEM_BYTES - SMEM_SLACK]
+
+
 def headline_tunings(num_ctas: int) -> list:
     return [
         ("ours bk128 s2", TuningConfig(128, 2, 1, num_ctas), "regs"),
@@ -512,7 +525,7 @@ def main() -> None:
     ap.add_argument(
         "--prefill-variants",
         action="store_true",
-        help="also time 64- and 128-token KV blocks explicitly",
+        help="also time explicit KV blocks (see prefill_variants)",
     )
     ap.add_argument(
         "--dry", action="store_true", help="tiny ceilings (CPU dry runs of this script)"
@@ -598,8 +611,8 @@ def main() -> None:
                     )
                 )
                 if args.prefill_variants:
-                    for bk, stages in ((64, 3), (128, 2)):
-                        tn = TuningConfig(bk, stages, 1, args.num_ctas)
+                    for tn in prefill_variants(LAYOUTS[layout][2], args.num_ctas):
+                        bk, stages = tn.block_kv, tn.num_stages
                         rows.append(
                             run_prefill(
                                 rng,
