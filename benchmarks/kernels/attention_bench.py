@@ -454,11 +454,11 @@ def run_mixed_checks(rng, args):
 
 
 def parse_decode_tuning(spec: str, num_ctas: int) -> TuningConfig:
-    """A --decode-tunings entry, BLOCKxSTAGESxSPLITS[xahead][xwg2], as a TuningConfig.
+    """A --decode-tunings entry, BLOCKxSTAGESxSPLITS[xwg2], as a TuningConfig.
 
-    ahead: items_ahead; wg2: decode_wgs=2 (both compute warpgroups take decode items)."""
+    wg2: decode_wgs=2 (both compute warpgroups take decode items)."""
     block, stages, splits, *flags = spec.split("x")
-    unknown = set(flags) - {"ahead", "wg2"}
+    unknown = set(flags) - {"wg2"}
     if unknown:
         raise SystemExit(f"--decode-tunings {spec!r}: unknown flags {sorted(unknown)}")
     return TuningConfig(
@@ -466,7 +466,6 @@ def parse_decode_tuning(spec: str, num_ctas: int) -> TuningConfig:
         int(stages),
         int(splits),
         num_ctas,
-        items_ahead="ahead" in flags,
         decode_wgs=2 if "wg2" in flags else 1,
     )
 
@@ -518,9 +517,8 @@ def main() -> None:
     ap.add_argument(
         "--decode-tunings",
         default="",
-        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xahead][xwg2],..." '
-        'e.g. "64x3x2,64x3x1xahead,64x3x1xwg2" (ahead: TuningConfig.items_ahead, wg2: '
-        "decode_wgs=2)",
+        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xwg2],..." e.g. '
+        '"64x3x2,64x3x1xwg2" (wg2: TuningConfig.decode_wgs=2)',
     )
     ap.add_argument(
         "--prefill-variants",

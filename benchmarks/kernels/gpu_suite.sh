@@ -5,10 +5,9 @@
 #   ncu      Nsight Compute sections of one headline decode call (opt-in: on 2026-11-29 it stalled
 #            at 0% and, killed by its limit, left the GPU unusable for the rest of the call)
 #   grid     decode: batch 1/32/256/512 x ctx 512/2048/8192 for LAYOUTS, ours and JAX's kernel
-#   prefill  chunks of 512 to 8192 tokens, 64- and 128-token KV blocks
-#   ahead    batch 256 x ctx 1024 / 2048 with and without TuningConfig.items_ahead
+#   prefill  chunks of 512 to 8192 tokens, default tuning and explicit KV-block variants
 #   wgs      decode on one or both compute warpgroups (TuningConfig.decode_wgs), headline cases
-# Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL, T_AHEAD, T_WGS (seconds).
+# Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL, T_WGS (seconds).
 set -u
 OUT=${OUT:-/tmp/kernel_suite}
 PARTS=${PARTS:-"smoke grid prefill"}
@@ -28,10 +27,6 @@ for part in $PARTS; do
              grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Stall|Warp Cycles|Eligible|Issued Warp|==PROF==|==ERROR==" "$OUT/ncu.txt" | head -40 ;;
     grid)    timeout ${T_GRID:-420} $bench --phase decode --layouts "$LAYOUTS" > "$OUT/grid.log" 2>&1
              grep -c '"kind": "decode"' "$OUT/grid.log"; sed -n '/^ceilings/,$p' "$OUT/grid.log" ;;
-    ahead)   timeout ${T_AHEAD:-200} $bench --phase decode --no-jax-baseline \
-               --decode-list "32q/8kv/128,256,1024;32q/8kv/128,256,2048;9q/3kv/64,256,1024" \
-               --decode-tunings 64x3x1,64x3x1xahead,128x2x1xahead > "$OUT/ahead.log" 2>&1
-             sed -n '/^ceilings/,$p' "$OUT/ahead.log" ;;
     wgs)     timeout ${T_WGS:-200} $bench --phase decode --no-jax-baseline \
                --decode-list "32q/8kv/128,256,1024;32q/8kv/128,32,2048;9q/3kv/64,256,1024;32q/8kv/128,512,512" \
                --decode-tunings 64x3x1,64x3x1xwg2,64x2x2xwg2,128x2x1xwg2 > "$OUT/wgs.log" 2>&1

@@ -359,12 +359,10 @@ def _sweep(
         write_csv,
         write_json,
     )
-    from nori_jax.bench.runner import RunResult, run_once
+    from nori_jax.bench.runner import RunResult, prepare_workload, run_once
     from nori_jax.bench.sweep import run_sweep
 
     outer = tqdm(total=sweep.num_steps, desc="sweep", disable=not cfg.show_progress, position=0)
-
-    from nori_jax.bench.runner import prepare_workload
 
     rates_run = 0
 

@@ -149,30 +149,16 @@ class Items:
 def for_each_item(items: Items, cta, num_ctas: int, keys: tuple[str, ...], body, init):
     """Run body(i, it, carry) -> carry over this CTA's items; returns (carry, item count).
 
-    `it` holds the `keys` of items.describe for the i-th item. With tuning.items_ahead they are
-    loaded one item ahead: the scalar loads for item i + 1 (sequence, length, token range; a
-    chain of dependent reads from global memory, slow while the KV stream saturates it) are
-    issued when item i starts and are ready when it ends, instead of stalling both roles at every
-    item switch.
-    The look-ahead past the last item reads clamped, in-bounds indices and is never used.
+    `it` holds the `keys` of items.describe for the i-th item; the scalars a role does not ask for
+    are dead code, which matters to the producer's 40 registers.
     """
 
-    def load(i):
+    def step(i, carry):
         d = items.describe(cta + i * num_ctas)
-        return tuple(d[k] for k in keys)
+        return body(i, {k: d[k] for k in keys}, carry)
 
     n = items.count_for(cta, num_ctas)
-    if not items.st.tuning.items_ahead:
-        step = lambda i, carry: body(i, dict(zip(keys, load(i), strict=True)), carry)  # noqa: E731
-        return lax.fori_loop(0, n, step, init), n
-
-    def step_ahead(i, state):
-        carry, current = state
-        ahead = load(i + 1)
-        return body(i, dict(zip(keys, current, strict=True)), carry), ahead
-
-    carry, _ = lax.fori_loop(0, n, step_ahead, (init, load(0)))
-    return carry, n
+    return lax.fori_loop(0, n, step, init), n
 
 
 def tile_rows(st: Statics, first_tok):

@@ -6,7 +6,6 @@ Mosaic GPU interpret mode, which is how CI tests it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -106,8 +105,6 @@ def ragged_paged_attention_pallas(
     if a_operands not in ("regs", "smem"):
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
     tuning.check_fits(d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_operands == "smem")
-    if interpret and tuning.items_ahead:  # see TuningConfig.items_ahead
-        tuning = dataclasses.replace(tuning, items_ahead=False)
     # Whole blocks of page ids per sequence: pad the table's rows with the null page.
     ppb = max(1, tuning.block_kv // page_size)
     pad = -pages_per_seq % ppb

@@ -29,11 +29,6 @@ class TuningConfig:
     decode_splits: KV splits per (decode sequence, kv head); > 1 adds a small combine pass and is
                    what keeps the GPU busy at small batch.
     num_ctas:      persistent CTAs (use the SM count; tests use a few).
-    items_ahead:   load each work item's scalars while the previous item streams (mgpu_items.
-                   for_each_item), to hide the fixed cost per item that docs/benchmarks.md measured
-                   (about 9 us). Off until measured on the GPU. Interpret mode forces it off: there,
-                   with both roles looking ahead, the interpreter's threads deadlock on a 2-core
-                   machine (its callbacks wait for a pool that the blocked barrier waits hold).
     decode_wgs:    compute warpgroups that take decode items: 1 (warpgroup 0; warpgroup 1 only
                    releases the K/V stages) or 2 (items alternate between them, so one
                    warpgroup's epilogue, output store and next Q overlap the other's blocks).
@@ -44,7 +39,6 @@ class TuningConfig:
     num_stages: int = 2
     decode_splits: int = 1
     num_ctas: int = 132
-    items_ahead: bool = False
     decode_wgs: int = 1
 
     def __post_init__(self) -> None:

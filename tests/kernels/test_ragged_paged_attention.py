@@ -57,13 +57,19 @@ CASES = [
     (256, 2, 2, 64, jnp.float32, "decode", None, TuningConfig(128, 2, 2, 3)),
     (32, 8, 1, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3)),
     (16, 64, 1, 32, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 2, 3)),  # one token per tile
+    # decode_wgs=2: decode items alternate between the compute warpgroups; splits 1 (output staged
+    # in the Q slot) and 3 (each warpgroup's own f32 staging), and a mixed step, where prefill
+    # tiles share the Q slots with decode items.
+    (16, 8, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 1, 3, decode_wgs=2)),
+    (32, 4, 1, 128, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 3, 2, decode_wgs=2)),
+    (16, 6, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 3, 2, 3, decode_wgs=2)),
 ]
 
 
 def _case_id(c) -> str:
     ps, hq, hkv, d, dt, kind, cap, tn = c
     name = f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}"
-    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}"
+    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}"
 
 
 def _check(out, ref, dtype):
