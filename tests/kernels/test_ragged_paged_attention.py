@@ -222,6 +222,11 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(num_stages=1)
     with pytest.raises(ValueError, match="SMEM"):
         TuningConfig(block_kv=256, num_stages=8).check_fits(128, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="decode_wgs=3"):
+        TuningConfig(decode_wgs=3)
+    with pytest.raises(ValueError, match="SMEM"):  # per-warpgroup split staging counts
+        TuningConfig(64, 3, 2, decode_wgs=2).check_fits(128, 16, jnp.bfloat16)
+    TuningConfig(64, 3, 2, decode_wgs=1).check_fits(128, 16, jnp.bfloat16)
 
 
 def test_gpu_only_dtype_rule():
