@@ -16,6 +16,7 @@ times back to back on different page tables (so repeated calls do not hit in L2)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -274,7 +275,7 @@ def run_decode(
         row = dict(kind="decode", batch=batch, ctx=ctx, layout=layout, page=page_size, impl=name)
         t_row = time.perf_counter()
         try:
-            tn = tn or default_tuning(
+            base = default_tuning(
                 num_seqs=batch,
                 num_kv_heads=LAYOUTS[layout][1],
                 head_dim=d,
@@ -284,6 +285,7 @@ def run_decode(
                 num_ctas=args.num_ctas,
                 num_tokens=p["q"].shape[0],
             )
+            tn = tn(base) if callable(tn) else (tn or base)
             out, t, first_s = time_ours(
                 p,
                 sm_scale=sm_scale,
@@ -356,7 +358,7 @@ def run_prefill(
     row = dict(kind="prefill", chunk=chunk, prefix=prefix, layout=layout, page=page_size, impl=impl)
     t_row = time.perf_counter()
     try:
-        tn = tuning or default_tuning(
+        base = default_tuning(
             num_seqs=8,
             num_kv_heads=hkv,
             head_dim=d,
@@ -366,6 +368,7 @@ def run_prefill(
             num_ctas=args.num_ctas,
             num_tokens=chunk,
         )
+        tn = tuning(base) if callable(tuning) else (tuning or base)
         out, t, first_s = time_ours(
             p, sm_scale=sm_scale, tuning=tn, reps=args.reps, trials=args.trials, a_operands=a_ops
         )
@@ -453,21 +456,30 @@ def run_mixed_checks(rng, args):
                 log(**row)
 
 
-def parse_decode_tuning(spec: str, num_ctas: int) -> TuningConfig:
-    """A --decode-tunings entry, BLOCKxSTAGESxSPLITS[xwg2], as a TuningConfig.
+def parse_tuning(spec: str, num_ctas: int):
+    """A --decode-tunings / --prefill-tunings entry as a function of the default tuning.
 
-    wg2: decode_wgs=2 (both compute warpgroups take decode items)."""
-    block, stages, splits, *flags = spec.split("x")
-    unknown = set(flags) - {"wg2"}
+    "BLOCKxSTAGESxSPLITS[xFLAG...]" is that schedule; "default[xFLAG...]" is default_tuning's
+    choice for the case. Flags: wg2 (decode_wgs=2), pp (pingpong=True)."""
+    head, *rest = spec.split("x")
+    if head == "default":
+        shape, flags = None, rest
+    else:
+        shape, flags = tuple(int(v) for v in [head, *rest[:2]]), rest[2:]
+        if len(shape) != 3:
+            raise SystemExit(f"tuning {spec!r}: want BLOCKxSTAGESxSPLITS[xwg2][xpp]")
+    unknown = set(flags) - {"wg2", "pp"}
     if unknown:
-        raise SystemExit(f"--decode-tunings {spec!r}: unknown flags {sorted(unknown)}")
-    return TuningConfig(
-        int(block),
-        int(stages),
-        int(splits),
-        num_ctas,
-        decode_wgs=2 if "wg2" in flags else 1,
-    )
+        raise SystemExit(f"tuning {spec!r}: unknown flags {sorted(unknown)}")
+    extra = dict(decode_wgs=2 if "wg2" in flags else 1, pingpong="pp" in flags)
+
+    def resolve(default: TuningConfig) -> TuningConfig:
+        if shape is None:
+            return dataclasses.replace(default, **extra)
+        return TuningConfig(*shape, num_ctas, **extra)
+
+    resolve(TuningConfig(num_ctas=num_ctas))  # an invalid spec fails before any work
+    return resolve
 
 
 def prefill_variants(head_dim: int, num_ctas: int) -> list[TuningConfig]:
@@ -517,8 +529,13 @@ def main() -> None:
     ap.add_argument(
         "--decode-tunings",
         default="",
-        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xwg2],..." e.g. '
-        '"64x3x2,64x3x1xwg2" (wg2: TuningConfig.decode_wgs=2)',
+        help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xFLAG]" or '
+        '"default[xFLAG]", e.g. "64x3x2,64x3x1xwg2,defaultxwg2" (see parse_tuning)',
+    )
+    ap.add_argument(
+        "--prefill-tunings",
+        default="",
+        help='extra prefill tunings next to the default, as --decode-tunings, e.g. "defaultxpp"',
     )
     ap.add_argument(
         "--prefill-variants",
@@ -543,8 +560,12 @@ def main() -> None:
         argv=sys.argv[1:],
     )
     decode_tunings = [("ours", None, "regs")] + [  # parsed first: a typo fails before any work
-        (f"ours {spec}", parse_decode_tuning(spec, args.num_ctas), "regs")
+        (f"ours {spec}", parse_tuning(spec, args.num_ctas), "regs")
         for spec in filter(None, args.decode_tunings.split(","))
+    ]
+    prefill_tunings = [
+        (f"ours {spec}", parse_tuning(spec, args.num_ctas))
+        for spec in filter(None, args.prefill_tunings.split(","))
     ]
     rng = np.random.default_rng(0)
     ceil = ceilings(args)
@@ -608,6 +629,20 @@ def main() -> None:
                         rng, ceil, args, int(chunk), int(prefix or 0), layout, args.page_size
                     )
                 )
+                for name, resolve in prefill_tunings:
+                    rows.append(
+                        run_prefill(
+                            rng,
+                            ceil,
+                            args,
+                            int(chunk),
+                            int(prefix or 0),
+                            layout,
+                            args.page_size,
+                            tuning=resolve,
+                            impl=name,
+                        )
+                    )
                 if args.prefill_variants:
                     for tn in prefill_variants(LAYOUTS[layout][2], args.num_ctas):
                         bk, stages = tn.block_kv, tn.num_stages

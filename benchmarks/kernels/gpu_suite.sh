@@ -6,8 +6,9 @@
 #            at 0% and, killed by its limit, left the GPU unusable for the rest of the call)
 #   grid     decode: batch 1/32/256/512 x ctx 512/2048/8192 for LAYOUTS, ours and JAX's kernel
 #   prefill  chunks of 512 to 8192 tokens, default tuning and explicit KV-block variants
-#   wgs      decode on one or both compute warpgroups (TuningConfig.decode_wgs), headline cases
-# Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL, T_WGS (seconds).
+#   wgs      decode: the default tuning on one or both compute warpgroups (decode_wgs), a grid
+#   pingpong prefill: the default tuning and KV-block variants with and without ping-pong
+# Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL, T_WGS, T_PP (seconds).
 set -u
 OUT=${OUT:-/tmp/kernel_suite}
 PARTS=${PARTS:-"smoke grid prefill"}
@@ -27,10 +28,14 @@ for part in $PARTS; do
              grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Stall|Warp Cycles|Eligible|Issued Warp|==PROF==|==ERROR==" "$OUT/ncu.txt" | head -40 ;;
     grid)    timeout ${T_GRID:-420} $bench --phase decode --layouts "$LAYOUTS" > "$OUT/grid.log" 2>&1
              grep -c '"kind": "decode"' "$OUT/grid.log"; sed -n '/^ceilings/,$p' "$OUT/grid.log" ;;
-    wgs)     timeout ${T_WGS:-200} $bench --phase decode --no-jax-baseline \
-               --decode-list "32q/8kv/128,256,1024;32q/8kv/128,32,2048;9q/3kv/64,256,1024;32q/8kv/128,512,512" \
-               --decode-tunings 64x3x1,64x3x1xwg2,64x2x2xwg2,128x2x1xwg2 > "$OUT/wgs.log" 2>&1
+    wgs)     cases=$(for b in 32 256 512; do for c in 512 1024 2048 8192; do printf '32q/8kv/128,%s,%s;' $b $c; done; done
+                     for l in 32q/8kv/64 9q/3kv/64; do for b in 256 512; do for c in 1024 2048; do printf '%s,%s,%s;' $l $b $c; done; done; done)
+             timeout ${T_WGS:-240} $bench --phase decode --no-jax-baseline --trials 7 \
+               --decode-list "${cases%;}" --decode-tunings defaultxwg2 > "$OUT/wgs.log" 2>&1
              sed -n '/^ceilings/,$p' "$OUT/wgs.log" ;;
+    pingpong) timeout ${T_PP:-240} $bench --phase prefill --layouts "$LAYOUTS" --chunks 2048,8192,2048+6144 \
+               --prefill-tunings defaultxpp,64x3x1xpp,128x2x1xpp > "$OUT/pingpong.log" 2>&1
+             sed -n '/^ceilings/,$p' "$OUT/pingpong.log" ;;
     prefill) timeout ${T_PREFILL:-200} $bench --phase prefill --layouts "$LAYOUTS" --chunks 512,2048,8192,2048+6144 \
                --prefill-variants > "$OUT/prefill.log" 2>&1
              sed -n '/^ceilings/,$p' "$OUT/prefill.log" ;;

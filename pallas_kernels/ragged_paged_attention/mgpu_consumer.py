@@ -26,25 +26,52 @@ WGMMA = plgpu.Layout.WGMMA
 ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 
 
-def _skip_blocks(st: Statics, r: Refs, kvc, n) -> None:
-    """Observe and release `n` K/V stages without computing on them."""
+def _take_turn(turn) -> None:
+    """Rendezvous of the two compute warpgroups on the ping-pong barrier."""
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+
+def _skip_blocks(st: Statics, r: Refs, kvc, n, turn=None) -> None:
+    """Observe and release `n` K/V stages without computing on them; with a ping-pong barrier,
+    keep the two turns per block that a computed block takes (see _attend)."""
 
     def body(j, _):
         slot = lax.rem(kvc + j, st.tuning.num_stages)
         plgpu.barrier_wait(r.k_full.at[slot])
         plgpu.barrier_wait(r.v_full.at[slot])
         plgpu.barrier_arrive(r.kv_free.at[slot])
+        if turn is not None:
+            _take_turn(turn)
+            _take_turn(turn)
         return ()
 
     lax.fori_loop(0, n, body, ())
 
 
-def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0):
+def _wait_v(r: Refs, slot, turn, softmax_values: tuple) -> tuple:
+    """Wait until V of `slot` landed and, with ping-pong, the tensor cores are this warpgroup's:
+    hand the turn over (the softmax values are fenced so that the softmax is issued first), then
+    wait for it to come back."""
+    if turn is None:
+        plgpu.barrier_wait(r.v_full.at[slot])
+        return softmax_values
+    softmax_values = lax.optimization_barrier(softmax_values)
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(r.v_full.at[slot])
+    plgpu.barrier_wait(turn)
+    return softmax_values
+
+
+def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0, turn=None):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem". kvc: stream index of block b_start. Row r is at query position
     row_pos0 + r // group; blocks before b_full need no causal mask.
+    turn: the ping-pong barrier or None. Each block then takes two turns: after issuing Q K^T
+    (the other warpgroup's P V may run) and after the softmax (the other's softmax ran meanwhile;
+    wait for the tensor cores before P V).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
@@ -57,6 +84,8 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
+            if turn is not None:
+                _take_turn(turn)
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
@@ -75,8 +104,8 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(r.k_smem.dtype)
+        acc, m_new, denom, p16 = _wait_v(r, slot, turn, (acc, m_new, denom, p16))
         if st.a_operands == "regs":
-            plgpu.barrier_wait(r.v_full.at[slot])
 
             def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
                 plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
@@ -85,7 +114,6 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
         else:
             p_smem[...] = p16
             plgpu.commit_smem()
-            plgpu.barrier_wait(r.v_full.at[slot])
 
             def pv(o_ref):  # [64, D] f32, zero-initialised
                 plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
@@ -105,6 +133,7 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
     splits = st.tuning.decode_splits
+    turn = r.turn  # prefill ping-pong barrier, or None
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
 
     def load_q(qs):
@@ -159,6 +188,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         @pl.when(~is_dec)
         def _prefill():
             plgpu.barrier_wait(r.qp_full.at[qs])
+            if turn is not None:  # warpgroup 1 starts a turn behind (see the end of the item)
+                pl.when(wg == 1)(lambda: _take_turn(turn))
             first_tok = it["tok0"] + wg * tpw
             start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
             n_tok = jnp.clip(it["seq_end"] - first_tok, 0, tpw)
@@ -171,7 +202,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 q = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
-                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0)
+                acc, _, denom = _attend(
+                    st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turn
+                )
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 plgpu.commit_smem()
                 out_rows = r.out.at[it["head"]]  # [T * G, D]
@@ -192,7 +225,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end)
+            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turn)
+            if turn is not None:  # both took 2 turns per block; warpgroup 0 takes the one it owes
+                pl.when(wg == 0)(lambda: _take_turn(turn))
             plgpu.barrier_arrive(r.qp_free.at[qs])
 
         return kvc + (b1 - b0)

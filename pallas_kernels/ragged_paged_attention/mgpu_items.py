@@ -71,6 +71,7 @@ class Refs(NamedTuple):
     qp_full: Any
     qd_free: Any
     qp_free: Any
+    turn: Any
 
 
 def cdiv(a, b):

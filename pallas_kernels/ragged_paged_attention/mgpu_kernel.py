@@ -60,6 +60,7 @@ def attention_kernel(
     qp_full,  # barrier[2], prefill Q landed (one box copy per compute warpgroup)
     qd_free,  # barrier[2], decode Q slot released
     qp_free,  # barrier[2], prefill Q slot released (NUM_COMPUTE_WGS arrivals)
+    turn,  # barrier, NUM_COMPUTE_WGS arrivals: prefill ping-pong rendezvous, or None
     *,
     st: Statics,
 ):
@@ -67,7 +68,7 @@ def attention_kernel(
     cta = lax.axis_index("cta")
     r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, tile_seq_ref, tile_tok_ref, q_ref, kv_ref,
              out_ref, opart_ref, lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem,
-             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free)  # fmt: skip
+             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
     items = Items(st, r)
 
     @pl.when(wg < NUM_COMPUTE_WGS)

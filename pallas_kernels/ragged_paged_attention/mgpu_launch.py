@@ -71,6 +71,7 @@ def launch(
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_full
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_free
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS) if tn.pingpong else None,  # turn
     ]
     kernel = plgpu.kernel(
         functools.partial(attention_kernel, st=st),

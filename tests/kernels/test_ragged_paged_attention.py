@@ -63,13 +63,20 @@ CASES = [
     (16, 8, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 1, 3, decode_wgs=2)),
     (32, 4, 1, 128, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 3, 2, decode_wgs=2)),
     (16, 6, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 3, 2, 3, decode_wgs=2)),
+    # pingpong: prefill tiles' warpgroups take turns on a rendezvous barrier; a tile whose second
+    # warpgroup has no tokens, causal blocks one computes and the other skips, decode items (which
+    # never take turns) in the same step, and a soft cap.
+    (16, 8, 2, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3, pingpong=True)),
+    (32, 4, 1, 128, jnp.float32, "mixed", 20.0, TuningConfig(64, 3, 2, 2, pingpong=True)),
+    (64, 9, 3, 64, jnp.bfloat16, "mixed", None, TuningConfig(128, 2, 1, 3, 2, pingpong=True)),
 ]
 
 
 def _case_id(c) -> str:
     ps, hq, hkv, d, dt, kind, cap, tn = c
     name = f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}"
-    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}"
+    pp = "-pingpong" if tn.pingpong else ""
+    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}"
 
 
 def _check(out, ref, dtype):
