@@ -97,7 +97,7 @@ def default_tuning(
     in every layout (up to +19%); it is taken where decode is not split, the form measured.
     head_dim 128: with decode_wgs=2, 128-token blocks x 2 stages decode at or above 64 x 3 in 7 of
     8 cases of batch 256/512 x ctx 512-8192 (the headline, B=256 ctx 1024: 81.6-84.9% of the copy
-    rate in five measurements over three calls), and prefill 8192-token chunks faster (482
+    rate in eight measurements over four calls), and prefill 8192-token chunks faster (482
     against 452 TFLOP/s). They leave no room for split-decode staging: split buckets take 64 x 3.
     head_dim 64: 128-token blocks x 3 stages, as measured for both layouts, decode and prefill.
     Ping-pong measured equal or faster on every prefill chunk of 2,048 tokens and more (+3-10%).
