@@ -89,18 +89,21 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
+        # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
         if st.soft_cap is not None:
             s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+            to_log2 = 1.0
         else:
-            s = s * scale
+            to_log2 = scale
         if masked:
             rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
             cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
             visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
             s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
+        m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(r.k_smem.dtype)
