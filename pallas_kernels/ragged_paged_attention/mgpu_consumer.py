@@ -205,9 +205,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 q = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
-                acc, _, denom = _attend(
-                    st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turn
-                )
+                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turn)
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 plgpu.commit_smem()
                 out_rows = r.out.at[it["head"]]  # [T * G, D]

@@ -13,7 +13,8 @@ without talking except through barriers:
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
 tuning.decode_wgs == 2) the two in turn; the other just waits on and releases their K/V stages
 (every waiter must observe every completion of a barrier). A prefill tile gives each
-compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; both share the K/V stream.
+compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; both share the K/V stream
+and, with tuning.pingpong, take turns on the tensor cores (mgpu_consumer._attend).
 
 Rows of a tile that hold no valid (token, head) pair contain garbage: attention is row-independent
 and such rows are never stored. Masked scores are -inf; every valid row sees key 0 in its first
@@ -68,7 +69,8 @@ def attention_kernel(
     cta = lax.axis_index("cta")
     r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, tile_seq_ref, tile_tok_ref, q_ref, kv_ref,
              out_ref, opart_ref, lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem,
-             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
+             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free,
+             turn)  # fmt: skip
     items = Items(st, r)
 
     @pl.when(wg < NUM_COMPUTE_WGS)
