@@ -456,27 +456,37 @@ def run_mixed_checks(rng, args):
                 log(**row)
 
 
+# --decode-tunings / --prefill-tunings flags: the TuningConfig field each one sets.
+TUNING_FLAGS = {
+    "wg1": ("decode_wgs", 1),
+    "wg2": ("decode_wgs", 2),
+    "pp": ("pingpong", True),
+    "nopp": ("pingpong", False),
+}
+
+
 def parse_tuning(spec: str, num_ctas: int):
     """A --decode-tunings / --prefill-tunings entry as a function of the default tuning.
 
-    "BLOCKxSTAGESxSPLITS[xFLAG...]" is that schedule; "default[xFLAG...]" is default_tuning's
-    choice for the case. Flags: wg2 (decode_wgs=2), pp (pingpong=True)."""
+    "BLOCKxSTAGESxSPLITS[xFLAG...]" is that schedule in its plain form (one decode warpgroup, no
+    ping-pong) plus the flags; "default[xFLAG...]" is default_tuning's choice for the case with
+    only the flags changed. Flags: TUNING_FLAGS."""
     head, *rest = spec.split("x")
     if head == "default":
         shape, flags = None, rest
     else:
         shape, flags = tuple(int(v) for v in [head, *rest[:2]]), rest[2:]
         if len(shape) != 3:
-            raise SystemExit(f"tuning {spec!r}: want BLOCKxSTAGESxSPLITS[xwg2][xpp]")
-    unknown = set(flags) - {"wg2", "pp"}
+            raise SystemExit(f"tuning {spec!r}: want BLOCKxSTAGESxSPLITS[xFLAG...]")
+    unknown = set(flags) - set(TUNING_FLAGS)
     if unknown:
         raise SystemExit(f"tuning {spec!r}: unknown flags {sorted(unknown)}")
-    extra = dict(decode_wgs=2 if "wg2" in flags else 1, pingpong="pp" in flags)
+    changes = dict(TUNING_FLAGS[f] for f in flags)
 
     def resolve(default: TuningConfig) -> TuningConfig:
         if shape is None:
-            return dataclasses.replace(default, **extra)
-        return TuningConfig(*shape, num_ctas, **extra)
+            return dataclasses.replace(default, **changes)
+        return TuningConfig(*shape, num_ctas, **changes)
 
     resolve(TuningConfig(num_ctas=num_ctas))  # an invalid spec fails before any work
     return resolve
@@ -484,9 +494,10 @@ def parse_tuning(spec: str, num_ctas: int):
 
 def prefill_variants(head_dim: int, num_ctas: int) -> list[TuningConfig]:
     """Explicit KV blocks for --prefill-variants: 64 x 3 and 128 x 2 stages, and for head_dim 64
-    (whose blocks are half the bytes) 128 x 4 and 256 x 2; only those that fit shared memory."""
+    (whose blocks are half the bytes) 128 x 4 and 256 x 2; only those that fit shared memory.
+    With ping-pong, as the default tuning has it."""
     shapes = [(64, 3), (128, 2)] + ([(128, 4), (256, 2)] if head_dim <= 64 else [])
-    tunings = [TuningConfig(bk, stages, 1, num_ctas) for bk, stages in shapes]
+    tunings = [TuningConfig(bk, stages, 1, num_ctas, pingpong=True) for bk, stages in shapes]
     return [t for t in tunings if t.smem_bytes(head_dim, jnp.bfloat16) <= SMEM_BYTES - SMEM_SLACK]
 
 
@@ -530,12 +541,12 @@ def main() -> None:
         "--decode-tunings",
         default="",
         help='extra decode tunings next to the default, "BLOCKxSTAGESxSPLITS[xFLAG]" or '
-        '"default[xFLAG]", e.g. "64x3x2,64x3x1xwg2,defaultxwg2" (see parse_tuning)',
+        '"default[xFLAG]", e.g. "64x3x2,64x3x1xwg2,defaultxwg1" (see parse_tuning)',
     )
     ap.add_argument(
         "--prefill-tunings",
         default="",
-        help='extra prefill tunings next to the default, as --decode-tunings, e.g. "defaultxpp"',
+        help='extra prefill tunings next to the default, as --decode-tunings, e.g. "defaultxnopp"',
     )
     ap.add_argument(
         "--prefill-variants",
@@ -622,14 +633,15 @@ def main() -> None:
                     )
     if args.phase == "prefill":
         for layout in layouts:
+            variants = [("ours", None)] + prefill_tunings
+            if args.prefill_variants:
+                variants += [
+                    (f"ours bk{tn.block_kv} s{tn.num_stages}", tn)
+                    for tn in prefill_variants(LAYOUTS[layout][2], args.num_ctas)
+                ]
             for spec in args.chunks.split(","):  # "chunk" or "chunk+cached_prefix"
                 chunk, _, prefix = spec.partition("+")
-                rows.append(
-                    run_prefill(
-                        rng, ceil, args, int(chunk), int(prefix or 0), layout, args.page_size
-                    )
-                )
-                for name, resolve in prefill_tunings:
+                for name, tn in variants:
                     rows.append(
                         run_prefill(
                             rng,
@@ -639,26 +651,10 @@ def main() -> None:
                             int(prefix or 0),
                             layout,
                             args.page_size,
-                            tuning=resolve,
+                            tuning=tn,
                             impl=name,
                         )
                     )
-                if args.prefill_variants:
-                    for tn in prefill_variants(LAYOUTS[layout][2], args.num_ctas):
-                        bk, stages = tn.block_kv, tn.num_stages
-                        rows.append(
-                            run_prefill(
-                                rng,
-                                ceil,
-                                args,
-                                int(chunk),
-                                int(prefix or 0),
-                                layout,
-                                args.page_size,
-                                tuning=tn,
-                                impl=f"ours bk{bk} s{stages}",
-                            )
-                        )
     with open(os.path.join(args.out, f"attention_bench_{args.phase}.json"), "w") as f:
         json.dump(LOG, f, indent=1)
     print_table(ceil, rows)

@@ -6,8 +6,8 @@
 #            at 0% and, killed by its limit, left the GPU unusable for the rest of the call)
 #   grid     decode: batch 1/32/256/512 x ctx 512/2048/8192 for LAYOUTS, ours and JAX's kernel
 #   prefill  chunks of 512 to 8192 tokens, default tuning and explicit KV-block variants
-#   wgs      decode: the default tuning on one or both compute warpgroups (decode_wgs), a grid
-#   pingpong prefill: the default tuning and KV-block variants with and without ping-pong
+#   wgs      decode: the default tuning against the same on one compute warpgroup (decode_wgs=1)
+#   pingpong prefill: the default tuning (ping-pong) against it without, and KV-block variants
 # Time limits per part: T_SMOKE, T_NCU, T_GRID, T_PREFILL, T_WGS, T_PP (seconds).
 set -u
 OUT=${OUT:-/tmp/kernel_suite}
@@ -31,10 +31,10 @@ for part in $PARTS; do
     wgs)     cases=$(for b in 32 256 512; do for c in 512 1024 2048 8192; do printf '32q/8kv/128,%s,%s;' $b $c; done; done
                      for l in 32q/8kv/64 9q/3kv/64; do for b in 256 512; do for c in 1024 2048; do printf '%s,%s,%s;' $l $b $c; done; done; done)
              timeout ${T_WGS:-240} $bench --phase decode --no-jax-baseline --trials 7 \
-               --decode-list "${cases%;}" --decode-tunings defaultxwg2 > "$OUT/wgs.log" 2>&1
+               --decode-list "${cases%;}" --decode-tunings defaultxwg1 > "$OUT/wgs.log" 2>&1
              sed -n '/^ceilings/,$p' "$OUT/wgs.log" ;;
     pingpong) timeout ${T_PP:-240} $bench --phase prefill --layouts "$LAYOUTS" --chunks 2048,8192,2048+6144 \
-               --prefill-tunings defaultxpp,64x3x1xpp,128x2x1xpp > "$OUT/pingpong.log" 2>&1
+               --prefill-tunings defaultxnopp,64x3x1xpp,128x2x1xpp > "$OUT/pingpong.log" 2>&1
              sed -n '/^ceilings/,$p' "$OUT/pingpong.log" ;;
     prefill) timeout ${T_PREFILL:-200} $bench --phase prefill --layouts "$LAYOUTS" --chunks 512,2048,8192,2048+6144 \
                --prefill-variants > "$OUT/prefill.log" 2>&1
