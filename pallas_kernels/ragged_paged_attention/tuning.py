@@ -58,6 +58,8 @@ class TuningConfig:
             raise ValueError(f"{self.num_ctas=} must be >= 1")
         if self.decode_wgs not in (1, NUM_COMPUTE_WGS):
             raise ValueError(f"{self.decode_wgs=} must be 1 or {NUM_COMPUTE_WGS}")
+        if not isinstance(self.pingpong, bool):  # it picks a kernel form: no truthy strings
+            raise ValueError(f"{self.pingpong=} must be a bool")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
         """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, and the

@@ -41,30 +41,27 @@ def test_default_tuning_fits_and_takes_the_measured_forms(
     assert tn.decode_wgs == (2 if tn.decode_splits == 1 else 1)
 
 
-def test_headline_decode_takes_128_token_blocks_on_both_warpgroups():
-    """Batch 256 x ctx 1024, 32q/8kv/128, page 16: the tuning behind 82.7-84.6% of copy."""
+@pytest.mark.parametrize(
+    "num_seqs,pages_per_seq,expected",
+    [
+        # Batch 256 x ctx 1024: 128-token blocks x 2 stages, no splits, both warpgroups (the
+        # tuning behind 82.7-84.6% of copy in docs/benchmarks.md).
+        (256, 64, (128, 2, 1, 2)),
+        # Batch 32 x ctx 8192: splits; their staging leaves no room for 128 x 2, so 64 x 3 and
+        # one decode warpgroup.
+        (32, 512, (64, 3, 2, 1)),
+    ],
+    ids=["headline", "small-batch"],
+)
+def test_head_dim_128_decode_picks(num_seqs, pages_per_seq, expected):
+    """32q/8kv/128, page 16, bf16, a decode bucket (one token per sequence)."""
     tn = default_tuning(
-        num_seqs=256,
+        num_seqs=num_seqs,
         num_kv_heads=8,
         head_dim=128,
         page_size=16,
-        pages_per_seq=64,
+        pages_per_seq=pages_per_seq,
         dtype=jnp.bfloat16,
-        num_tokens=256,
+        num_tokens=num_seqs,
     )
-    assert (tn.block_kv, tn.num_stages, tn.decode_splits, tn.decode_wgs) == (128, 2, 1, 2)
-
-
-def test_small_batch_splits_decode_in_smaller_blocks():
-    """Batch 32, head_dim 128: split staging leaves no room for 128 x 2, so 64 x 3 with splits."""
-    tn = default_tuning(
-        num_seqs=32,
-        num_kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        pages_per_seq=512,
-        dtype=jnp.bfloat16,
-        num_tokens=32,
-    )
-    assert (tn.block_kv, tn.num_stages, tn.decode_wgs) == (64, 3, 1)
-    assert tn.decode_splits > 1
+    assert (tn.block_kv, tn.num_stages, tn.decode_splits, tn.decode_wgs) == expected

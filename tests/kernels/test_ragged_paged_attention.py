@@ -231,6 +231,8 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(block_kv=256, num_stages=8).check_fits(128, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="decode_wgs=3"):
         TuningConfig(decode_wgs=3)
+    with pytest.raises(ValueError, match="pingpong='yes'"):
+        TuningConfig(pingpong="yes")
     with pytest.raises(ValueError, match="SMEM"):  # per-warpgroup split staging counts
         TuningConfig(64, 3, 2, decode_wgs=2).check_fits(128, 16, jnp.bfloat16)
     TuningConfig(64, 3, 2, decode_wgs=1).check_fits(128, 16, jnp.bfloat16)
