@@ -462,6 +462,8 @@ TUNING_FLAGS = {
     "wg2": ("decode_wgs", 2),
     "pp": ("pingpong", True),
     "nopp": ("pingpong", False),
+    "pw1": ("producer_warps", 1),
+    "pw4": ("producer_warps", 4),
 }
 
 

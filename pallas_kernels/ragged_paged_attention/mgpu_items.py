@@ -96,6 +96,9 @@ class Items:
     def is_decode(self, w):
         return w < self.num_decode_items
 
+    def is_prefill(self, w):  # not ~is_decode(w): boolean not has no warp-level lowering
+        return w >= self.num_decode_items
+
     def decode_owner(self, i):
         """The compute warpgroup that computes this CTA's i-th item if it is a decode item. With
         two it is i % 2, which is also the item's Q slot: each warpgroup keeps to one slot."""

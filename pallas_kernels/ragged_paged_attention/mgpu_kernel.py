@@ -5,7 +5,9 @@ list of work items (schedule.py) with the same block counts, so they agree on ev
 without talking except through barriers:
 
     producer (mgpu_producer.py): per item, bulk-copy its Q rows into a Q slot (2 slots, one item
-        ahead), then per KV block one TMA per page for K and one for V into a K/V stage.
+        ahead), then per KV block one TMA per page for K and one for V into a K/V stage;
+        one thread issues them all, or (tuning.producer_warps == 4) the warpgroup's warps share
+        the K/V copies.
     compute (mgpu_consumer.py): per item, load its 64 Q rows, then per KV block
         S = Q K^T (wgmma, M = 64 rows, N = block_kv), online softmax in registers,
         O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows.

@@ -1,6 +1,18 @@
-"""Producer warpgroup: Q rows and K/V pages into SMEM with the bulk copy engine (TMA)."""
+"""Producer warpgroup: Q rows and K/V pages into SMEM with the bulk copy engine (TMA).
+
+With 16-token pages a 128-token block takes 16 copies of 2 KiB (head_dim 64), and one thread
+issuing them all, with their page-id loads and barrier arrivals, can fall behind the compute
+warpgroups. With tuning.producer_warps == 4 the warpgroup's warps share the copies: warp w issues
+the K (w even) or V (w odd) copies of the pages i with i % lanes == w // 2 (lanes: 2 where a
+block has an even number of pages, else 1; idle warps return at once). Warp 0 alone issues Q.
+
+Every warp that issues copies into a stage also waits on that stage's release (kv_free): it can
+never be more than one phase behind, because the next release needs its own copies first.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -20,55 +32,96 @@ PRODUCER_KEYS = ("seq", "head", "tok0", "b0", "b1")  # few: the producer has 40 
 
 
 def producer(st: Statics, items: Items, cta, r: Refs) -> None:
-    g, bk, stages = st.group, st.tuning.block_kv, st.tuning.num_stages
+    if st.tuning.producer_warps == 1:
+        _produce(st, items, cta, r, warp=None)
+        return
+
+    lanes = 2 if st.pages_per_block % 2 == 0 else 1
+
+    def per_warp(warp):
+        pl.when(lax.div(warp, 2) < lanes)(lambda: _produce(st, items, cta, r, warp, lanes))
+
+    plgpu.warp_map(per_warp)
+
+
+def _when(cond, body) -> None:
+    """body() under pl.when(cond); cond None: unconditionally (the single-thread producer)."""
+    if cond is None:
+        body()
+    else:
+        pl.when(cond)(body)
+
+
+def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> None:
+    """The producer's walk over the items. warp None: one thread issues every copy. Otherwise
+    this warp's share (module docstring): K or V by warp parity, page lane warp // 2."""
+    g, bk, stages, ps = st.group, st.tuning.block_kv, st.tuning.num_stages, st.page_size
     tpw, num_ctas = st.tokens_per_wg, st.tuning.num_ctas
+    lane = 0 if warp is None else lax.div(warp, 2)
+    issues_q = None if warp is None else warp == 0
+
+    def issues(kind):  # does this thread issue the copies of `kind` (0: K, 1: V)?
+        return None if warp is None else lax.rem(warp, 2) == kind
 
     def block_source(seq, b):
-        """Page ids (and row offset) of KV block b; loaded before waiting for the slot."""
-        if st.page_size <= bk:
+        """This thread's page ids of KV block b (pages j * lanes + lane), and the row offset
+        where a page holds several blocks; loaded before waiting for the slot."""
+        if ps <= bk:
             ppb = st.pages_per_block
-            return [r.page_table[seq, b * ppb + i] for i in range(ppb)], 0
+            return [r.page_table[seq, b * ppb + j * lanes + lane] for j in range(ppb // lanes)], 0
         bpp = jnp.int32(st.blocks_per_page)
         return [r.page_table[seq, lax.div(b, bpp)]], lax.rem(b, bpp) * bk
 
+    def copy(kind, src, rows, slot):
+        dst = (r.k_smem, r.v_smem)[kind].at[slot, rows]
+        plgpu.copy_gmem_to_smem(src, dst, (r.k_full, r.v_full)[kind].at[slot])
+
     def issue_block(pages, row0, head, slot):
-        k_dst, v_dst = r.k_smem.at[slot], r.v_smem.at[slot]  # [bk, D] each
-        k_bar, v_bar = r.k_full.at[slot], r.v_full.at[slot]
-        if st.page_size <= bk:  # one K and one V copy per page
-            for i, page in enumerate(pages):
-                rows = pl.ds(i * st.page_size, st.page_size)
-                plgpu.copy_gmem_to_smem(r.kv_pages.at[page, head, 0], k_dst.at[rows], k_bar)
-                plgpu.copy_gmem_to_smem(r.kv_pages.at[page, head, 1], v_dst.at[rows], v_bar)
-        else:  # the block is a slice of one page
-            rows = pl.ds(row0, bk)
-            plgpu.copy_gmem_to_smem(r.kv_pages.at[pages[0], head, 0, rows], k_dst, k_bar)
-            plgpu.copy_gmem_to_smem(r.kv_pages.at[pages[0], head, 1, rows], v_dst, v_bar)
+        for kind in (0, 1):
+
+            def issue_kind(kind=kind):
+                if ps > bk:  # the block is a slice of one page
+                    src = r.kv_pages.at[pages[0], head, kind, pl.ds(row0, bk)]
+                    copy(kind, src, pl.ds(0, bk), slot)
+                    return
+                for j, page in enumerate(pages):  # one copy per page
+                    for lane_v in range(lanes):  # static destination rows per lane
+                        rows = pl.ds((j * lanes + lane_v) * ps, ps)
+                        src = r.kv_pages.at[page, head, kind]
+                        _when(
+                            None if lanes == 1 else lane == lane_v,
+                            lambda src=src, rows=rows: copy(kind, src, rows, slot),
+                        )
+
+            _when(issues(kind), issue_kind)
 
     def item_body(i, it, kvc):
         w = cta + i * num_ctas
-        is_dec = items.is_decode(w)
         qs = lax.rem(i, 2)
 
-        @pl.when(i >= 2)  # the Q slot's previous item must have stored its output
-        def _wait_q_slot():
-            prev_dec = items.is_decode(w - 2 * num_ctas)
-            pl.when(prev_dec)(lambda: plgpu.barrier_wait(r.qd_free.at[qs]))
-            pl.when(~prev_dec)(lambda: plgpu.barrier_wait(r.qp_free.at[qs]))
+        def _q():
+            @pl.when(i >= 2)  # the Q slot's previous item must have stored its output
+            def _wait_q_slot():
+                prev = w - 2 * num_ctas
+                pl.when(items.is_decode(prev))(lambda: plgpu.barrier_wait(r.qd_free.at[qs]))
+                pl.when(items.is_prefill(prev))(lambda: plgpu.barrier_wait(r.qp_free.at[qs]))
 
-        @pl.when(is_dec)
-        def _q_decode():
-            src = r.q.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
-            dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
-            plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
+            @pl.when(items.is_decode(w))
+            def _q_decode():
+                src = r.q.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
+                dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
+                plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
 
-        @pl.when(~is_dec)
-        def _q_prefill():
-            for wg in range(NUM_COMPUTE_WGS):
-                # One box of tokens_per_wg tokens x G heads, clamped into [0, T) (see tile_rows).
-                start = tile_rows(st, it["tok0"] + wg * tpw)
-                src = r.q.at[it["head"], pl.ds(start * g, tpw * g)]  # [tpw * G, D]
-                dst = r.q_smem.at[qs, wg, pl.ds(0, tpw * g)]
-                plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
+            @pl.when(items.is_prefill(w))
+            def _q_prefill():
+                for wg in range(NUM_COMPUTE_WGS):
+                    # One box of tokens_per_wg tokens x G heads, clamped into [0, T) (tile_rows).
+                    start = tile_rows(st, it["tok0"] + wg * tpw)
+                    src = r.q.at[it["head"], pl.ds(start * g, tpw * g)]  # [tpw * G, D]
+                    dst = r.q_smem.at[qs, wg, pl.ds(0, tpw * g)]
+                    plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
+
+        _when(issues_q, _q)
 
         def block_body(b, kvc):
             slot = lax.rem(kvc, stages)
@@ -85,9 +138,13 @@ def producer(st: Statics, items: Items, cta, r: Refs) -> None:
     for j in range(stages):
         kb = kvc - stages + j
         pl.when(kb >= 0)(lambda kb=kb: plgpu.barrier_wait(r.kv_free.at[lax.rem(kb, stages)]))
-    for j in range(2):
-        i = n - 2 + j
-        dec = items.is_decode(cta + i * num_ctas)
-        qs = lax.rem(jnp.maximum(i, 0), 2)
-        pl.when((i >= 0) & dec)(lambda qs=qs: plgpu.barrier_wait(r.qd_free.at[qs]))
-        pl.when((i >= 0) & ~dec)(lambda qs=qs: plgpu.barrier_wait(r.qp_free.at[qs]))
+
+    def _drain_q():
+        for j in range(2):
+            i = n - 2 + j
+            w = cta + i * num_ctas
+            qs = lax.rem(jnp.maximum(i, 0), 2)
+            for kind, free in ((items.is_decode, r.qd_free), (items.is_prefill, r.qp_free)):
+                pl.when((i >= 0) & kind(w))(functools.partial(plgpu.barrier_wait, free.at[qs]))
+
+    _when(issues_q, _drain_q)

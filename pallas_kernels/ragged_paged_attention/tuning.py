@@ -36,6 +36,9 @@ class TuningConfig:
     pingpong:      prefill tiles: the two compute warpgroups take turns on the tensor cores
                    through a shared rendezvous barrier, so one's softmax overlaps the other's
                    matmuls (FlashAttention-3's ping-pong schedule). Decode items never wait on it.
+    producer_warps: 1 (one thread of the producer warpgroup issues every copy) or 4 (its warps
+                   share the K/V copies, mgpu_producer.py): with small pages a block is many
+                   small copies, and one thread's issue rate can fall behind the tensor cores.
     The field defaults are the plain forms; default_tuning turns decode_wgs and pingpong on where
     the H200 measured them faster.
     """
@@ -46,6 +49,7 @@ class TuningConfig:
     num_ctas: int = 132
     decode_wgs: int = 1
     pingpong: bool = False
+    producer_warps: int = 1
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -60,6 +64,8 @@ class TuningConfig:
             raise ValueError(f"{self.decode_wgs=} must be 1 or {NUM_COMPUTE_WGS}")
         if not isinstance(self.pingpong, bool):  # it picks a kernel form: no truthy strings
             raise ValueError(f"{self.pingpong=} must be a bool")
+        if self.producer_warps not in (1, 4):
+            raise ValueError(f"{self.producer_warps=} must be 1 or 4")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
         """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, and the
@@ -103,6 +109,9 @@ def default_tuning(
     against 452 TFLOP/s). They leave no room for split-decode staging: split buckets take 64 x 3.
     head_dim 64: 128-token blocks x 3 stages, as measured for both layouts, decode and prefill.
     Ping-pong measured equal or faster on every prefill chunk of 2,048 tokens and more (+3-10%).
+    Four producer warps (producer_warps=4) measured faster decode at batch 256/512 (up to +16%,
+    9q/3kv/64; equal at ctx 8192 for head_dim 128) and head_dim-128 prefill (+4-6%), but slower
+    split decode at batch 32 (up to -28%): they are taken where decode is not split.
     """
     prefill_heavy = num_tokens >= 2048
     if head_dim < 128:
@@ -124,8 +133,16 @@ def default_tuning(
         else [(p, k) for k in (splits, 1) for p in prefs]
     )
     for (bk, stages), want_splits in order:
-        wgs = 2 if want_splits == 1 else 1
-        cfg = TuningConfig(bk, stages, want_splits, num_ctas, decode_wgs=wgs, pingpong=True)
+        whole = want_splits == 1  # decode not split: both decode warpgroups, 4 producer warps
+        cfg = TuningConfig(
+            bk,
+            stages,
+            want_splits,
+            num_ctas,
+            decode_wgs=2 if whole else 1,
+            pingpong=True,
+            producer_warps=4 if whole else 1,
+        )
         if cfg.smem_bytes(head_dim, dtype) <= budget:
             return cfg
-    return TuningConfig(64, 2, 1, num_ctas, decode_wgs=2, pingpong=True)
+    return TuningConfig(64, 2, 1, num_ctas, decode_wgs=2, pingpong=True, producer_warps=4)

@@ -19,8 +19,9 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         TuningConfig(64, 2, 2, 132, decode_wgs=2),
         TuningConfig(64, 3, 1, 132, decode_wgs=2),
         TuningConfig(128, 2, 1, 132, pingpong=True),
+        TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4),
     ],
-    ids=["default-form", "decode-wgs-2-split", "decode-wgs-2", "pingpong"],
+    ids=["default-form", "decode-wgs-2-split", "decode-wgs-2", "pingpong", "producer-warps-4"],
 )
 def test_kernel_lowers_for_cuda(tuning):
     """32 q / 8 kv heads, head_dim 128, page 16, bf16: the headline decode layout."""

@@ -69,6 +69,11 @@ CASES = [
     (16, 8, 2, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3, pingpong=True)),
     (32, 4, 1, 128, jnp.float32, "mixed", 20.0, TuningConfig(64, 3, 2, 2, pingpong=True)),
     (64, 9, 3, 64, jnp.bfloat16, "mixed", None, TuningConfig(128, 2, 1, 3, 2, pingpong=True)),
+    # producer_warps=4: the producer's warps share the copies; two page lanes (8 pages a block,
+    # decode items in the step), one lane (a block is one page), and blocks inside a page.
+    (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(128, 2, 1, 3, producer_warps=4)),
+    (64, 4, 1, 128, jnp.float32, "prefill", None, TuningConfig(64, 3, 1, 2, producer_warps=4)),
+    (256, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 2, 3, producer_warps=4)),
 ]
 
 
@@ -76,7 +81,8 @@ def _case_id(c) -> str:
     ps, hq, hkv, d, dt, kind, cap, tn = c
     name = f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}"
     pp = "-pingpong" if tn.pingpong else ""
-    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}"
+    pw = f"-pw{tn.producer_warps}" * (tn.producer_warps > 1)
+    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}{pw}"
 
 
 def _check(out, ref, dtype):
