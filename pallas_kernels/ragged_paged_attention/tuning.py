@@ -39,8 +39,8 @@ class TuningConfig:
     producer_warps: 1 (one thread of the producer warpgroup issues every copy) or 4 (its warps
                    share the K/V copies, mgpu_producer.py): with small pages a block is many
                    small copies, and one thread's issue rate can fall behind the tensor cores.
-    The field defaults are the plain forms; default_tuning turns decode_wgs and pingpong on where
-    the H200 measured them faster.
+    The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
+    producer_warps on where the H200 measured them faster.
     """
 
     block_kv: int = 128
@@ -60,11 +60,12 @@ class TuningConfig:
             raise ValueError(f"{self.decode_splits=} must be >= 1")
         if self.num_ctas < 1:
             raise ValueError(f"{self.num_ctas=} must be >= 1")
-        if self.decode_wgs not in (1, NUM_COMPUTE_WGS):
+        # Counts are ints, not bools: True == 1 would pass the membership tests below.
+        if isinstance(self.decode_wgs, bool) or self.decode_wgs not in (1, NUM_COMPUTE_WGS):
             raise ValueError(f"{self.decode_wgs=} must be 1 or {NUM_COMPUTE_WGS}")
         if not isinstance(self.pingpong, bool):  # it picks a kernel form: no truthy strings
             raise ValueError(f"{self.pingpong=} must be a bool")
-        if self.producer_warps not in (1, 4):
+        if isinstance(self.producer_warps, bool) or self.producer_warps not in (1, 4):
             raise ValueError(f"{self.producer_warps=} must be 1 or 4")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
@@ -109,9 +110,10 @@ def default_tuning(
     against 452 TFLOP/s). They leave no room for split-decode staging: split buckets take 64 x 3.
     head_dim 64: 128-token blocks x 3 stages, as measured for both layouts, decode and prefill.
     Ping-pong measured equal or faster on every prefill chunk of 2,048 tokens and more (+3-10%).
-    Four producer warps (producer_warps=4) measured faster decode at batch 256/512 (up to +16%,
-    9q/3kv/64; equal at ctx 8192 for head_dim 128) and head_dim-128 prefill (+4-6%), but slower
-    split decode at batch 32 (up to -28%): they are taken where decode is not split.
+    Four producer warps (producer_warps=4) measured faster or equal (within 1%) decode at batch
+    256/512 in 20 of 21 pairs (up to +16%, 9q/3kv/64) and faster head_dim-128 prefill (+3-6%).
+    Split decode (batch 32) was not shown faster: those calls are dispatch-bound and noisy, so
+    split buckets keep one producer thread.
     """
     prefill_heavy = num_tokens >= 2048
     if head_dim < 128:

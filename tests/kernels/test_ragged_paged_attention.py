@@ -239,6 +239,12 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(decode_wgs=3)
     with pytest.raises(ValueError, match="pingpong='yes'"):
         TuningConfig(pingpong="yes")
+    with pytest.raises(ValueError, match="producer_warps=2"):
+        TuningConfig(producer_warps=2)
+    with pytest.raises(ValueError, match="producer_warps=True"):  # a bool is not a count
+        TuningConfig(producer_warps=True)
+    with pytest.raises(ValueError, match="decode_wgs=True"):
+        TuningConfig(decode_wgs=True)
     with pytest.raises(ValueError, match="SMEM"):  # per-warpgroup split staging counts
         TuningConfig(64, 3, 2, decode_wgs=2).check_fits(128, 16, jnp.bfloat16)
     TuningConfig(64, 3, 2, decode_wgs=1).check_fits(128, 16, jnp.bfloat16)
