@@ -396,6 +396,11 @@ def run_mixed_checks(rng, args):
         ("32q/8kv/128", 16, [(1, 700), (1, 33), (1, 1), (300, 300), (129, 1000), (0, 0)]),
         ("9q/3kv/64", 64, [(1, 64), (1, 65), (200, 455), (17, 17)]),
         ("32q/8kv/64", 256, [(1, 257), (1, 1000), (64, 64), (100, 612)]),
+        # Prefill buckets (2,048 tokens and more): head_dim 64 takes three compute warpgroups,
+        # with split decode (few sequences) and with whole decode on two warpgroups (many).
+        ("32q/8kv/64", 16, [(1, 300), (1, 17), (1900, 2500), (150, 150)]),
+        ("9q/3kv/64", 64, [(1, 64), (1, 65), (2000, 2455), (60, 60)]),
+        ("32q/8kv/64", 16, [(1, 100 + 37 * i) for i in range(40)] + [(2048, 2048)]),
     ]
     for layout, ps, seqs in cases:
         hq, hkv, d = LAYOUTS[layout]
@@ -420,7 +425,12 @@ def run_mixed_checks(rng, args):
         for soft_cap, a_ops in ((None, "regs"), (30.0, "smem")):
             if True:
                 row = dict(
-                    kind="mixed_check", layout=layout, page=ps, soft_cap=soft_cap, a_operands=a_ops
+                    kind="mixed_check",
+                    layout=layout,
+                    page=ps,
+                    tokens=t,
+                    soft_cap=soft_cap,
+                    a_operands=a_ops,
                 )
                 try:
                     # The SMEM-operand form needs room for Q and P tiles: small blocks, no splits.
@@ -464,6 +474,8 @@ TUNING_FLAGS = {
     "nopp": ("pingpong", False),
     "pw1": ("producer_warps", 1),
     "pw4": ("producer_warps", 4),
+    "cw2": ("compute_wgs", 2),
+    "cw3": ("compute_wgs", 3),
 }
 
 

@@ -18,6 +18,7 @@ from pallas_kernels.ragged_paged_attention.mgpu_items import (
     for_each_item,
     tile_rows,
 )
+from pallas_kernels.ragged_paged_attention.mgpu_turns import NoTurns, make_turns
 from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 LOG2E = math.log2(math.e)
@@ -26,52 +27,28 @@ WGMMA = plgpu.Layout.WGMMA
 ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 
 
-def _take_turn(turn) -> None:
-    """Rendezvous of the two compute warpgroups on the ping-pong barrier."""
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
-
-
-def _skip_blocks(st: Statics, r: Refs, kvc, n, turn=None) -> None:
-    """Observe and release `n` K/V stages without computing on them; with a ping-pong barrier,
-    keep the two turns per block that a computed block takes (see _attend)."""
+def _skip_blocks(st: Statics, r: Refs, kvc, n, turns: NoTurns) -> None:
+    """Observe and release `n` K/V stages without computing on them, taking the turns that a
+    computed block takes (mgpu_turns.py)."""
 
     def body(j, _):
         slot = lax.rem(kvc + j, st.tuning.num_stages)
         plgpu.barrier_wait(r.k_full.at[slot])
         plgpu.barrier_wait(r.v_full.at[slot])
         plgpu.barrier_arrive(r.kv_free.at[slot])
-        if turn is not None:
-            _take_turn(turn)
-            _take_turn(turn)
+        turns.skip_block()
         return ()
 
     lax.fori_loop(0, n, body, ())
 
 
-def _wait_v(r: Refs, slot, turn, softmax_values: tuple) -> tuple:
-    """Wait until V of `slot` landed and, with ping-pong, the tensor cores are this warpgroup's:
-    hand the turn over (the softmax values are fenced so that the softmax is issued first), then
-    wait for it to come back."""
-    if turn is None:
-        plgpu.barrier_wait(r.v_full.at[slot])
-        return softmax_values
-    softmax_values = lax.optimization_barrier(softmax_values)
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(r.v_full.at[slot])
-    plgpu.barrier_wait(turn)
-    return softmax_values
-
-
-def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0, turn=None):
+def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0, turns):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem". kvc: stream index of block b_start. Row r is at query position
     row_pos0 + r // group; blocks before b_full need no causal mask.
-    turn: the ping-pong barrier or None. Each block then takes two turns: after issuing Q K^T
-    (the other warpgroup's P V may run) and after the softmax (the other's softmax ran meanwhile;
-    wait for the tensor cores before P V).
+    turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
@@ -81,11 +58,11 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
         acc, m, denom = carry
         slot = lax.rem(kvc + (b - b_start), stages)
         plgpu.barrier_wait(r.k_full.at[slot])
+        turns.before_qk()
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
-            if turn is not None:
-                _take_turn(turn)
+            turns.after_qk_issue()
             return s_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
@@ -107,11 +84,13 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
         denom = denom * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(r.k_smem.dtype)
-        acc, m_new, denom, p16 = _wait_v(r, slot, turn, (acc, m_new, denom, p16))
+        wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
+        acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
         if st.a_operands == "regs":
 
             def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
                 plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
+                turns.after_pv_issue()
 
             acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
         else:
@@ -120,6 +99,7 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 
             def pv(o_ref):  # [64, D] f32, zero-initialised
                 plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
+                turns.after_pv_issue()
                 return o_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
@@ -136,7 +116,7 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
     splits = st.tuning.decode_splits
-    turn = r.turn  # prefill ping-pong barrier, or None
+    turns = make_turns(st, r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
 
     def load_q(qs):
@@ -152,8 +132,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         safe = jnp.maximum(denom, 1e-30)  # empty decode splits: acc == 0, so O = 0
         return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
 
-    def item_body(i, it, kvc):
-        w = cta + i * num_ctas
+    def item_body(i, w, it, kvc):
         is_dec = items.is_decode(w)
         qs = lax.rem(i, 2)
         b0, b1 = it["b0"], it["b1"]
@@ -166,7 +145,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             q = load_q(qs)
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
-            acc, m, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b1, row_pos0)
+            acc, m, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b1, row_pos0, NoTurns())
             o = normalise(acc, denom)
             if splits == 1:
                 r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
@@ -186,13 +165,12 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         @pl.when(is_dec & ~mine)
         def _decode_idle():
-            _skip_blocks(st, r, kvc, b1 - b0)
+            _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 
         @pl.when(~is_dec)
         def _prefill():
             plgpu.barrier_wait(r.qp_full.at[qs])
-            if turn is not None:  # warpgroup 1 starts a turn behind (see the end of the item)
-                pl.when(wg == 1)(lambda: _take_turn(turn))
+            turns.item_start()
             first_tok = it["tok0"] + wg * tpw
             start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
             n_tok = jnp.clip(it["seq_end"] - first_tok, 0, tpw)
@@ -205,7 +183,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 q = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
-                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turn)
+                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turns)
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 plgpu.commit_smem()
                 out_rows = r.out.at[it["head"]]  # [T * G, D]
@@ -226,12 +204,13 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turn)
-            if turn is not None:  # both took 2 turns per block; warpgroup 0 takes the one it owes
-                pl.when(wg == 0)(lambda: _take_turn(turn))
+            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turns)
+            turns.item_end()
             plgpu.barrier_arrive(r.qp_free.at[qs])
 
         return kvc + (b1 - b0)
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
+    turns.start()
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))
+    turns.finish()

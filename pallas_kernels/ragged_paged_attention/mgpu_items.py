@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention.schedule import META_NUM_DECODE, META_NUM_TILES
-from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS, ROWS, TuningConfig
+from pallas_kernels.ragged_paged_attention.tuning import ROWS, TuningConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,10 @@ class Statics:
     @property
     def tokens_per_wg(self) -> int:
         return ROWS // self.group
+
+    @property
+    def tokens_per_tile(self) -> int:  # a prefill tile: tokens_per_wg per compute warpgroup
+        return self.tuning.compute_wgs * self.tokens_per_wg
 
     @property
     def pages_per_block(self) -> int:  # >= 1 when page_size <= block_kv
@@ -90,8 +94,11 @@ class Items:
         self.kv_lens_ref, self.cu_ref = r.kv_lens, r.cu_q_lens
         self.tile_seq_ref, self.tile_tok_ref = r.tile_seq, r.tile_tok
 
+    def item_at(self, cta, i, num_ctas: int):
+        return snake_item(cta, i, num_ctas)
+
     def count_for(self, cta, num_ctas: int):
-        return cdiv(jnp.maximum(self.num_items - cta, 0), num_ctas)
+        return snake_count(self.num_items, cta, num_ctas)
 
     def is_decode(self, w):
         return w < self.num_decode_items
@@ -101,7 +108,8 @@ class Items:
 
     def decode_owner(self, i):
         """The compute warpgroup that computes this CTA's i-th item if it is a decode item. With
-        two it is i % 2, which is also the item's Q slot: each warpgroup keeps to one slot."""
+        decode_wgs == 2 it is i % 2, which is also the item's Q slot: each warpgroup keeps to one
+        slot."""
         if self.st.tuning.decode_wgs == 1:
             return jnp.int32(0)
         return lax.rem(i, jnp.int32(self.st.tuning.decode_wgs))
@@ -133,7 +141,7 @@ class Items:
         nb_dec = cdiv(kv_len, bk)
         b0_dec = lax.div(split * nb_dec, jnp.int32(splits))
         b1_dec = lax.div((split + 1) * nb_dec, jnp.int32(splits))
-        last_tok = jnp.minimum(tok0 + NUM_COMPUTE_WGS * st.tokens_per_wg, seq_end) - 1
+        last_tok = jnp.minimum(tok0 + st.tokens_per_tile, seq_end) - 1
         nb_pre = cdiv(kv_len - q_len + (last_tok - seq_start) + 1, bk)
         b0 = jnp.where(is_dec, b0_dec, 0)
         b1 = jnp.where(is_dec, b1_dec, nb_pre)
@@ -150,16 +158,40 @@ class Items:
         )
 
 
+# CTA `cta` takes one item of every round of num_ctas items: round k's items go to the CTAs in
+# order when k is even and in reverse when k is odd (a snake). Items come longest first (prefill
+# tiles run from the most KV to the least), so plain round-robin would give CTA 0 the longest item
+# of every round; the snake pairs long with short. With a few rounds per CTA that is most of the
+# balance (docs/kernels.md).
+def _snake_offset(cta, k, num_ctas: int):
+    return jnp.where(lax.rem(k, 2) == 0, cta, num_ctas - 1 - cta)
+
+
+def snake_item(cta, i, num_ctas: int):
+    """Flat index of CTA cta's i-th item. Two items apart is two rounds apart:
+    snake_item(cta, i - 2) == snake_item(cta, i) - 2 * num_ctas."""
+    return i * num_ctas + _snake_offset(cta, i, num_ctas)
+
+
+def snake_count(num_items, cta, num_ctas: int):
+    """How many of num_items CTA cta takes."""
+    rounds = lax.div(num_items, jnp.int32(num_ctas))
+    rest = lax.rem(num_items, jnp.int32(num_ctas))  # items of the last, partial round
+    return rounds + (_snake_offset(cta, rounds, num_ctas) < rest).astype(jnp.int32)
+
+
 def for_each_item(items: Items, cta, num_ctas: int, keys: tuple[str, ...], body, init):
-    """Run body(i, it, carry) -> carry over this CTA's items; returns (carry, item count).
+    """Run body(i, w, it, carry) -> carry over this CTA's items (i-th item, flat index w);
+    returns (carry, item count).
 
     `it` holds the `keys` of items.describe for the i-th item; the scalars a role does not ask for
     are dead code, which matters to the producer's 40 registers.
     """
 
     def step(i, carry):
-        d = items.describe(cta + i * num_ctas)
-        return body(i, {k: d[k] for k in keys}, carry)
+        w = items.item_at(cta, i, num_ctas)
+        d = items.describe(w)
+        return body(i, w, {k: d[k] for k in keys}, carry)
 
     n = items.count_for(cta, num_ctas)
     return lax.fori_loop(0, n, step, init), n

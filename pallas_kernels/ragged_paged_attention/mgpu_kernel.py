@@ -1,8 +1,8 @@
 """Mosaic GPU kernel body: persistent, warp-specialised ragged paged attention (Hopper).
 
-Per CTA: `NUM_COMPUTE_WGS` compute warpgroups and one producer warpgroup. Both roles walk the same
-list of work items (schedule.py) with the same block counts, so they agree on every pipeline slot
-without talking except through barriers:
+Per CTA: `tuning.compute_wgs` compute warpgroups and one producer warpgroup. Both roles walk the
+same list of work items (schedule.py; a CTA's share: mgpu_items.snake_item) with the same block
+counts, so they agree on every pipeline slot without talking except through barriers:
 
     producer (mgpu_producer.py): per item, bulk-copy its Q rows into a Q slot (2 slots, one item
         ahead), then per KV block one TMA per page for K and one for V into a K/V stage;
@@ -13,10 +13,10 @@ without talking except through barriers:
         O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows.
 
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
-tuning.decode_wgs == 2) the two in turn; the other just waits on and releases their K/V stages
-(every waiter must observe every completion of a barrier). A prefill tile gives each
-compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; both share the K/V stream
-and, with tuning.pingpong, take turns on the tensor cores (mgpu_consumer._attend).
+tuning.decode_wgs == 2) warpgroups 0 and 1 in turn; the others just wait on and release their K/V
+stages (every waiter must observe every completion of a barrier). A prefill tile gives each
+compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; all share the K/V
+stream and, with tuning.pingpong, take turns on the tensor cores (mgpu_turns.py).
 
 Rows of a tile that hold no valid (token, head) pair contain garbage: attention is row-independent
 and such rows are never stored. Masked scores are -inf; every valid row sees key 0 in its first
@@ -32,7 +32,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.ragged_paged_attention.mgpu_consumer import consumer
 from pallas_kernels.ragged_paged_attention.mgpu_items import Items, Refs, Statics
 from pallas_kernels.ragged_paged_attention.mgpu_producer import producer
-from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS
 
 __all__ = ["Statics", "attention_kernel"]
 
@@ -51,19 +50,19 @@ def attention_kernel(
     lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
     k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
     v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
-    q_smem,  # [2, NUM_COMPUTE_WGS, 64, D]     SMEM, Q in, O out (two item slots)
-    qa_smem,  # [NUM_COMPUTE_WGS, 64, D]       SMEM, swizzled Q operand, or None (a_operands="regs")
-    pa_smem,  # [NUM_COMPUTE_WGS, 64, bk]      SMEM, swizzled P operand, or None (a_operands="regs")
+    q_smem,  # [2, WGS, 64, D]                 SMEM, Q in, O out (two item slots)
+    qa_smem,  # [WGS, 64, D]                   SMEM, swizzled Q operand, or None (a_operands="regs")
+    pa_smem,  # [WGS, 64, bk]                  SMEM, swizzled P operand, or None (a_operands="regs")
     o32_smem,  # f32[decode_wgs, 64, D]        SMEM (split decode only) or None
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
-    kv_free,  # barrier[stages], NUM_COMPUTE_WGS arrivals
+    kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
     qd_full,  # barrier[2], decode Q landed
     qp_full,  # barrier[2], prefill Q landed (one box copy per compute warpgroup)
     qd_free,  # barrier[2], decode Q slot released
-    qp_free,  # barrier[2], prefill Q slot released (NUM_COMPUTE_WGS arrivals)
-    turn,  # barrier, NUM_COMPUTE_WGS arrivals: prefill ping-pong rendezvous, or None
+    qp_free,  # barrier[2], prefill Q slot released (WGS arrivals)
+    turn,  # prefill ping-pong barrier(s), mgpu_launch.turn_barrier, or None
     *,
     st: Statics,
 ):
@@ -75,12 +74,14 @@ def attention_kernel(
              turn)  # fmt: skip
     items = Items(st, r)
 
-    @pl.when(wg < NUM_COMPUTE_WGS)
+    wgs = st.tuning.compute_wgs
+
+    @pl.when(wg < wgs)
     def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(st.tuning.compute_registers, action="increase")
         consumer(st, items, cta, wg, r)
 
-    @pl.when(wg == NUM_COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _producer_wg():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(st.tuning.producer_registers, action="decrease")
         producer(st, items, cta, r)

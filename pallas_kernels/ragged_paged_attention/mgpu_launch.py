@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics, attention_kernel
-from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS, ROWS
+from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 
 def _mma_transforms(head_dim: int, dtype) -> tuple:
@@ -18,6 +18,16 @@ def _mma_transforms(head_dim: int, dtype) -> tuple:
     swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def turn_barrier(tn):
+    """Ping-pong barriers (mgpu_turns.py): one shared rendezvous of two arrivals, or one ring
+    barrier per compute warpgroup; None without ping-pong."""
+    if not tn.pingpong:
+        return None
+    if tn.compute_wgs == 2:
+        return plgpu.Barrier(num_arrivals=2)
+    return plgpu.Barrier(num_arrivals=1, num_barriers=tn.compute_wgs)
 
 
 def launch(
@@ -36,6 +46,7 @@ def launch(
     """Runs the kernel; returns (out like qh, split partials or None, their lse or None)."""
     tn = st.tuning
     d = st.head_dim
+    wgs = tn.compute_wgs
     num_seqs = kv_lens.shape[0]
     dtype = qh.dtype
     split = tn.decode_splits > 1
@@ -51,12 +62,10 @@ def launch(
     scratch = [
         plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # k_smem
         plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # v_smem
-        plgpu.SMEM((2, NUM_COMPUTE_WGS, ROWS, d), dtype),  # q_smem
-        plgpu.SMEM((NUM_COMPUTE_WGS, ROWS, d), dtype, transforms=mma)
-        if a_smem
-        else None,  # qa_smem
+        plgpu.SMEM((2, wgs, ROWS, d), dtype),  # q_smem
+        plgpu.SMEM((wgs, ROWS, d), dtype, transforms=mma) if a_smem else None,  # qa_smem
         plgpu.SMEM(
-            (NUM_COMPUTE_WGS, ROWS, tn.block_kv),
+            (wgs, ROWS, tn.block_kv),
             dtype,
             transforms=_mma_transforms(tn.block_kv, dtype),
         )
@@ -66,12 +75,12 @@ def launch(
         plgpu.SMEM((tn.decode_wgs, ROWS), jnp.float32) if split else None,  # lse_smem
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
-        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=tn.num_stages),  # kv_free
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_full
-        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_full
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_full
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
-        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),  # qp_free
-        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS) if tn.pingpong else None,  # turn
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
+        turn_barrier(tn),  # turn
     ]
     kernel = plgpu.kernel(
         functools.partial(attention_kernel, st=st),
@@ -79,7 +88,7 @@ def launch(
         scratch_types=scratch,
         grid=(tn.num_ctas,),
         grid_names=("cta",),
-        num_threads=NUM_COMPUTE_WGS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,

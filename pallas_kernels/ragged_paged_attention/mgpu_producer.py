@@ -26,7 +26,6 @@ from pallas_kernels.ragged_paged_attention.mgpu_items import (
     for_each_item,
     tile_rows,
 )
-from pallas_kernels.ragged_paged_attention.tuning import NUM_COMPUTE_WGS
 
 PRODUCER_KEYS = ("seq", "head", "tok0", "b0", "b1")  # few: the producer has 40 registers
 
@@ -95,14 +94,13 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
 
             _when(issues(kind), issue_kind)
 
-    def item_body(i, it, kvc):
-        w = cta + i * num_ctas
+    def item_body(i, w, it, kvc):
         qs = lax.rem(i, 2)
 
         def _q():
             @pl.when(i >= 2)  # the Q slot's previous item must have stored its output
             def _wait_q_slot():
-                prev = w - 2 * num_ctas
+                prev = w - 2 * num_ctas  # CTA's item i - 2 (Items.item_at)
                 pl.when(items.is_decode(prev))(lambda: plgpu.barrier_wait(r.qd_free.at[qs]))
                 pl.when(items.is_prefill(prev))(lambda: plgpu.barrier_wait(r.qp_free.at[qs]))
 
@@ -114,7 +112,7 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
 
             @pl.when(items.is_prefill(w))
             def _q_prefill():
-                for wg in range(NUM_COMPUTE_WGS):
+                for wg in range(st.tuning.compute_wgs):
                     # One box of tokens_per_wg tokens x G heads, clamped into [0, T) (tile_rows).
                     start = tile_rows(st, it["tok0"] + wg * tpw)
                     src = r.q.at[it["head"], pl.ds(start * g, tpw * g)]  # [tpw * G, D]
@@ -142,7 +140,7 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
     def _drain_q():
         for j in range(2):
             i = n - 2 + j
-            w = cta + i * num_ctas
+            w = items.item_at(cta, i, num_ctas)
             qs = lax.rem(jnp.maximum(i, 0), 2)
             for kind, free in ((items.is_decode, r.qd_free), (items.is_prefill, r.qp_free)):
                 pl.when((i >= 0) & kind(w))(functools.partial(plgpu.barrier_wait, free.at[qs]))

@@ -16,7 +16,6 @@ from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
 from pallas_kernels.ragged_paged_attention.mgpu_launch import combine_splits, launch
 from pallas_kernels.ragged_paged_attention.tuning import (
-    NUM_COMPUTE_WGS,
     ROWS,
     TuningConfig,
     default_tuning,
@@ -133,7 +132,7 @@ def ragged_paged_attention_pallas(
         cu_q_lens,
         distribution,
         num_tokens=num_tokens,
-        tokens_per_tile=NUM_COMPUTE_WGS * tpw,
+        tokens_per_tile=st.tokens_per_tile,
     )
     interp = plgpu.InterpretGPUParams() if interpret else False
     oh, opart, lse = launch(

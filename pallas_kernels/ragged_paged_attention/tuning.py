@@ -1,6 +1,6 @@
 """Block sizes of the Mosaic GPU ragged paged attention kernel, in one frozen, validated dataclass.
 
-The kernel is persistent and warp specialised: `NUM_COMPUTE_WGS` compute warpgroups and one
+The kernel is persistent and warp specialised: `compute_wgs` compute warpgroups and one
 producer warpgroup per CTA. Each compute warpgroup owns a tile of `ROWS` = 64 query rows (wgmma's
 M); rows are (token, q head of the GQA group) pairs of one sequence and one kv head. A decode token
 fills `group` rows of a tile; a prefill warpgroup packs `tokens_per_wg = 64 // group` tokens. K/V
@@ -15,7 +15,6 @@ import dataclasses
 import jax.numpy as jnp
 
 ROWS = 64  # query rows per compute warpgroup (wgmma M)
-NUM_COMPUTE_WGS = 2
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on Hopper
 SMEM_SLACK = 4 * 1024  # barriers, reduction scratch and alignment
 
@@ -29,13 +28,18 @@ class TuningConfig:
     decode_splits: KV splits per (decode sequence, kv head); > 1 adds a small combine pass and is
                    what keeps the GPU busy at small batch.
     num_ctas:      persistent CTAs (use the SM count; tests use a few).
-    decode_wgs:    compute warpgroups that take decode items: 1 (warpgroup 0; warpgroup 1 only
-                   releases the K/V stages) or 2 (items alternate between them, so one
-                   warpgroup's epilogue, output store and next Q overlap the other's blocks).
-                   Each warpgroup then has its own split-decode staging.
+    compute_wgs:   compute warpgroups per CTA: 2 (a prefill tile is 128 rows; 232 registers
+                   each) or 3 (192 rows; 160 registers each, enough for head_dim <= 64 only):
+                   with three, two warpgroups' matmuls can cover one's softmax, which at
+                   head_dim 64 costs as much as its matmuls.
+    decode_wgs:    compute warpgroups that take decode items: 1 (warpgroup 0; the others only
+                   release the K/V stages) or 2 (items alternate between warpgroups 0 and 1, so
+                   one warpgroup's epilogue, output store and next Q overlap the other's
+                   blocks). Each then has its own split-decode staging.
     pingpong:      prefill tiles: the two compute warpgroups take turns on the tensor cores
                    through a shared rendezvous barrier, so one's softmax overlaps the other's
-                   matmuls (FlashAttention-3's ping-pong schedule). Decode items never wait on it.
+                   matmuls (FlashAttention-3's ping-pong schedule); with three, a token passes
+                   around them (mgpu_turns.py). Decode items never wait on it.
     producer_warps: 1 (one thread of the producer warpgroup issues every copy) or 4 (its warps
                    share the K/V copies, mgpu_producer.py): with small pages a block is many
                    small copies, and one thread's issue rate can fall behind the tensor cores.
@@ -47,6 +51,7 @@ class TuningConfig:
     num_stages: int = 2
     decode_splits: int = 1
     num_ctas: int = 132
+    compute_wgs: int = 2
     decode_wgs: int = 1
     pingpong: bool = False
     producer_warps: int = 1
@@ -61,8 +66,10 @@ class TuningConfig:
         if self.num_ctas < 1:
             raise ValueError(f"{self.num_ctas=} must be >= 1")
         # Counts are ints, not bools: True == 1 would pass the membership tests below.
-        if isinstance(self.decode_wgs, bool) or self.decode_wgs not in (1, NUM_COMPUTE_WGS):
-            raise ValueError(f"{self.decode_wgs=} must be 1 or {NUM_COMPUTE_WGS}")
+        if isinstance(self.compute_wgs, bool) or self.compute_wgs not in (2, 3):
+            raise ValueError(f"{self.compute_wgs=} must be 2 or 3")
+        if isinstance(self.decode_wgs, bool) or self.decode_wgs not in (1, 2):
+            raise ValueError(f"{self.decode_wgs=} must be 1 or 2")
         if not isinstance(self.pingpong, bool):  # it picks a kernel form: no truthy strings
             raise ValueError(f"{self.pingpong=} must be a bool")
         if isinstance(self.producer_warps, bool) or self.producer_warps not in (1, 4):
@@ -73,17 +80,32 @@ class TuningConfig:
         swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM)."""
         item = jnp.dtype(dtype).itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
-        q = 2 * NUM_COMPUTE_WGS * ROWS * head_dim * item
+        q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
-        a_ops = NUM_COMPUTE_WGS * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
+        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
         return kv + q + split + a_ops
+
+    @property
+    def compute_registers(self) -> int:
+        """Registers per thread of a compute warpgroup (a CTA has 64K for all its warpgroups)."""
+        return 232 if self.compute_wgs == 2 else 160
+
+    @property
+    def producer_registers(self) -> int:
+        return 40 if self.compute_wgs == 2 else 32
 
     def check_fits(
         self, head_dim: int, page_size: int, dtype, *, on_chip: bool = True, a_in_smem: bool = False
     ) -> None:
-        """ValueError unless pages tile into blocks and (on_chip: a real GPU) SMEM suffices."""
+        """ValueError unless pages tile into blocks, the compute warpgroups' registers hold the
+        head_dim, and (on_chip: a real GPU) SMEM suffices."""
         if page_size % self.block_kv and self.block_kv % page_size:
             raise ValueError(f"{page_size=} and {self.block_kv=}: one must divide the other")
+        if self.compute_wgs == 3 and (head_dim > 64 or self.block_kv > 128):
+            raise ValueError(
+                f"compute_wgs=3 holds head_dim <= 64 and block_kv <= 128 in its registers, not "
+                f"{head_dim=}, {self.block_kv=}"
+            )
         need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem)
         if on_chip and need > SMEM_BYTES - SMEM_SLACK:
             raise ValueError(f"{self} needs {need} bytes of SMEM for {head_dim=}, {dtype=}")
@@ -113,9 +135,20 @@ def default_tuning(
     Four producer warps (producer_warps=4) measured faster or equal (within 1%) decode at batch
     256/512 in 20 of 21 pairs (up to +16%, 9q/3kv/64) and faster head_dim-128 prefill (+3-6%).
     Split decode (batch 32) was not shown faster: those calls are dispatch-bound and noisy, so
-    split buckets keep one producer thread.
+    split decode buckets keep one producer thread; prefill buckets (2,048 tokens and more) take
+    four warps, split or not (head_dim 128 prefill +3-6% with them, kernel run 7).
+    head_dim <= 64 prefill buckets: three compute warpgroups with 128 x 2 blocks, no ping-pong
+    and no decode splits (kernel run 7). Against two warpgroups, in every call: 32q/8kv/64 at
+    8,192 tokens +6-14%, 9q/3kv/64 at 2,048 tokens after 6,144 cached +8-51%; other rows within
+    the spread either way, except 32q/8kv/64 at 2,048 after 6,144, 4-9% slower in three calls
+    (fewer, bigger tiles: 344 items for 132 SMs). The ring, 128 x 3 stages and split-decode
+    staging (more SMEM) measured slower with three warpgroups.
     """
     prefill_heavy = num_tokens >= 2048
+    # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
+    # splits (see above; 112 KiB of SMEM for head_dim 64).
+    if prefill_heavy and head_dim <= 64 and not (page_size % 128 and 128 % page_size):
+        return TuningConfig(128, 2, 1, num_ctas, compute_wgs=3, decode_wgs=2, producer_warps=4)
     if head_dim < 128:
         prefs = [(128, 3), (128, 2), (64, 3)]
     else:
@@ -126,7 +159,6 @@ def default_tuning(
     # Split decode items until there are about two per CTA, but never below 4 blocks per split.
     items = max(1, num_seqs * num_kv_heads)
     splits = max(1, min(-(-2 * num_ctas // items), max_blocks // 4, 16))
-    budget = SMEM_BYTES - SMEM_SLACK
     # Split-decode staging costs SMEM: prefill-heavy buckets drop the splits before the big blocks,
     # decode buckets keep the splits and take smaller blocks.
     order = (
@@ -134,8 +166,9 @@ def default_tuning(
         if prefill_heavy
         else [(p, k) for k in (splits, 1) for p in prefs]
     )
+    budget = SMEM_BYTES - SMEM_SLACK
     for (bk, stages), want_splits in order:
-        whole = want_splits == 1  # decode not split: both decode warpgroups, 4 producer warps
+        whole = want_splits == 1  # decode not split: both decode warpgroups
         cfg = TuningConfig(
             bk,
             stages,
@@ -143,7 +176,7 @@ def default_tuning(
             num_ctas,
             decode_wgs=2 if whole else 1,
             pingpong=True,
-            producer_warps=4 if whole else 1,
+            producer_warps=4 if whole or prefill_heavy else 1,
         )
         if cfg.smem_bytes(head_dim, dtype) <= budget:
             return cfg

@@ -13,28 +13,39 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
 
 
 @pytest.mark.parametrize(
-    "tuning",
+    "tuning, head_dim",
     [
-        TuningConfig(64, 3, 1, 132),
-        TuningConfig(64, 2, 2, 132, decode_wgs=2),
-        TuningConfig(64, 3, 1, 132, decode_wgs=2),
-        TuningConfig(128, 2, 1, 132, pingpong=True),
-        TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4),
+        (TuningConfig(64, 3, 1, 132), 128),
+        (TuningConfig(64, 2, 2, 132, decode_wgs=2), 128),
+        (TuningConfig(64, 3, 1, 132, decode_wgs=2), 128),
+        (TuningConfig(128, 2, 1, 132, pingpong=True), 128),
+        (TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4), 128),
+        (TuningConfig(128, 3, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4), 64),
+        (TuningConfig(128, 2, 1, 132, compute_wgs=3, pingpong=True, producer_warps=4), 64),
     ],
-    ids=["default-form", "decode-wgs-2-split", "decode-wgs-2", "pingpong", "producer-warps-4"],
+    ids=[
+        "default-form",
+        "decode-wgs-2-split",
+        "decode-wgs-2",
+        "pingpong",
+        "producer-warps-4",
+        "compute-wgs-3",
+        "compute-wgs-3-ring",
+    ],
 )
-def test_kernel_lowers_for_cuda(tuning):
-    """32 q / 8 kv heads, head_dim 128, page 16, bf16: the headline decode layout."""
+def test_kernel_lowers_for_cuda(tuning, head_dim):
+    """32 q / 8 kv heads, page 16, bf16: the headline decode layout (head_dim 128), and head_dim
+    64 where a form needs it."""
     sds = jax.ShapeDtypeStruct
     args = (
-        sds((64, 32, 128), jnp.bfloat16),
-        sds((256, 8, 2, 16, 128), jnp.bfloat16),
+        sds((64, 32, head_dim), jnp.bfloat16),
+        sds((256, 8, 2, 16, head_dim), jnp.bfloat16),
         sds((16,), jnp.int32),
         sds((16, 64), jnp.int32),
         sds((17,), jnp.int32),
         sds((2,), jnp.int32),
     )
     traced = ragged_paged_attention_pallas.trace(
-        *args, sm_scale=128**-0.5, tuning=tuning, interpret=False
+        *args, sm_scale=head_dim**-0.5, tuning=tuning, interpret=False
     )
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
