@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,6 +43,30 @@ def _skip_blocks(st: Statics, r: Refs, kvc, n, turns: NoTurns) -> None:
     lax.fori_loop(0, n, body, ())
 
 
+def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, dtype):
+    """One block's scores s [64, bk] f32 into P (dtype) with the running max m (log2 units),
+    the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom)."""
+    bk = st.tuning.block_kv
+    # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
+    # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
+    if st.soft_cap is not None:
+        s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+        to_log2 = 1.0
+    else:
+        to_log2 = st.sm_scale * LOG2E
+    if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
+        visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
+        s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    denom = denom * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p.astype(dtype), acc, m_new, denom
+
+
 def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0, turns):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
@@ -50,59 +75,50 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
     row_pos0 + r // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
+    The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
+    nothing when it is off.
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
-    scale = st.sm_scale * LOG2E
 
     def block(b, carry, *, masked):
         acc, m, denom = carry
         slot = lax.rem(kvc + (b - b_start), stages)
-        plgpu.barrier_wait(r.k_full.at[slot])
-        turns.before_qk()
+        with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(r.k_full.at[slot])
+            turns.before_qk()
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
             turns.after_qk_issue()
             return s_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-        # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
-        # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
-        if st.soft_cap is not None:
-            s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
-            to_log2 = 1.0
-        else:
-            to_log2 = scale
-        if masked:
-            rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
-            visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
-            s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(r.k_smem.dtype)
-        wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
-        acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
-        if st.a_operands == "regs":
+        with jax.named_scope("qk"):
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        with jax.named_scope("softmax"):
+            p16, acc, m_new, denom = _online_softmax(
+                st, s, b, row_pos0, acc, m, denom, masked=masked, dtype=r.k_smem.dtype
+            )
+        with jax.named_scope("wait_v"):
+            wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
+            acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
+        with jax.named_scope("pv"):
+            if st.a_operands == "regs":
 
-            def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
-                plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
-                turns.after_pv_issue()
+                def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
+                    plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
+                    turns.after_pv_issue()
 
-            acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-        else:
-            p_smem[...] = p16
-            plgpu.commit_smem()
+                acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+            else:
+                p_smem[...] = p16
+                plgpu.commit_smem()
 
-            def pv(o_ref):  # [64, D] f32, zero-initialised
-                plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
-                turns.after_pv_issue()
-                return o_ref[...]
+                def pv(o_ref):  # [64, D] f32, zero-initialised
+                    plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
+                    turns.after_pv_issue()
+                    return o_ref[...]
 
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 

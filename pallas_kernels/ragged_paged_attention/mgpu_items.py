@@ -185,7 +185,7 @@ def for_each_item(items: Items, cta, num_ctas: int, keys: tuple[str, ...], body,
     returns (carry, item count).
 
     `it` holds the `keys` of items.describe for the i-th item; the scalars a role does not ask for
-    are dead code, which matters to the producer's 40 registers.
+    are dead code, which matters to the producer's 32-40 registers.
     """
 
     def step(i, carry):

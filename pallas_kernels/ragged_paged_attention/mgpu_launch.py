@@ -20,6 +20,13 @@ def _mma_transforms(head_dim: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+PROFILE_SPANS = 1024  # per warpgroup: 16 bytes each, in SMEM beside the kernel's buffers
+
+
+def profile_smem_bytes(tn) -> int:
+    return PROFILE_SPANS * 16 * (tn.compute_wgs + 1)
+
+
 def turn_barrier(tn):
     """Ping-pong barriers (mgpu_turns.py): one shared rendezvous of two arrivals, or one ring
     barrier per compute warpgroup; None without ping-pong."""
@@ -42,8 +49,13 @@ def launch(
     kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
     *,
     interpret,
+    profile_dir: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Runs the kernel; returns (out like qh, split partials or None, their lse or None)."""
+    """Runs the kernel; returns (out like qh, split partials or None, their lse or None).
+
+    profile_dir: record Mosaic GPU profiler spans (mgpu_consumer's named scopes, PROFILE_SPANS
+    per warpgroup, the rest dropped) and write one trace per call there.
+    """
     tn = st.tuning
     d = st.head_dim
     wgs = tn.compute_wgs
@@ -90,7 +102,12 @@ def launch(
         grid_names=("cta",),
         num_threads=wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            profile_space=PROFILE_SPANS if profile_dir else 0,
+            profile_dir=profile_dir or "",
+            profile_bounds_check=True,
+        ),
         interpret=interpret,
     )
     out, opart, lse = kernel(meta, kv_lens, cu_q_lens, page_table, tile_seq, tile_tok, qh, kv_pages)

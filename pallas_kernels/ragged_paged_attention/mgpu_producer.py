@@ -27,7 +27,7 @@ from pallas_kernels.ragged_paged_attention.mgpu_items import (
     tile_rows,
 )
 
-PRODUCER_KEYS = ("seq", "head", "tok0", "b0", "b1")  # few: the producer has 40 registers
+PRODUCER_KEYS = ("seq", "head", "tok0", "b0", "b1")  # few: the producer has 32-40 registers
 
 
 def producer(st: Statics, items: Items, cta, r: Refs) -> None:

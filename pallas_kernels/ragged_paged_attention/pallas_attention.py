@@ -14,9 +14,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
-from pallas_kernels.ragged_paged_attention.mgpu_launch import combine_splits, launch
+from pallas_kernels.ragged_paged_attention.mgpu_launch import (
+    combine_splits,
+    launch,
+    profile_smem_bytes,
+)
 from pallas_kernels.ragged_paged_attention.tuning import (
     ROWS,
+    SMEM_BYTES,
+    SMEM_SLACK,
     TuningConfig,
     default_tuning,
 )
@@ -58,7 +64,8 @@ def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpre
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "soft_cap", "tuning", "interpret", "a_operands")
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "tuning", "interpret", "a_operands", "profile_dir"),
 )
 def ragged_paged_attention_pallas(
     q: jax.Array,  # [T, Hq, D]
@@ -73,6 +80,7 @@ def ragged_paged_attention_pallas(
     tuning: TuningConfig | None = None,
     interpret: bool | None = None,
     a_operands: str = "regs",
+    profile_dir: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention of one step (decode rows first, then prefill chunks); see
     reference.py.
@@ -80,6 +88,11 @@ def ragged_paged_attention_pallas(
     Constraints beyond reference.py: head_dim 16, 32, 64 or 128, at most 64 q heads per kv head,
     page_size a power of two >= 8, q and kv_pages of one dtype: bf16 or f16 on GPU, also float32 in
     interpret mode; cu_q_lens[0] == 0. Page ids are not checked on device: the host validates them.
+
+    profile_dir (GPU only): write a Mosaic GPU profiler trace of each call there (per compute
+    warpgroup: spans wait_k, qk, softmax, wait_v, pv of every KV block, up to 1,024 per call;
+    benchmarks/kernels/attention_profile.py summarises them). It costs SMEM, so the tuning must
+    leave room for it.
     """
     check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
     if interpret is None:
@@ -104,6 +117,13 @@ def ragged_paged_attention_pallas(
     if a_operands not in ("regs", "smem"):
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
     tuning.check_fits(d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_operands == "smem")
+    if profile_dir is not None:
+        if interpret:
+            raise ValueError(f"{profile_dir=}: the profiler runs on a GPU, not in interpret mode")
+        need = tuning.smem_bytes(d, q.dtype, a_in_smem=a_operands == "smem")
+        need += profile_smem_bytes(tuning)
+        if need > SMEM_BYTES - SMEM_SLACK:
+            raise ValueError(f"{tuning} with the profiler needs {need} bytes of SMEM for {d=}")
     # Whole blocks of page ids per sequence: pad the table's rows with the null page.
     ppb = max(1, tuning.block_kv // page_size)
     pad = -pages_per_seq % ppb
@@ -136,7 +156,17 @@ def ragged_paged_attention_pallas(
     )
     interp = plgpu.InterpretGPUParams() if interpret else False
     oh, opart, lse = launch(
-        st, meta, kv_lens, cu_q_lens, page_table, tile_seq, tile_tok, qh, kv_pages, interpret=interp
+        st,
+        meta,
+        kv_lens,
+        cu_q_lens,
+        page_table,
+        tile_seq,
+        tile_tok,
+        qh,
+        kv_pages,
+        interpret=interp,
+        profile_dir=profile_dir,
     )
     out = oh.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:num_tokens]
     if tuning.decode_splits > 1:

@@ -1,0 +1,131 @@
+"""Where a compute warpgroup's time goes: Mosaic GPU profiler spans of one attention call (GPU).
+
+    PYTHONPATH=. python benchmarks/kernels/attention_profile.py --layout 32q/8kv/64 \
+        --chunk 8192 --tunings default,defaultxcw2xpp --out DIR
+
+For each tuning (attention_bench.parse_tuning's specs) it runs one prefill chunk with
+`profile_dir`, then prints, per warpgroup of a CTA, each span's share of that warpgroup's time
+(first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block:
+wait_k (K landed, and the turn where ping-pong waits before Q K^T), qk (Q K^T issued and
+finished), softmax, wait_v (V landed, ping-pong hand-over), pv. A warpgroup records at most 1,024
+spans per call, so long calls are summarised over their first part. The producer records none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention_bench as ab  # noqa: E402
+
+
+def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dict]:
+    """{(warpgroup, span): {share, count, mean_ns}} over every CTA of one Chrome trace (the
+    profiler's: B/E events, tid = 1 + warpgroup + warpgroups_per_cta * cta, ts in us)."""
+    by_tid = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        by_tid[e["tid"]].append(e)
+    busy = collections.Counter()
+    count = collections.Counter()
+    span = collections.Counter()
+    for tid, events in by_tid.items():
+        wg = (tid - 1) % warpgroups_per_cta
+        span[wg] += events[-1]["ts"] - events[0]["ts"]
+        open_events = []
+        for e in events:
+            if e["ph"] == "B":
+                open_events.append(e)
+            else:
+                b = open_events.pop()
+                busy[(wg, b["name"])] += e["ts"] - b["ts"]
+                count[(wg, b["name"])] += 1
+    return {
+        key: {
+            "share": t / span[key[0]] if span[key[0]] else 0.0,
+            "count": count[key],
+            "mean_ns": 1e3 * t / count[key],
+        }
+        for key, t in sorted(busy.items())
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="32q/8kv/64", choices=sorted(ab.LAYOUTS))
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--prefix", type=int, default=0)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tunings", default="default")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    num_ctas = getattr(jax.devices()[0], "core_count", None) or 132
+    hq, hkv, d = ab.LAYOUTS[args.layout]
+    kv_len = args.chunk + args.prefix
+    p = ab.build_step(
+        np.random.default_rng(0),
+        q_lens=[args.chunk],
+        kv_lens=[kv_len],
+        num_seqs=8,
+        num_tokens=args.chunk,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        page_size=args.page_size,
+        pages_per_seq=-(-kv_len // args.page_size),
+        num_decode=0,
+        rotations=1,
+    )
+    base = default_tuning(
+        num_seqs=8,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=args.page_size,
+        pages_per_seq=p["tables"][0].shape[1],
+        dtype=p["q"].dtype,
+        num_ctas=num_ctas,
+        num_tokens=args.chunk,
+    )
+    for spec in args.tunings.split(","):
+        tuning = ab.parse_tuning(spec, num_ctas)(base)
+        trace_dir = os.path.join(args.out, f"profile-{spec}")
+        os.makedirs(trace_dir, exist_ok=True)
+        for old in glob.glob(os.path.join(trace_dir, "*-trace.json")):
+            os.remove(old)  # one trace per call: this run's is the only one
+        out = ragged_paged_attention_pallas(
+            p["q"],
+            p["kv"],
+            p["kv_lens"],
+            p["tables"][0],
+            p["cu"],
+            p["dist"],
+            sm_scale=d**-0.5,
+            tuning=tuning,
+            profile_dir=trace_dir,
+        )
+        jax.block_until_ready(out)
+        (path,) = glob.glob(os.path.join(trace_dir, "*-trace.json"))
+        with open(path) as f:
+            rows = summarize(json.load(f), tuning.compute_wgs + 1)
+        print(f"{args.layout} {args.chunk}+{args.prefix} page {args.page_size} {spec}: {tuning}")
+        for (wg, name), row in rows.items():
+            print(
+                f"  wg{wg} {name:8s} {100 * row['share']:5.1f}%  n={row['count']:6d}"
+                f"  mean={row['mean_ns']:6.0f} ns"
+            )
+        with open(os.path.join(trace_dir, "summary.json"), "w") as f:
+            json.dump([dict(wg=wg, span=name, **row) for (wg, name), row in rows.items()], f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The kernel's profiling path: a trace's summary (benchmarks/kernels/attention_profile.py) and
+the clear errors of `profile_dir` where it cannot run. The trace itself needs a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
+
+SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "kernels" / "attention_profile.py"
+
+
+def _profile_module():
+    spec = importlib.util.spec_from_file_location("attention_profile", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _span(name, tid, begin_us, end_us):
+    return [
+        {"name": name, "ph": "B", "ts": begin_us, "pid": 1, "tid": tid},
+        {"name": name, "ph": "E", "ts": end_us, "pid": 1, "tid": tid},
+    ]
+
+
+def test_summary_shares_counts_and_means_per_warpgroup():
+    # Two CTAs of three warpgroups (tid = 1 + wg + 3 * cta). Warpgroup 0 of CTA 0: qk 0-1 us,
+    # softmax 1-3 us, qk 3-4 us (its time: 4 us); of CTA 1: softmax 10-12 us (2 us). Warpgroup 1
+    # of CTA 0: one pv span 0-0.5 us inside nested spans (an outer span from 0 to 1 us).
+    events = (
+        _span("qk", 1, 0.0, 1.0)
+        + _span("softmax", 1, 1.0, 3.0)
+        + _span("qk", 1, 3.0, 4.0)
+        + _span("softmax", 4, 10.0, 12.0)
+        + [{"name": "outer", "ph": "B", "ts": 0.0, "pid": 1, "tid": 2}]
+        + _span("pv", 2, 0.0, 0.5)
+        + [{"name": "outer", "ph": "E", "ts": 1.0, "pid": 1, "tid": 2}]
+    )
+    rows = _profile_module().summarize({"traceEvents": events}, warpgroups_per_cta=3)
+    assert rows[(0, "qk")] == {"share": pytest.approx(2 / 6), "count": 2, "mean_ns": 1000.0}
+    assert rows[(0, "softmax")] == {"share": pytest.approx(4 / 6), "count": 2, "mean_ns": 2000.0}
+    assert rows[(1, "pv")] == {"share": pytest.approx(0.5), "count": 1, "mean_ns": 500.0}
+    assert rows[(1, "outer")]["share"] == pytest.approx(1.0)
+    assert set(rows) == {(0, "qk"), (0, "softmax"), (1, "pv"), (1, "outer")}
+
+
+def _args(head_dim=64):
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((256, 32, head_dim), jnp.bfloat16),
+        sds((64, 8, 2, 16, head_dim), jnp.bfloat16),
+        sds((4,), jnp.int32),
+        sds((4, 16), jnp.int32),
+        sds((5,), jnp.int32),
+        sds((2,), jnp.int32),
+    )
+
+
+def test_profile_dir_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="profiler runs on a GPU"):
+        ragged_paged_attention_pallas.trace(
+            *_args(), sm_scale=0.125, interpret=True, profile_dir=str(tmp_path)
+        )
+    # 128 x 2 stages of head_dim 128 take 192 KiB of SMEM: the profiler's 48 KiB do not fit.
+    full = TuningConfig(128, 2, 1, 132)
+    full.check_fits(128, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="with the profiler needs"):
+        ragged_paged_attention_pallas.trace(
+            *_args(128), sm_scale=0.1, tuning=full, interpret=False, profile_dir=str(tmp_path)
+        )
+    # The default head_dim-64 prefill tuning leaves room: it traces.
+    ragged_paged_attention_pallas.trace(
+        *_args(), sm_scale=0.125, interpret=False, profile_dir=str(tmp_path)
+    )
