@@ -192,15 +192,16 @@ def check_subset(out, p, *, sm_scale, num_check: int) -> float:
     return rel_err(out[:rows], ref[:rows])
 
 
+def step_args(p, table=None) -> tuple:
+    """build_step's step as the kernel's positional arguments (page table: the first, or table)."""
+    pt = p["tables"][0] if table is None else table
+    return p["q"], p["kv"], p["kv_lens"], pt, p["cu"], p["dist"]
+
+
 def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs"):
     def call(pt):
         return ragged_paged_attention_pallas(
-            p["q"],
-            p["kv"],
-            p["kv_lens"],
-            pt,
-            p["cu"],
-            p["dist"],
+            *step_args(p, pt),
             sm_scale=sm_scale,
             tuning=tuning,
             a_operands=a_operands,
@@ -436,24 +437,14 @@ def run_mixed_checks(rng, args):
                     # The SMEM-operand form needs room for Q and P tiles: small blocks, no splits.
                     tn = TuningConfig(64, 2, 1, args.num_ctas) if a_ops == "smem" else None
                     out = ragged_paged_attention_pallas(
-                        p["q"],
-                        p["kv"],
-                        p["kv_lens"],
-                        p["tables"][0],
-                        p["cu"],
-                        p["dist"],
+                        *step_args(p),
                         sm_scale=d**-0.5,
                         soft_cap=soft_cap,
                         a_operands=a_ops,
                         tuning=tn,
                     )
                     ref = ragged_paged_attention_reference(
-                        p["q"],
-                        p["kv"],
-                        p["kv_lens"],
-                        p["tables"][0],
-                        p["cu"],
-                        p["dist"],
+                        *step_args(p),
                         sm_scale=d**-0.5,
                         soft_cap=soft_cap,
                     )

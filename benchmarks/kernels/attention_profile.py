@@ -103,12 +103,7 @@ def main() -> None:
         for old in glob.glob(os.path.join(trace_dir, "*-trace.json")):
             os.remove(old)  # one trace per call: this run's is the only one
         out = ragged_paged_attention_pallas(
-            p["q"],
-            p["kv"],
-            p["kv_lens"],
-            p["tables"][0],
-            p["cu"],
-            p["dist"],
+            *ab.step_args(p),
             sm_scale=d**-0.5,
             tuning=tuning,
             profile_dir=trace_dir,
