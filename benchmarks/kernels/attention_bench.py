@@ -457,16 +457,16 @@ def run_mixed_checks(rng, args):
                 log(**row)
 
 
-# --decode-tunings / --prefill-tunings flags: the TuningConfig field each one sets.
+# --decode-tunings / --prefill-tunings flags: the TuningConfig fields each one sets.
 TUNING_FLAGS = {
-    "wg1": ("decode_wgs", 1),
-    "wg2": ("decode_wgs", 2),
-    "pp": ("pingpong", True),
-    "nopp": ("pingpong", False),
-    "pw1": ("producer_warps", 1),
-    "pw4": ("producer_warps", 4),
-    "cw2": ("compute_wgs", 2),
-    "cw3": ("compute_wgs", 3),
+    "wg1": {"decode_wgs": 1},
+    "wg2": {"decode_wgs": 2},
+    "pp": {"pingpong": True},
+    "nopp": {"pingpong": False},
+    "pw1": {"producer_warps": 1},
+    "pw4": {"producer_warps": 4},
+    "cw2": {"compute_wgs": 2},
+    "cw3": {"compute_wgs": 3, "pingpong": False},  # ping-pong is a two-warpgroup schedule
 }
 
 
@@ -486,7 +486,7 @@ def parse_tuning(spec: str, num_ctas: int):
     unknown = set(flags) - set(TUNING_FLAGS)
     if unknown:
         raise SystemExit(f"tuning {spec!r}: unknown flags {sorted(unknown)}")
-    changes = dict(TUNING_FLAGS[f] for f in flags)
+    changes = {k: v for f in flags for k, v in TUNING_FLAGS[f].items()}  # later flags win
 
     def resolve(default: TuningConfig) -> TuningConfig:
         if shape is None:

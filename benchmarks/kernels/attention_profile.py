@@ -6,9 +6,10 @@
 For each tuning (attention_bench.parse_tuning's specs) it runs one prefill chunk with
 `profile_dir`, then prints, per warpgroup of a CTA, each span's share of that warpgroup's time
 (first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block:
-wait_k (K landed, and the turn where ping-pong waits before Q K^T), qk (Q K^T issued and
-finished), softmax, wait_v (V landed, ping-pong hand-over), pv. A warpgroup records at most 1,024
-spans per call, so long calls are summarised over their first part. The producer records none.
+wait_k (K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous after the
+issue), softmax, wait_v (V landed; with ping-pong, the hand-over), pv. A warpgroup records at
+most 1,024 spans per call, so long calls are summarised over their first part. The producer
+records none.
 """
 
 from __future__ import annotations

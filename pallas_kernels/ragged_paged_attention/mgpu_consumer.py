@@ -85,7 +85,6 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
         slot = lax.rem(kvc + (b - b_start), stages)
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(r.k_full.at[slot])
-            turns.before_qk()
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
@@ -106,7 +105,6 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 
                 def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
                     plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
-                    turns.after_pv_issue()
 
                 acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
             else:
@@ -115,7 +113,6 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 
                 def pv(o_ref):  # [64, D] f32, zero-initialised
                     plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
-                    turns.after_pv_issue()
                     return o_ref[...]
 
                 acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
@@ -132,7 +129,7 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
     splits = st.tuning.decode_splits
-    turns = make_turns(st, r.turn, wg)  # prefill tiles only
+    turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
 
     def load_q(qs):
@@ -227,6 +224,4 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         return kvc + (b1 - b0)
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
-    turns.start()
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))
-    turns.finish()

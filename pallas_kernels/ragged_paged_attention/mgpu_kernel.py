@@ -62,7 +62,7 @@ def attention_kernel(
     qp_full,  # barrier[2], prefill Q landed (one box copy per compute warpgroup)
     qd_free,  # barrier[2], decode Q slot released
     qp_free,  # barrier[2], prefill Q slot released (WGS arrivals)
-    turn,  # prefill ping-pong barrier(s), mgpu_launch.turn_barrier, or None
+    turn,  # barrier, 2 arrivals: prefill ping-pong rendezvous (mgpu_turns.py), or None
     *,
     st: Statics,
 ):

@@ -27,16 +27,6 @@ def profile_smem_bytes(tn) -> int:
     return PROFILE_SPANS * 16 * (tn.compute_wgs + 1)
 
 
-def turn_barrier(tn):
-    """Ping-pong barriers (mgpu_turns.py): one shared rendezvous of two arrivals, or one ring
-    barrier per compute warpgroup; None without ping-pong."""
-    if not tn.pingpong:
-        return None
-    if tn.compute_wgs == 2:
-        return plgpu.Barrier(num_arrivals=2)
-    return plgpu.Barrier(num_arrivals=1, num_barriers=tn.compute_wgs)
-
-
 def launch(
     st: Statics,
     meta: jax.Array,  # int32[META_SIZE]
@@ -92,7 +82,7 @@ def launch(
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_full
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
-        turn_barrier(tn),  # turn
+        plgpu.Barrier(num_arrivals=2) if tn.pingpong else None,  # turn (mgpu_turns.py)
     ]
     kernel = plgpu.kernel(
         functools.partial(attention_kernel, st=st),

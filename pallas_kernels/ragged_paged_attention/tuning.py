@@ -38,8 +38,8 @@ class TuningConfig:
                    blocks). Each then has its own split-decode staging.
     pingpong:      prefill tiles: the two compute warpgroups take turns on the tensor cores
                    through a shared rendezvous barrier, so one's softmax overlaps the other's
-                   matmuls (FlashAttention-3's ping-pong schedule); with three, a token passes
-                   around them (mgpu_turns.py). Decode items never wait on it.
+                   matmuls (FlashAttention-3's ping-pong schedule, mgpu_turns.py). Decode items
+                   never wait on it. Two compute warpgroups only.
     producer_warps: 1 (one thread of the producer warpgroup issues every copy) or 4 (its warps
                    share the K/V copies, mgpu_producer.py): with small pages a block is many
                    small copies, and one thread's issue rate can fall behind the tensor cores.
@@ -72,6 +72,8 @@ class TuningConfig:
             raise ValueError(f"{self.decode_wgs=} must be 1 or 2")
         if not isinstance(self.pingpong, bool):  # it picks a kernel form: no truthy strings
             raise ValueError(f"{self.pingpong=} must be a bool")
+        if self.pingpong and self.compute_wgs != 2:
+            raise ValueError(f"pingpong=True needs compute_wgs=2, not {self.compute_wgs=}")
         if isinstance(self.producer_warps, bool) or self.producer_warps not in (1, 4):
             raise ValueError(f"{self.producer_warps=} must be 1 or 4")
 
@@ -138,11 +140,13 @@ def default_tuning(
     split decode buckets keep one producer thread; prefill buckets (2,048 tokens and more) take
     four warps, split or not (head_dim 128 prefill +3-6% with them, kernel run 7).
     head_dim <= 64 prefill buckets: three compute warpgroups with 128 x 2 blocks, no ping-pong
-    and no decode splits (kernel run 7). Against two warpgroups, in every call: 32q/8kv/64 at
-    8,192 tokens +6-14%, 9q/3kv/64 at 2,048 tokens after 6,144 cached +8-51%; other rows within
-    the spread either way, except 32q/8kv/64 at 2,048 after 6,144, 4-9% slower in three calls
-    (fewer, bigger tiles: 344 items for 132 SMs). The ring, 128 x 3 stages and split-decode
-    staging (more SMEM) measured slower with three warpgroups.
+    and no decode splits (kernel run 7). Against two warpgroups, with four producer warps or
+    against one: 32q/8kv/64 at 8,192 tokens +6-14%, 9q/3kv/64 at 2,048 tokens after 6,144 cached
+    +8-51% (calls R-T, V, W; in call U, whose three-warpgroup form had one producer thread,
+    -1% and -2%); other rows within the spread either way, except 32q/8kv/64 at 2,048 after
+    6,144, 4-9% slower in three calls (fewer, bigger tiles: 344 items for 132 SMs). A token
+    ring among three warpgroups, 128 x 3 stages and split-decode staging (more SMEM) measured
+    slower.
     """
     prefill_heavy = num_tokens >= 2048
     # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode

@@ -21,7 +21,6 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         (TuningConfig(128, 2, 1, 132, pingpong=True), 128),
         (TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4), 128),
         (TuningConfig(128, 3, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4), 64),
-        (TuningConfig(128, 2, 1, 132, compute_wgs=3, pingpong=True, producer_warps=4), 64),
     ],
     ids=[
         "default-form",
@@ -30,7 +29,6 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         "pingpong",
         "producer-warps-4",
         "compute-wgs-3",
-        "compute-wgs-3-ring",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):

@@ -76,26 +76,14 @@ CASES = [
     (256, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 2, 3, producer_warps=4)),
     # compute_wgs=3: 192-row prefill tiles (a tile whose third warpgroup has no tokens, causal
     # blocks two compute and one skips), decode items (split or whole) on warpgroup 0 or on
-    # warpgroups 0 and 1 (warpgroup 2 only releases their stages), four producer warps; without
-    # ping-pong and with the three-warpgroup ring (decode items in the step never take turns).
+    # warpgroups 0 and 1 (warpgroup 2 only releases their stages), four producer warps, soft cap.
     (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 2, 3, compute_wgs=3)),
     (32, 4, 1, 64, jnp.float32, "prefill", 20.0, TuningConfig(64, 3, 1, 2, compute_wgs=3)),
     (
         *(16, 9, 3, 64, jnp.bfloat16, "mixed", None),
         TuningConfig(128, 2, 1, 3, compute_wgs=3, decode_wgs=2, producer_warps=4),
     ),
-    (
-        *(16, 8, 2, 64, jnp.bfloat16, "mixed", None),
-        TuningConfig(64, 2, 1, 3, compute_wgs=3, pingpong=True),
-    ),
-    (
-        *(32, 4, 1, 64, jnp.float32, "prefill", 20.0),
-        TuningConfig(64, 3, 1, 2, compute_wgs=3, pingpong=True, producer_warps=4),
-    ),
-    (
-        *(16, 9, 3, 64, jnp.bfloat16, "mixed", None),
-        TuningConfig(128, 2, 1, 3, compute_wgs=3, decode_wgs=2, pingpong=True),
-    ),
+    (64, 9, 3, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 3, 3, compute_wgs=3)),
 ]
 
 
@@ -272,6 +260,8 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(compute_wgs=4)
     with pytest.raises(ValueError, match="compute_wgs=True"):
         TuningConfig(compute_wgs=True)
+    with pytest.raises(ValueError, match="pingpong=True needs compute_wgs=2"):
+        TuningConfig(compute_wgs=3, pingpong=True)
     with pytest.raises(ValueError, match="head_dim=128"):  # 160 registers: no head_dim-128 tile
         TuningConfig(compute_wgs=3).check_fits(128, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="block_kv=256"):
