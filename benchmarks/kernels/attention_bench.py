@@ -467,6 +467,8 @@ TUNING_FLAGS = {
     "pw4": {"producer_warps": 4},
     "cw2": {"compute_wgs": 2},
     "cw3": {"compute_wgs": 3, "pingpong": False},  # ping-pong is a two-warpgroup schedule
+    "mrs": {"mma_row_sums": True},
+    "nomrs": {"mma_row_sums": False},
 }
 
 

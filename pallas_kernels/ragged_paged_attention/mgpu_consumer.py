@@ -45,7 +45,10 @@ def _skip_blocks(st: Statics, r: Refs, kvc, n, turns: NoTurns) -> None:
 
 def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, dtype):
     """One block's scores s [64, bk] f32 into P (dtype) with the running max m (log2 units),
-    the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom)."""
+    the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom).
+
+    With tuning.mma_row_sums, denom is the [64, 8] accumulator of P @ ones that _pv adds to
+    (every column a row sum): only rescaled here, the sum itself is the tensor cores' work."""
     bk = st.tuning.block_kv
     # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
     # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
@@ -62,16 +65,49 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
     m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    denom = denom * alpha + p.sum(axis=1)
+    if st.tuning.mma_row_sums:
+        denom = denom * lax.broadcast_in_dim(alpha, denom.shape, [0])
+    else:
+        denom = denom * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return p.astype(dtype), acc, m_new, denom
 
 
-def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row_pos0, turns):
+def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
+    """O += P V for one block, and with `ones` (mma_row_sums) the row sums += P @ ones on the
+    tensor cores too; returns (acc, denom). a_operands "regs": P from registers, accumulated in
+    place; "smem": P staged in p_smem, fresh products added."""
+    with_sums = ones is not None
+    if st.a_operands == "regs":
+
+        def in_place(refs):
+            plgpu.wgmma(refs[0], p16, v)
+            if with_sums:
+                plgpu.wgmma(refs[1], p16, ones)
+
+        inits = (acc, denom) if with_sums else (acc,)
+        outs = pl.run_state(in_place)(tuple(map(plgpu.ACC.init, inits)))
+        return outs[0], (outs[1] if with_sums else denom)
+    p_smem[...] = p16
+    plgpu.commit_smem()
+
+    def fresh(*refs):  # zero-initialised
+        plgpu.wgmma(refs[0], p_smem, v)
+        if with_sums:
+            plgpu.wgmma(refs[1], p_smem, ones)
+        return tuple(ref[...] for ref in refs)
+
+    shapes = [(ROWS, st.head_dim)] + ([(ROWS, 8)] if with_sums else [])
+    outs = pl.run_scoped(fresh, *(plgpu.ACC(shape, jnp.float32) for shape in shapes))
+    return acc + outs[0], (denom + outs[1] if with_sums else denom)
+
+
+def _attend(st: Statics, r: Refs, q_op, p_smem, ones, kvc, b_start, b_full, b_end, row_pos0, turns):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
-    when st.a_operands == "smem". kvc: stream index of block b_start. Row r is at query position
+    when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
+    None. kvc: stream index of block b_start. Row r is at query position
     row_pos0 + r // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
@@ -101,29 +137,21 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, kvc, b_start, b_full, b_end, row
             wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
             acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
         with jax.named_scope("pv"):
-            if st.a_operands == "regs":
-
-                def pv_in_place(acc_ref):  # [64, D] f32, accumulates onto acc
-                    plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
-
-                acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-            else:
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv(o_ref):  # [64, D] f32, zero-initialised
-                    plgpu.wgmma(o_ref, p_smem, r.v_smem.at[slot])
-                    return o_ref[...]
-
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+            acc, denom = _pv(st, r.v_smem.at[slot], p16, p_smem, ones, acc, denom)
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), WGMMA)
     m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW_VEC)
-    denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW_VEC)
+    if ones is None:
+        denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW_VEC)
+    else:
+        denom = plgpu.layout_cast(jnp.zeros((ROWS, 8), jnp.float32), WGMMA)
     carry = lax.fori_loop(b_start, b_full, functools.partial(block, masked=False), (acc, m, denom))
-    return lax.fori_loop(b_full, b_end, functools.partial(block, masked=True), carry)
+    acc, m, denom = lax.fori_loop(b_full, b_end, functools.partial(block, masked=True), carry)
+    if ones is not None:
+        denom = denom.max(axis=1)  # every column holds the row sum: take one
+    return acc, m, denom
 
 
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
@@ -131,6 +159,11 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
+    ones = None
+    if st.tuning.mma_row_sums:  # this warpgroup's ones operand, written once (mgpu_launch.py)
+        r.ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((ROWS, bk), r.k_smem.dtype), WGMMA)
+        plgpu.commit_smem()
+        ones = r.ones_smem.at[wg, pl.ds(0, 8)].T  # [bk, 8]: 8 of its rows, K-major
 
     def load_q(qs):
         """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)."""
@@ -158,7 +191,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             q = load_q(qs)
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
-            acc, m, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b1, row_pos0, NoTurns())
+            args = (kvc, b0, b_full, b1, row_pos0, NoTurns())
+            acc, m, denom = _attend(st, r, q, p_smem, ones, *args)
             o = normalise(acc, denom)
             if splits == 1:
                 r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
@@ -196,7 +230,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 q = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
-                acc, _, denom = _attend(st, r, q, p_smem, kvc, b0, b_full, b_end, row_pos0, turns)
+                acc, _, denom = _attend(
+                    st, r, q, p_smem, ones, kvc, b0, b_full, b_end, row_pos0, turns
+                )
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 plgpu.commit_smem()
                 out_rows = r.out.at[it["head"]]  # [T * G, D]

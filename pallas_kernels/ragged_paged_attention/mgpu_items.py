@@ -68,6 +68,7 @@ class Refs(NamedTuple):
     pa_smem: Any
     o32_smem: Any
     lse_smem: Any
+    ones_smem: Any
     k_full: Any
     v_full: Any
     kv_free: Any

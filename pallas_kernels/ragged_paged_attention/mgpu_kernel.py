@@ -55,6 +55,7 @@ def attention_kernel(
     pa_smem,  # [WGS, 64, bk]                  SMEM, swizzled P operand, or None (a_operands="regs")
     o32_smem,  # f32[decode_wgs, 64, D]        SMEM (split decode only) or None
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
+    ones_smem,  # [WGS, 64, bk]                SMEM, ones (tuning.mma_row_sums) or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -70,7 +71,7 @@ def attention_kernel(
     cta = lax.axis_index("cta")
     r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, tile_seq_ref, tile_tok_ref, q_ref, kv_ref,
              out_ref, opart_ref, lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem,
-             lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free,
+             lse_smem, ones_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free,
              turn)  # fmt: skip
     items = Items(st, r)
 

@@ -75,6 +75,10 @@ def launch(
         else None,  # pa_smem
         plgpu.SMEM((tn.decode_wgs, ROWS, d), jnp.float32) if split else None,  # o32_smem
         plgpu.SMEM((tn.decode_wgs, ROWS), jnp.float32) if split else None,  # lse_smem
+        # ones_smem: wgmma's B operand of P @ ones uses 8 rows; a register array stores 64.
+        plgpu.SMEM((wgs, ROWS, tn.block_kv), dtype, transforms=_mma_transforms(tn.block_kv, dtype))
+        if tn.mma_row_sums
+        else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free

@@ -43,6 +43,11 @@ class TuningConfig:
     producer_warps: 1 (one thread of the producer warpgroup issues every copy) or 4 (its warps
                    share the K/V copies, mgpu_producer.py): with small pages a block is many
                    small copies, and one thread's issue rate can fall behind the tensor cores.
+    mma_row_sums:  the softmax denominators on the tensor cores: each block's P times a [block_kv,
+                   8] tile of ones (one small wgmma next to P V) instead of 64 adds and shuffles
+                   per thread and block. The softmax's instruction stream is what bounds
+                   head_dim-64 prefill, and the adds are about a fifth of it (64 of ~340
+                   instructions). Costs 64 x block_kv of ones in SMEM per compute warpgroup.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -55,6 +60,7 @@ class TuningConfig:
     decode_wgs: int = 1
     pingpong: bool = False
     producer_warps: int = 1
+    mma_row_sums: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -76,16 +82,20 @@ class TuningConfig:
             raise ValueError(f"pingpong=True needs compute_wgs=2, not {self.compute_wgs=}")
         if isinstance(self.producer_warps, bool) or self.producer_warps not in (1, 4):
             raise ValueError(f"{self.producer_warps=} must be 1 or 4")
+        if not isinstance(self.mma_row_sums, bool):
+            raise ValueError(f"{self.mma_row_sums=} must be a bool")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
-        """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, and the
-        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM)."""
+        """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, the
+        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM, and the
+        ones tiles of mma_row_sums)."""
         item = jnp.dtype(dtype).itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
         a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
-        return kv + q + split + a_ops
+        ones = self.compute_wgs * ROWS * self.block_kv * item if self.mma_row_sums else 0
+        return kv + q + split + a_ops + ones
 
     @property
     def compute_registers(self) -> int:
@@ -146,13 +156,17 @@ def default_tuning(
     -1% and -2%); other rows within the spread either way, except 32q/8kv/64 at 2,048 after
     6,144, 4-9% slower in three calls (fewer, bigger tiles: 344 items for 132 SMs). A token
     ring among three warpgroups, 128 x 3 stages and split-decode staging (more SMEM) measured
-    slower.
+    slower. With mma_row_sums (kernel run 8): 32q/8kv/64 at 8,192 tokens +10% (449 against
+    407 TFLOP/s, twice in one process), at 2,048 after 6,144 cached +6-10%, 9q/3kv/64 -4% to
+    +9%.
     """
     prefill_heavy = num_tokens >= 2048
     # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
-    # splits (see above; 112 KiB of SMEM for head_dim 64).
+    # splits, row sums on the tensor cores (see above; 160 KiB of SMEM for head_dim 64).
     if prefill_heavy and head_dim <= 64 and not (page_size % 128 and 128 % page_size):
-        return TuningConfig(128, 2, 1, num_ctas, compute_wgs=3, decode_wgs=2, producer_warps=4)
+        return TuningConfig(
+            128, 2, 1, num_ctas, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
+        )
     if head_dim < 128:
         prefs = [(128, 3), (128, 2), (64, 3)]
     else:

@@ -21,6 +21,12 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         (TuningConfig(128, 2, 1, 132, pingpong=True), 128),
         (TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4), 128),
         (TuningConfig(128, 3, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4), 64),
+        (
+            TuningConfig(
+                128, 2, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
+            ),
+            64,
+        ),
     ],
     ids=[
         "default-form",
@@ -29,6 +35,7 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         "pingpong",
         "producer-warps-4",
         "compute-wgs-3",
+        "mma-row-sums",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):

@@ -36,11 +36,12 @@ def test_default_tuning_fits_and_takes_the_measured_forms(
         num_tokens=num_tokens,
     )
     tn.check_fits(head_dim, page_size, dtype)  # ValueError if SMEM or block/page tiling fails
-    # head_dim-64 prefill buckets: three compute warpgroups, 128 x 2 blocks, no ping-pong;
-    # otherwise two, with ping-pong.
+    # head_dim-64 prefill buckets: three compute warpgroups, 128 x 2 blocks, no ping-pong, row
+    # sums on the tensor cores; otherwise two, with ping-pong, row sums by adds.
     three = head_dim == 64 and num_tokens >= 2048
     assert tn.compute_wgs == (3 if three else 2)
     assert tn.pingpong == (not three)
+    assert tn.mma_row_sums == three
     if three:
         assert (tn.block_kv, tn.num_stages, tn.decode_splits) == (128, 2, 1)
     # Two warpgroups take decode items exactly where decode is not split, and four producer

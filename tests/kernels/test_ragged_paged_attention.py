@@ -84,6 +84,22 @@ CASES = [
         TuningConfig(128, 2, 1, 3, compute_wgs=3, decode_wgs=2, producer_warps=4),
     ),
     (64, 9, 3, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 3, 3, compute_wgs=3)),
+    # mma_row_sums: softmax denominators from P @ ones on the tensor cores; the head_dim-64
+    # prefill default (three warpgroups, causal blocks one warpgroup skips, whole decode on two
+    # warpgroups in the same step), split decode (empty splits' sums are 0), ping-pong with a
+    # soft cap, float32 (tf32 sums) and block_kv 64.
+    (
+        *(16, 9, 3, 64, jnp.bfloat16, "mixed", None),
+        TuningConfig(
+            128, 2, 1, 3, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
+        ),
+    ),
+    (32, 8, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 3, 3, mma_row_sums=True)),
+    (
+        *(16, 4, 1, 128, jnp.bfloat16, "mixed", 20.0),
+        TuningConfig(64, 2, 1, 2, pingpong=True, mma_row_sums=True),
+    ),
+    (64, 4, 2, 64, jnp.float32, "prefill", None, TuningConfig(64, 3, 1, 3, mma_row_sums=True)),
 ]
 
 
@@ -93,7 +109,8 @@ def _case_id(c) -> str:
     pp = "-pingpong" if tn.pingpong else ""
     pw = f"-pw{tn.producer_warps}" * (tn.producer_warps > 1)
     cw = f"-cw{tn.compute_wgs}" * (tn.compute_wgs != 2)
-    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}{pw}{cw}"
+    rs = "-mma-row-sums" * tn.mma_row_sums
+    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}{pw}{cw}{rs}"
 
 
 def _check(out, ref, dtype):
@@ -260,6 +277,10 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(compute_wgs=4)
     with pytest.raises(ValueError, match="compute_wgs=True"):
         TuningConfig(compute_wgs=True)
+    with pytest.raises(ValueError, match="mma_row_sums=1"):  # picks a kernel form: a bool
+        TuningConfig(mma_row_sums=1)
+    with pytest.raises(ValueError, match="SMEM"):  # the ones tiles count
+        TuningConfig(128, 2, 1, decode_wgs=2, mma_row_sums=True).check_fits(128, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="pingpong=True needs compute_wgs=2"):
         TuningConfig(compute_wgs=3, pingpong=True)
     with pytest.raises(ValueError, match="head_dim=128"):  # 160 registers: no head_dim-128 tile
