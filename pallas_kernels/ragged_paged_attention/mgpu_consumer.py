@@ -107,8 +107,8 @@ def _attend(st: Statics, r: Refs, q_op, p_smem, ones, kvc, b_start, b_full, b_en
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
-    None. kvc: stream index of block b_start. Row r is at query position
-    row_pos0 + r // group; blocks before b_full need no causal mask.
+    None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r // group;
+    blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost

@@ -47,7 +47,9 @@ class TuningConfig:
                    8] tile of ones (one small wgmma next to P V) instead of 64 adds and shuffles
                    per thread and block. The softmax's instruction stream is what bounds
                    head_dim-64 prefill, and the adds are about a fifth of it (64 of ~340
-                   instructions). Costs 64 x block_kv of ones in SMEM per compute warpgroup.
+                   instructions). The sums are then of P as P V sees it (in the KV dtype), so
+                   numerator and denominator round alike. Costs 64 x block_kv of ones in SMEM
+                   per compute warpgroup.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
