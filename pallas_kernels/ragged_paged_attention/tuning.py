@@ -158,9 +158,9 @@ def default_tuning(
     -1% and -2%); other rows within the spread either way, except 32q/8kv/64 at 2,048 after
     6,144, 4-9% slower in three calls (fewer, bigger tiles: 344 items for 132 SMs). A token
     ring among three warpgroups, 128 x 3 stages and split-decode staging (more SMEM) measured
-    slower. With mma_row_sums (kernel run 8): 32q/8kv/64 at 8,192 tokens +10% (449 against
-    407 TFLOP/s, twice in one process), at 2,048 after 6,144 cached +6-10%, 9q/3kv/64 -4% to
-    +9%.
+    slower. With mma_row_sums (kernel run 8, calls AK and AL): 32q/8kv/64 at 8,192 tokens +10%
+    in both calls (448-453 against 407-409 TFLOP/s), at 2,048 after 6,144 cached +6% to +24%,
+    9q/3kv/64 -4% to +17%.
     """
     prefill_heavy = num_tokens >= 2048
     # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
