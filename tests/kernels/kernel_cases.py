@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def abstract_args(*, tokens, pages, seqs, pages_per_seq, head_dim, q_heads=32, kv_heads=8):
+    """The kernel's positional arguments as ShapeDtypeStructs (bf16, page 16), for tracing and
+    lowering without data."""
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((tokens, q_heads, head_dim), jnp.bfloat16),
+        sds((pages, kv_heads, 2, 16, head_dim), jnp.bfloat16),
+        sds((seqs,), jnp.int32),
+        sds((seqs, pages_per_seq), jnp.int32),
+        sds((seqs + 1,), jnp.int32),
+        sds((2,), jnp.int32),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

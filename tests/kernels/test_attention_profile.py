@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import pytest
+from kernel_cases import abstract_args
 
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
@@ -52,15 +52,7 @@ def test_summary_shares_counts_and_means_per_warpgroup():
 
 
 def _args(head_dim=64):
-    sds = jax.ShapeDtypeStruct
-    return (
-        sds((256, 32, head_dim), jnp.bfloat16),
-        sds((64, 8, 2, 16, head_dim), jnp.bfloat16),
-        sds((4,), jnp.int32),
-        sds((4, 16), jnp.int32),
-        sds((5,), jnp.int32),
-        sds((2,), jnp.int32),
-    )
+    return abstract_args(tokens=256, pages=64, seqs=4, pages_per_seq=16, head_dim=head_dim)
 
 
 def test_profile_dir_errors_are_clear(tmp_path):

@@ -4,9 +4,8 @@ CI catches what interpret mode cannot; only the final PTX compile needs the GPU.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
+from kernel_cases import abstract_args
 
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
@@ -41,15 +40,7 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
 def test_kernel_lowers_for_cuda(tuning, head_dim):
     """32 q / 8 kv heads, page 16, bf16: the headline decode layout (head_dim 128), and head_dim
     64 where a form needs it."""
-    sds = jax.ShapeDtypeStruct
-    args = (
-        sds((64, 32, head_dim), jnp.bfloat16),
-        sds((256, 8, 2, 16, head_dim), jnp.bfloat16),
-        sds((16,), jnp.int32),
-        sds((16, 64), jnp.int32),
-        sds((17,), jnp.int32),
-        sds((2,), jnp.int32),
-    )
+    args = abstract_args(tokens=64, pages=256, seqs=16, pages_per_seq=64, head_dim=head_dim)
     traced = ragged_paged_attention_pallas.trace(
         *args, sm_scale=head_dim**-0.5, tuning=tuning, interpret=False
     )
