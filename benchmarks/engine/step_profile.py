@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -25,6 +26,9 @@ import numpy as np
 from nori_jax.engine import LLMEngine
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trace_events import busy_ns, device_kernels  # noqa: E402
 
 
 def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> None:
@@ -39,34 +43,6 @@ def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) ->
     while pending:
         for out in engine.step():
             pending.discard(out.request_id)
-
-
-def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
-    """(name, start_ns, duration_ns) of every GPU stream event in the trace."""
-    from jax.profiler import ProfileData
-
-    events = []
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        data = ProfileData.from_file(path)
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
-    return events
-
-
-def busy_ns(events: list[tuple[str, int, int]]) -> int:
-    """Length of the union of the event intervals."""
-    total, end = 0, -1
-    for _, start, dur in sorted(events, key=lambda e: e[1]):
-        lo, hi = max(start, end), start + dur
-        if hi > lo:
-            total += hi - lo
-        end = max(end, hi)
-    return total
 
 
 def main() -> None:

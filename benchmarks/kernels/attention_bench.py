@@ -11,15 +11,20 @@ Every timed call is checked first: rows of the first (up to) 8 sequences against
 relative L2 error. Times are device times per call: one compiled program dispatched `--reps`
 times back to back on different page tables (so repeated calls do not hit in L2), median of
 `--trials` such rounds (see back_to_back: calls shorter than their dispatch are upper bounds).
+With `--device-times`, prefill rows also trace `--reps` calls with the JAX profiler and report
+the attention kernel's own device time per call (`kernel_ms`, its TFLOP/s `kernel_tflops`) and
+that of the XLA ops around it (`others_ms`: head-major transposes, tile metadata, masking).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -36,6 +41,9 @@ from pallas_kernels.ragged_paged_attention.tuning import (
     TuningConfig,
     default_tuning,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trace_events import device_kernels  # noqa: E402
 
 LAYOUTS = {"32q/8kv/128": (32, 8, 128), "32q/8kv/64": (32, 8, 64), "9q/3kv/64": (9, 3, 64)}
 LOG: list[dict] = []
@@ -82,6 +90,29 @@ def back_to_back(fn, xs: list, trials: int) -> float:
     for _ in range(2):
         jax.block_until_ready([fn(x) for x in xs])
     return timed(lambda: jax.block_until_ready([fn(x) for x in xs]), trials) / len(xs)
+
+
+def device_times(fn, xs: list) -> dict:
+    """fn(x) for each x of xs under the JAX profiler: per call, the device time of the kernel
+    with the most total time (the attention kernel, in every case this script times) and of the
+    rest, in ms."""
+    jax.block_until_ready([fn(x) for x in xs])
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([fn(x) for x in xs])
+        events = device_kernels(trace_dir)
+    total = collections.Counter()
+    for name, _, dur in events:
+        total[name] += dur
+    if not total:
+        return dict(device_times_error="no GPU events in the trace")
+    top = max(total, key=total.get)
+    n = len(xs)
+    return dict(
+        kernel_name=top[:80],
+        kernel_ms=total[top] / n / 1e6,
+        others_ms=(sum(total.values()) - total[top]) / n / 1e6,
+    )
 
 
 def measure_ceilings(trials: int, dry: bool = False) -> dict:
@@ -198,7 +229,9 @@ def step_args(p, table=None) -> tuple:
     return p["q"], p["kv"], p["kv_lens"], pt, p["cu"], p["dist"]
 
 
-def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs"):
+def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs", profile=False):
+    """(output, time per call, first call's seconds, device_times' dict when profile else {})."""
+
     def call(pt):
         return ragged_paged_attention_pallas(
             *step_args(p, pt),
@@ -212,7 +245,8 @@ def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs"):
     first_call_s = time.perf_counter() - t0  # compile (or compile-cache hit) + one run
     reps = max(reps, len(p["tables"]))
     tabs = [p["tables"][i % len(p["tables"])] for i in range(reps)]
-    return out, back_to_back(call, tabs, trials), first_call_s
+    extra = device_times(call, tabs) if profile else {}
+    return out, back_to_back(call, tabs, trials), first_call_s, extra
 
 
 def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
@@ -287,7 +321,7 @@ def run_decode(
                 num_tokens=p["q"].shape[0],
             )
             tn = tn(base) if callable(tn) else (tn or base)
-            out, t, first_s = time_ours(
+            out, t, first_s, _ = time_ours(
                 p,
                 sm_scale=sm_scale,
                 tuning=tn,
@@ -370,8 +404,14 @@ def run_prefill(
             num_tokens=chunk,
         )
         tn = tuning(base) if callable(tuning) else (tuning or base)
-        out, t, first_s = time_ours(
-            p, sm_scale=sm_scale, tuning=tn, reps=args.reps, trials=args.trials, a_operands=a_ops
+        out, t, first_s, extra = time_ours(
+            p,
+            sm_scale=sm_scale,
+            tuning=tn,
+            reps=args.reps,
+            trials=args.trials,
+            a_operands=a_ops,
+            profile=args.device_times,
         )
         row.update(
             tuning=str(tn),
@@ -382,6 +422,9 @@ def run_prefill(
             tflops=flops / t / 1e12,
         )
         row["pct_matmul"] = 100 * row["tflops"] / ceil["matmul_tflops"]
+        row.update(extra)
+        if "kernel_ms" in extra:
+            row["kernel_tflops"] = flops / extra["kernel_ms"] / 1e9
     except Exception as e:  # noqa: BLE001
         row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
         traceback.print_exc()
@@ -469,6 +512,7 @@ TUNING_FLAGS = {
     "cw3": {"compute_wgs": 3, "pingpong": False},  # ping-pong is a two-warpgroup schedule
     "mrs": {"mma_row_sums": True},
     "nomrs": {"mma_row_sums": False},
+    **{f"ks{k}": {"prefill_kv_splits": k} for k in (1, 2, 3, 4, 8)},
 }
 
 
@@ -559,6 +603,11 @@ def main() -> None:
         "--prefill-variants",
         action="store_true",
         help="also time explicit KV blocks (see prefill_variants)",
+    )
+    ap.add_argument(
+        "--device-times",
+        action="store_true",
+        help="prefill: also the kernel's own device time per call, from a profiler trace",
     )
     ap.add_argument(
         "--dry", action="store_true", help="tiny ceilings (CPU dry runs of this script)"
@@ -686,8 +735,16 @@ def print_table(ceil, rows) -> None:
         if "error" in r:
             print(f"{case:44s} {r['impl']:20s} ERROR {r['error'][:60]}")
         else:
+            kernel = ""
+            if "kernel_ms" in r:  # --device-times: the kernel alone, and the ops around it
+                kernel = (
+                    f"  kernel {r['kernel_ms']:.3f} ms {r['kernel_tflops']:.0f} TF/s"
+                    f" {100 * r['kernel_tflops'] / ceil['matmul_tflops']:.1f}%,"
+                    f" others {r['others_ms']:.3f} ms"
+                )
             print(
                 f"{case:44s} {r['impl']:20s} {r['ms']:9.3f} {rate:>12s} {pct:6.1f} {r['err']:8.1e}"
+                + kernel
             )
 
 

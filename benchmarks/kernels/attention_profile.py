@@ -10,6 +10,11 @@ wait_k (K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous
 issue), softmax, wait_v (V landed; with ping-pong, the hand-over), pv. A warpgroup records at
 most 1,024 spans per call, so long calls are summarised over their first part. The producer
 records none.
+
+It also prints how the CTAs' work ends (`cta_ends`): each CTA's last event, from the first event
+of the call, at the minimum, median and maximum over CTAs. The call takes the maximum; a median
+well below it means CTAs sit idle at the end (uneven work, or too few items). Summaries of
+truncated traces (some warpgroup hit the 1,024-span cap) say so: their ends are not the calls'.
 """
 
 from __future__ import annotations
@@ -58,6 +63,27 @@ def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dic
             "mean_ns": 1e3 * t / count[key],
         }
         for key, t in sorted(busy.items())
+    }
+
+
+def cta_ends(trace: dict, warpgroups_per_cta: int) -> dict:
+    """When the CTAs finish, in us from the call's first event: {min, median, max, truncated}.
+
+    truncated: some warpgroup recorded the profiler's 1,024-span cap (its end is not shown)."""
+    first = min(e["ts"] for e in trace["traceEvents"])
+    last = collections.defaultdict(float)
+    spans = collections.Counter()
+    for e in trace["traceEvents"]:
+        last[(e["tid"] - 1) // warpgroups_per_cta] = max(
+            last[(e["tid"] - 1) // warpgroups_per_cta], e["ts"]
+        )
+        spans[e["tid"]] += e["ph"] == "B"
+    ends = np.array(sorted(last.values())) - first
+    return {
+        "min": float(ends[0]),
+        "median": float(np.median(ends)),
+        "max": float(ends[-1]),
+        "truncated": max(spans.values()) >= 1024,
     }
 
 
@@ -112,15 +138,28 @@ def main() -> None:
         jax.block_until_ready(out)
         (path,) = glob.glob(os.path.join(trace_dir, "*-trace.json"))
         with open(path) as f:
-            rows = summarize(json.load(f), tuning.compute_wgs + 1)
+            trace = json.load(f)
+        rows = summarize(trace, tuning.compute_wgs + 1)
+        ends = cta_ends(trace, tuning.compute_wgs + 1)
         print(f"{args.layout} {args.chunk}+{args.prefix} page {args.page_size} {spec}: {tuning}")
+        print(
+            f"  CTA ends (us from the first event): min {ends['min']:.1f}  median"
+            f" {ends['median']:.1f}  max {ends['max']:.1f}"
+            + ("  (truncated: some warpgroup hit the span cap)" if ends["truncated"] else "")
+        )
         for (wg, name), row in rows.items():
             print(
                 f"  wg{wg} {name:8s} {100 * row['share']:5.1f}%  n={row['count']:6d}"
                 f"  mean={row['mean_ns']:6.0f} ns"
             )
         with open(os.path.join(trace_dir, "summary.json"), "w") as f:
-            json.dump([dict(wg=wg, span=name, **row) for (wg, name), row in rows.items()], f)
+            json.dump(
+                dict(
+                    spans=[dict(wg=wg, span=name, **row) for (wg, name), row in rows.items()],
+                    cta_ends=ends,
+                ),
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,14 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
         visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
         s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    m_ref = m_new  # what exp2 subtracts
+    if masked and st.tuning.prefill_kv_splits > 1:
+        # A part of a split tile may start past a row's position: the row sees no key of the
+        # part so far, m_new is -inf, and -inf - -inf would be NaN. Subtract 0 instead: alpha and
+        # p are 0, and the part's log-sum-exp for the row stays -inf (prefill_merge.py).
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_ref)
+    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))
     if st.tuning.mma_row_sums:
         denom = denom * lax.broadcast_in_dim(alpha, denom.shape, [0])
     else:
@@ -175,8 +181,11 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         return r.qa_smem.at[wg]
 
     def normalise(acc, denom):
-        safe = jnp.maximum(denom, 1e-30)  # empty decode splits: acc == 0, so O = 0
+        safe = jnp.maximum(denom, 1e-30)  # empty decode splits and parts: acc == 0, so O = 0
         return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+
+    def log2_sum_exp(m, denom):  # -inf for rows that saw no key
+        return m + jnp.log(denom) * (1.0 / LN2)
 
     def item_body(i, w, it, kvc):
         is_dec = items.is_decode(w)
@@ -197,13 +206,13 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             if splits == 1:
                 r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
                 plgpu.commit_smem()
-                dst = r.out.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
+                dst = r.out.at[0, it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
                 plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
             else:
                 stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
                 o32, lse = r.o32_smem.at[stage], r.lse_smem.at[stage]
                 o32[...] = o
-                lse[...] = m + jnp.log(denom) * (1.0 / LN2)
+                lse[...] = log2_sum_exp(m, denom)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o32.at[pl.ds(0, g)], r.opart.at[w])
                 plgpu.copy_smem_to_gmem(lse, r.lse.at[w])
@@ -230,12 +239,23 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 q = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
-                acc, _, denom = _attend(
+                acc, m, denom = _attend(
                     st, r, q, p_smem, ones, kvc, b0, b_full, b_end, row_pos0, turns
                 )
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
+                if r.part_lse is not None:
+                    r.part_lse_smem.at[wg][...] = log2_sum_exp(m, denom)
                 plgpu.commit_smem()
-                out_rows = r.out.at[it["head"]]  # [T * G, D]
+                part = it["part_index"]  # 0 unless the tile is split
+                out_rows = r.out.at[part, it["head"]]  # [T * G, D]
+
+                if r.part_lse is not None:
+
+                    @pl.when(it["part_count"] > 1)  # the merge weighs this part's rows by it
+                    def _store_lse():
+                        row = it["tile"] * st.tuning.compute_wgs + wg
+                        dst = r.part_lse.at[part, it["head"], row]  # [64]
+                        plgpu.copy_smem_to_gmem(r.part_lse_smem.at[wg], dst)
 
                 @pl.when(n_tok == tpw)  # a full tile is never clamped: one box store
                 def _store_tile():
@@ -260,4 +280,5 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         return kvc + (b1 - b0)
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
+    keys += ("part_index", "part_count", "tile")
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))

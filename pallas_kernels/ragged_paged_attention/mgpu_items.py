@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_paged_attention.schedule import META_NUM_DECODE, META_NUM_TILES
+from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.schedule import META_NUM_DECODE, META_NUM_PARTS
 from pallas_kernels.ragged_paged_attention.tuning import ROWS, TuningConfig
 
 
@@ -54,13 +55,13 @@ class Refs(NamedTuple):
     kv_lens: Any
     cu_q_lens: Any
     page_table: Any
-    tile_seq: Any
-    tile_tok: Any
+    parts: Any
     q: Any
     kv_pages: Any
     out: Any
     opart: Any
     lse: Any
+    part_lse: Any
     k_smem: Any
     v_smem: Any
     q_smem: Any
@@ -69,6 +70,7 @@ class Refs(NamedTuple):
     o32_smem: Any
     lse_smem: Any
     ones_smem: Any
+    part_lse_smem: Any
     k_full: Any
     v_full: Any
     kv_free: Any
@@ -89,11 +91,10 @@ class Items:
     def __init__(self, st: Statics, r: Refs):
         self.st = st
         hkv, splits = st.num_kv_heads, st.tuning.decode_splits
-        self.num_tiles = r.meta[META_NUM_TILES]
+        self.num_parts = r.meta[META_NUM_PARTS]
         self.num_decode_items = r.meta[META_NUM_DECODE] * (hkv * splits)
-        self.num_items = self.num_decode_items + self.num_tiles * hkv
-        self.kv_lens_ref, self.cu_ref = r.kv_lens, r.cu_q_lens
-        self.tile_seq_ref, self.tile_tok_ref = r.tile_seq, r.tile_tok
+        self.num_items = self.num_decode_items + self.num_parts * hkv
+        self.kv_lens_ref, self.cu_ref, self.parts_ref = r.kv_lens, r.cu_q_lens, r.parts
 
     def item_at(self, cta, i, num_ctas: int):
         return snake_item(cta, i, num_ctas)
@@ -117,7 +118,9 @@ class Items:
 
     def describe(self, w):
         """Per item (int32 scalars): seq, kv head, decode token or tile's first token, kv_len,
-        q_len, the sequence's token range, the KV block range. is_decode(w) says which kind."""
+        q_len, the sequence's token range, the KV block range; for prefill items also the part's
+        index in its tile, the tile's part count and the tile (schedule.prefill_parts).
+        is_decode(w) says which kind."""
         st = self.st
         hkv, splits, bk = st.num_kv_heads, st.tuning.decode_splits, st.tuning.block_kv
         is_dec = w < self.num_decode_items
@@ -125,27 +128,29 @@ class Items:
         wd = jnp.minimum(w, jnp.maximum(self.num_decode_items - 1, 0))
         sh, split = lax.div(wd, jnp.int32(splits)), lax.rem(wd, jnp.int32(splits))
         d_seq, d_head = lax.div(sh, jnp.int32(hkv)), lax.rem(sh, jnp.int32(hkv))
-        # Prefill view: tiles run from the last (most KV) to the first.
+        # Prefill view: row `part` of the parts table (longest first).
         wp = jnp.maximum(w - self.num_decode_items, 0)
-        tile = jnp.maximum(self.num_tiles - 1 - lax.div(wp, jnp.int32(hkv)), 0)
+        part = lax.div(wp, jnp.int32(hkv))
         p_head = lax.rem(wp, jnp.int32(hkv))
-        p_seq = self.tile_seq_ref[tile]
+
+        def col(c):
+            return self.parts_ref[part, c]
+
+        p_seq = col(schedule.PART_SEQ)
         seq = jnp.where(is_dec, d_seq, p_seq)
         head = jnp.where(is_dec, d_head, p_head)
         kv_len = self.kv_lens_ref[seq]
         seq_start = self.cu_ref[seq]
         seq_end = self.cu_ref[seq + 1]
-        tok0 = jnp.where(is_dec, seq_start, self.tile_tok_ref[tile])
+        tok0 = jnp.where(is_dec, seq_start, col(schedule.PART_TOK0))
         q_len = seq_end - seq_start
-        # Block range. Decode: split `split` of the cdiv(kv_len, bk) blocks. Prefill: blocks up
-        # to the position of the tile's last valid token.
+        # Block range. Decode: split `split` of the cdiv(kv_len, bk) blocks. Prefill: the part's
+        # (within the blocks up to the position of the tile's last valid token).
         nb_dec = cdiv(kv_len, bk)
         b0_dec = lax.div(split * nb_dec, jnp.int32(splits))
         b1_dec = lax.div((split + 1) * nb_dec, jnp.int32(splits))
-        last_tok = jnp.minimum(tok0 + st.tokens_per_tile, seq_end) - 1
-        nb_pre = cdiv(kv_len - q_len + (last_tok - seq_start) + 1, bk)
-        b0 = jnp.where(is_dec, b0_dec, 0)
-        b1 = jnp.where(is_dec, b1_dec, nb_pre)
+        b0 = jnp.where(is_dec, b0_dec, col(schedule.PART_B0))
+        b1 = jnp.where(is_dec, b1_dec, col(schedule.PART_B1))
         return dict(
             seq=seq,
             head=head,
@@ -156,6 +161,9 @@ class Items:
             seq_end=seq_end,
             b0=b0,
             b1=jnp.maximum(b1, b0),
+            part_index=col(schedule.PART_INDEX),
+            part_count=col(schedule.PART_COUNT),
+            tile=col(schedule.PART_TILE),
         )
 
 

@@ -10,7 +10,8 @@ counts, so they agree on every pipeline slot without talking except through barr
         the K/V copies.
     compute (mgpu_consumer.py): per item, load its 64 Q rows, then per KV block
         S = Q K^T (wgmma, M = 64 rows, N = block_kv), online softmax in registers,
-        O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows.
+        O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows
+        (a part of a split prefill tile: into its part's output, with its rows' log-sum-exp).
 
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
 tuning.decode_wgs == 2) warpgroups 0 and 1 in turn; the others just wait on and release their K/V
@@ -41,13 +42,14 @@ def attention_kernel(
     kv_lens_ref,  # int32[S]                   GMEM
     cu_ref,  # int32[S + 1]                    GMEM
     pt_ref,  # int32[S, MP]                    GMEM, MP a multiple of pages_per_block
-    tile_seq_ref,  # int32[MT]                 GMEM
-    tile_tok_ref,  # int32[MT]                 GMEM
+    parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts, longest first (schedule.py)
     q_ref,  # [Hkv, T * G, D]                  GMEM, row t * G + g = token t, q head kv_head * G + g
     kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
-    out_ref,  # [Hkv, T * G, D]                GMEM, q_ref's layout (rows of valid tokens written)
+    out_ref,  # [K, Hkv, T * G, D]             GMEM, q_ref's layout per prefill part index (K:
+    #                                          tuning.prefill_kv_splits; decode rows in [0])
     opart_ref,  # f32[S*Hkv*splits, G, D]      GMEM (split decode partials) or None
     lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
+    part_lse_ref,  # f32[K, Hkv, MT * WGS, 64] GMEM (log2-sum-exp of split tiles' parts) or None
     k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
     v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
     q_smem,  # [2, WGS, 64, D]                 SMEM, Q in, O out (two item slots)
@@ -56,6 +58,7 @@ def attention_kernel(
     o32_smem,  # f32[decode_wgs, 64, D]        SMEM (split decode only) or None
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     ones_smem,  # [WGS, 64, bk]                SMEM, ones (tuning.mma_row_sums) or None
+    part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -69,10 +72,10 @@ def attention_kernel(
 ):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
-    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, tile_seq_ref, tile_tok_ref, q_ref, kv_ref,
-             out_ref, opart_ref, lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem,
-             lse_smem, ones_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free,
-             turn)  # fmt: skip
+    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, out_ref, opart_ref,
+             lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem, lse_smem,
+             ones_smem, part_lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free,
+             qp_free, turn)  # fmt: skip
     items = Items(st, r)
 
     wgs = st.tuning.compute_wgs

@@ -33,15 +33,17 @@ def launch(
     kv_lens: jax.Array,  # int32[S]
     cu_q_lens: jax.Array,  # int32[S + 1]
     page_table: jax.Array,  # int32[S, MP]
-    tile_seq: jax.Array,  # int32[MT]
-    tile_tok: jax.Array,  # int32[MT]
+    parts: jax.Array,  # int32[MT * K, PART_COLUMNS]   (schedule.prefill_parts)
     qh: jax.Array,  # [Hkv, T * G, D]   head-major: row t * G + g is token t, q head kv_head * G + g
     kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
     *,
     interpret,
     profile_dir: str | None = None,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Runs the kernel; returns (out like qh, split partials or None, their lse or None).
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """Runs the kernel; returns (out [K, *qh.shape], split decode partials or None, their lse or
+    None, split prefill parts' lse f32[K, Hkv, MT * WGS, 64] or None); K is
+    tuning.prefill_kv_splits, and out[k] holds the k-th parts of split prefill tiles (out[0]
+    everything else).
 
     profile_dir: record Mosaic GPU profiler spans (mgpu_consumer's named scopes, PROFILE_SPANS
     per warpgroup, the rest dropped) and write one trace per call there.
@@ -52,11 +54,16 @@ def launch(
     num_seqs = kv_lens.shape[0]
     dtype = qh.dtype
     split = tn.decode_splits > 1
-    parts = num_seqs * st.num_kv_heads * tn.decode_splits
+    dec_parts = num_seqs * st.num_kv_heads * tn.decode_splits
+    k = tn.prefill_kv_splits
+    max_tiles = parts.shape[0] // k
     out_types = [
-        jax.ShapeDtypeStruct(qh.shape, dtype),
-        jax.ShapeDtypeStruct((parts, st.group, d), jnp.float32) if split else None,
-        jax.ShapeDtypeStruct((parts, ROWS), jnp.float32) if split else None,
+        jax.ShapeDtypeStruct((k, *qh.shape), dtype),
+        jax.ShapeDtypeStruct((dec_parts, st.group, d), jnp.float32) if split else None,
+        jax.ShapeDtypeStruct((dec_parts, ROWS), jnp.float32) if split else None,
+        jax.ShapeDtypeStruct((k, st.num_kv_heads, max_tiles * wgs, ROWS), jnp.float32)
+        if k > 1
+        else None,
     ]
     copies_per_block = st.pages_per_block if st.page_size <= tn.block_kv else 1
     mma = _mma_transforms(d, dtype)
@@ -79,6 +86,7 @@ def launch(
         plgpu.SMEM((wgs, ROWS, tn.block_kv), dtype, transforms=_mma_transforms(tn.block_kv, dtype))
         if tn.mma_row_sums
         else None,
+        plgpu.SMEM((wgs, ROWS), jnp.float32) if tn.prefill_kv_splits > 1 else None,  # part_lse
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
@@ -104,8 +112,7 @@ def launch(
         ),
         interpret=interpret,
     )
-    out, opart, lse = kernel(meta, kv_lens, cu_q_lens, page_table, tile_seq, tile_tok, qh, kv_pages)
-    return out, opart, lse
+    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, qh, kv_pages))
 
 
 def combine_splits(

@@ -19,6 +19,7 @@ from pallas_kernels.ragged_paged_attention.mgpu_launch import (
     launch,
     profile_smem_bytes,
 )
+from pallas_kernels.ragged_paged_attention.prefill_merge import merge_prefill_parts
 from pallas_kernels.ragged_paged_attention.tuning import (
     ROWS,
     SMEM_BYTES,
@@ -148,25 +149,40 @@ def ragged_paged_attention_pallas(
         tuning=tuning,
         a_operands="smem" if interpret else a_operands,
     )
-    meta, tile_seq, tile_tok = schedule.prefill_tiles(
+    plan = schedule.prefill_parts(
         cu_q_lens,
+        kv_lens,
         distribution,
         num_tokens=num_tokens,
         tokens_per_tile=st.tokens_per_tile,
+        block_kv=tuning.block_kv,
+        num_kv_heads=hkv,
+        num_ctas=tuning.num_ctas,
+        max_splits=tuning.prefill_kv_splits,
     )
     interp = plgpu.InterpretGPUParams() if interpret else False
-    oh, opart, lse = launch(
+    oh, opart, lse, part_lse = launch(
         st,
-        meta,
+        plan.meta,
         kv_lens,
         cu_q_lens,
         page_table,
-        tile_seq,
-        tile_tok,
+        plan.parts,
         qh,
         kv_pages,
         interpret=interp,
         profile_dir=profile_dir,
+    )
+    oh = merge_prefill_parts(
+        oh,
+        part_lse,
+        plan.tile_tok,
+        plan.tile_parts,
+        cu_q_lens,
+        distribution,
+        group=g,
+        tokens_per_wg=tpw,
+        compute_wgs=tuning.compute_wgs,
     )
     out = oh.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:num_tokens]
     if tuning.decode_splits > 1:

@@ -50,6 +50,11 @@ class TuningConfig:
                    instructions). The sums are then of P as P V sees it (in the KV dtype), so
                    numerator and denominator round alike. Costs 64 x block_kv of ones in SMEM
                    per compute warpgroup.
+    prefill_kv_splits: at most this many parts per prefill tile, each over a range of the tile's
+                   KV blocks (schedule.prefill_parts decides per step: only when the step has
+                   too few tiles to keep every SM busy to the end). Parts write partial outputs
+                   and their log-sum-exp; prefill_merge.py combines them, which reads
+                   prefill_kv_splits - 1 more output-sized buffers after the kernel.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -63,6 +68,7 @@ class TuningConfig:
     pingpong: bool = False
     producer_warps: int = 1
     mma_row_sums: bool = False
+    prefill_kv_splits: int = 1
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -86,18 +92,21 @@ class TuningConfig:
             raise ValueError(f"{self.producer_warps=} must be 1 or 4")
         if not isinstance(self.mma_row_sums, bool):
             raise ValueError(f"{self.mma_row_sums=} must be a bool")
+        if isinstance(self.prefill_kv_splits, bool) or self.prefill_kv_splits not in range(1, 9):
+            raise ValueError(f"{self.prefill_kv_splits=} must be an int in [1, 8]")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
         """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, the
-        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM, and the
-        ones tiles of mma_row_sums)."""
+        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM, the
+        ones tiles of mma_row_sums, the log-sum-exp staging of split prefill tiles)."""
         item = jnp.dtype(dtype).itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
         a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
         ones = self.compute_wgs * ROWS * self.block_kv * item if self.mma_row_sums else 0
-        return kv + q + split + a_ops + ones
+        lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
+        return kv + q + split + a_ops + ones + lse
 
     @property
     def compute_registers(self) -> int:

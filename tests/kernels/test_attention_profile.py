@@ -51,6 +51,21 @@ def test_summary_shares_counts_and_means_per_warpgroup():
     assert set(rows) == {(0, "qk"), (0, "softmax"), (1, "pv"), (1, "outer")}
 
 
+def test_cta_ends_from_the_first_event():
+    # Three CTAs of two warpgroups (tid = 1 + wg + 2 * cta); the call's first event at 5 us.
+    # CTA 0 ends at 9 us (its warpgroup 1), CTA 1 at 20 us, CTA 2 at 12 us.
+    events = (
+        _span("qk", 1, 5.0, 8.0)
+        + _span("pv", 2, 6.0, 9.0)
+        + _span("qk", 3, 7.0, 20.0)
+        + _span("qk", 6, 5.5, 12.0)
+    )
+    ends = _profile_module().cta_ends({"traceEvents": events}, warpgroups_per_cta=2)
+    assert ends == {"min": 4.0, "median": 7.0, "max": 15.0, "truncated": False}
+    capped = [e for i in range(1024) for e in _span("qk", 1, float(i), i + 0.5)]
+    assert _profile_module().cta_ends({"traceEvents": capped}, 2)["truncated"]
+
+
 def _args(head_dim=64):
     return abstract_args(tokens=256, pages=64, seqs=4, pages_per_seq=16, head_dim=head_dim)
 

@@ -1,0 +1,37 @@
+"""GPU kernel events of a `jax.profiler.trace` directory (shared by the benchmark scripts).
+
+Read with `jax.profiler.ProfileData`: every event of a "Stream" line of a "/device:GPU" plane
+is one kernel (or copy) the device ran, with its start and duration in nanoseconds.
+"""
+
+from __future__ import annotations
+
+import glob
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every GPU stream event in the trace."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        data = ProfileData.from_file(path)
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+    return events
+
+
+def busy_ns(events: list[tuple[str, int, int]]) -> int:
+    """Length of the union of the event intervals."""
+    total, end = 0, -1
+    for _, start, dur in sorted(events, key=lambda e: e[1]):
+        lo, hi = max(start, end), start + dur
+        if hi > lo:
+            total += hi - lo
+        end = max(end, hi)
+    return total

@@ -1,0 +1,61 @@
+"""Merge of split prefill tiles: the parts' partial outputs, weighted by their log-sum-exp.
+
+schedule.prefill_parts may cut a prefill tile's KV blocks into k parts; part j computes the
+tile's rows over its blocks only and writes its normalised output into the kernel's output
+`out[j]` and its rows' log2-sum-exp into `part_lse[j]` (mgpu_consumer.py). Each row's result is
+
+    sum_j 2^(lse_j - top) * o_j / sum_j 2^(lse_j - top),   top = max_j lse_j,
+
+the same merge as split decode (flash-decoding). Rows of tiles that were not split (and decode
+rows) are out[0] as is. The merge reads all K output buffers densely (static shapes): it costs
+K - 1 output-sized reads, which is why default_tuning splits only buckets with few tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def merge_prefill_parts(
+    out: jax.Array,  # [K, Hkv, T * G, D]   per part index: rows of the parts with that index
+    part_lse: jax.Array | None,  # f32[K, Hkv, MT * WGS, 64]  by tile and warpgroup Q box row
+    tile_tok: jax.Array,  # int32[MT]  first token of each tile, in token order
+    tile_parts: jax.Array,  # int32[MT]  parts of each tile (0 past the last tile)
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    distribution: jax.Array,  # int32[2]
+    *,
+    group: int,
+    tokens_per_wg: int,
+    compute_wgs: int,
+) -> jax.Array:
+    """Returns [Hkv, T * G, D]: out[0] with the rows of split tiles merged over their parts."""
+    k, hkv, rows, d = out.shape
+    if k == 1:
+        return out[0]
+    num_tokens = rows // group
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    prefill = (t >= cu_q_lens[distribution[0]]) & (t < cu_q_lens[distribution[1]])
+    # The tile of each prefill token ([T, MT] comparisons, no while loop: schedule.py).
+    tile = jnp.searchsorted(tile_tok, t, side="right", method="compare_all") - 1
+    tile = jnp.clip(tile, 0, tile_tok.shape[0] - 1).astype(jnp.int32)
+    split = prefill & (tile_parts[tile] > 1)  # [T]
+    # Where the kernel held each token: warpgroup wg of its tile, in a Q box that starts at
+    # min(first token, T - tokens_per_wg) (mgpu_items.tile_rows), G rows per token.
+    wg = (t - tile_tok[tile]) // tokens_per_wg
+    box_start = jnp.minimum(tile_tok[tile] + wg * tokens_per_wg, num_tokens - tokens_per_wg)
+    box = jnp.where(split, tile * compute_wgs + wg, 0)  # [T]
+    row = jnp.where(split[:, None], (t - box_start)[:, None] * group + jnp.arange(group), 0)
+    lse = part_lse[:, :, box[:, None], row]  # [K, Hkv, T, G]
+    j = jnp.arange(k).reshape(k, 1, 1, 1)
+    lse = jnp.where(j < tile_parts[tile][:, None], lse, -jnp.inf)  # parts that exist
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows not merged
+    wts = jnp.exp2(lse - top)  # [K, Hkv, T, G]; 0 for parts that do not exist
+    parts = out.reshape(k, hkv, num_tokens, group, d).astype(jnp.float32)
+    parts = jnp.where(wts[..., None] > 0, parts, 0.0)  # never-written rows may hold anything
+    merged = jnp.einsum("khtg,khtgd->htgd", wts, parts)
+    merged = merged / jnp.maximum(wts.sum(axis=0), 1e-30)[..., None]
+    merged = merged.reshape(hkv, rows, d).astype(out.dtype)
+    split_rows = jnp.repeat(split, group)[None, :, None]  # [1, T * G, 1]
+    return jnp.where(split_rows, merged, out[0])
