@@ -112,6 +112,7 @@ def device_times(fn, xs: list) -> dict:
         kernel_name=top[:80],
         kernel_ms=total[top] / n / 1e6,
         others_ms=(sum(total.values()) - total[top]) / n / 1e6,
+        others_us={name[:60]: round(t / n / 1e3, 2) for name, t in total.most_common(8)[1:]},
     )
 
 
@@ -319,6 +320,7 @@ def run_decode(
                 dtype=jnp.bfloat16,
                 num_ctas=args.num_ctas,
                 num_tokens=p["q"].shape[0],
+                num_q_heads=LAYOUTS[layout][0],
             )
             tn = tn(base) if callable(tn) else (tn or base)
             out, t, first_s, _ = time_ours(
@@ -402,6 +404,7 @@ def run_prefill(
             dtype=jnp.bfloat16,
             num_ctas=args.num_ctas,
             num_tokens=chunk,
+            num_q_heads=hq,
         )
         tn = tuning(base) if callable(tuning) else (tuning or base)
         out, t, first_s, extra = time_ours(

@@ -122,6 +122,7 @@ def main() -> None:
         dtype=p["q"].dtype,
         num_ctas=num_ctas,
         num_tokens=args.chunk,
+        num_q_heads=hq,
     )
     for spec in args.tunings.split(","):
         tuning = ab.parse_tuning(spec, num_ctas)(base)

@@ -128,7 +128,7 @@ class Items:
         wd = jnp.minimum(w, jnp.maximum(self.num_decode_items - 1, 0))
         sh, split = lax.div(wd, jnp.int32(splits)), lax.rem(wd, jnp.int32(splits))
         d_seq, d_head = lax.div(sh, jnp.int32(hkv)), lax.rem(sh, jnp.int32(hkv))
-        # Prefill view: row `part` of the parts table (longest first).
+        # Prefill view: row `part` of the parts table (schedule.prefill_parts).
         wp = jnp.maximum(w - self.num_decode_items, 0)
         part = lax.div(wp, jnp.int32(hkv))
         p_head = lax.rem(wp, jnp.int32(hkv))

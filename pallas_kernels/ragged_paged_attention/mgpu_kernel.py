@@ -42,7 +42,7 @@ def attention_kernel(
     kv_lens_ref,  # int32[S]                   GMEM
     cu_ref,  # int32[S + 1]                    GMEM
     pt_ref,  # int32[S, MP]                    GMEM, MP a multiple of pages_per_block
-    parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts, longest first (schedule.py)
+    parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts in order (schedule.py)
     q_ref,  # [Hkv, T * G, D]                  GMEM, row t * G + g = token t, q head kv_head * G + g
     kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
     out_ref,  # [K, Hkv, T * G, D]             GMEM, q_ref's layout per prefill part index (K:

@@ -113,6 +113,7 @@ def ragged_paged_attention_pallas(
             pages_per_seq=pages_per_seq,
             dtype=q.dtype,
             num_tokens=num_tokens,
+            num_q_heads=hq,
             num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
         )
     if a_operands not in ("regs", "smem"):

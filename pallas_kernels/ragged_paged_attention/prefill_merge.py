@@ -52,9 +52,13 @@ def merge_prefill_parts(
     top = jnp.max(lse, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows not merged
     wts = jnp.exp2(lse - top)  # [K, Hkv, T, G]; 0 for parts that do not exist
-    parts = out.reshape(k, hkv, num_tokens, group, d).astype(jnp.float32)
-    parts = jnp.where(wts[..., None] > 0, parts, 0.0)  # never-written rows may hold anything
-    merged = jnp.einsum("khtg,khtgd->htgd", wts, parts)
+    parts = out.reshape(k, hkv, num_tokens, group, d)
+    # A sum over the K parts written out, not an einsum: one elementwise fusion that reads each
+    # part once (an einsum lowers to a batched matmul over materialised f32 operands).
+    merged = sum(
+        wts[j][..., None] * jnp.where(wts[j][..., None] > 0, parts[j].astype(jnp.float32), 0.0)
+        for j in range(k)  # never-written rows may hold anything: only weighted rows are read
+    )
     merged = merged / jnp.maximum(wts.sum(axis=0), 1e-30)[..., None]
     merged = merged.reshape(hkv, rows, d).astype(out.dtype)
     split_rows = jnp.repeat(split, group)[None, :, None]  # [1, T * G, 1]

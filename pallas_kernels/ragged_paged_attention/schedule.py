@@ -10,7 +10,8 @@ tile of a sequence may be partial). Tiles never cross sequences, so a tile's row
 table row. A part is a tile over a range of its KV blocks: every tile is one part unless the step
 has too little prefill work to keep every SM busy to the end (`prefill_parts`), then long tiles
 are cut into up to `max_splits` parts, whose partial outputs prefill_merge.py combines. Parts come
-longest first, so the kernel's snake (mgpu_items.snake_item) pairs long with short.
+from the last tile to the first (longest first within a sequence), so the kernel's snake
+(mgpu_items.snake_item) pairs long with short.
 
 Everything here is loop-free on purpose: `jnp.searchsorted`'s default method lowers to an XLA while
 loop, and on a GPU each iteration of a while loop waits for the host to read its predicate. Once
@@ -29,7 +30,7 @@ META_NUM_SEQS = 1
 META_NUM_PARTS = 2
 META_SIZE = 4
 
-# Columns of the parts table (int32[MP, PART_COLUMNS]), one row per part, longest first.
+# Columns of the parts table (int32[MP, PART_COLUMNS]), one row per part in the kernel's order.
 PART_SEQ, PART_TOK0, PART_B0, PART_B1, PART_INDEX, PART_COUNT, PART_TILE = range(7)
 PART_COLUMNS = 8  # one spare column: rows of 32 bytes
 
@@ -73,7 +74,7 @@ def prefill_tiles(
 
 class Parts(NamedTuple):
     meta: jax.Array  # int32[META_SIZE]
-    parts: jax.Array  # int32[MT * max_splits, PART_COLUMNS], longest first
+    parts: jax.Array  # int32[MT * max_splits, PART_COLUMNS], in the kernel's order
     tile_tok: jax.Array  # int32[MT]: first token of each tile, in token order (prefill_merge.py)
     tile_parts: jax.Array  # int32[MT]: parts of each tile (0 past the last tile)
 
@@ -90,47 +91,55 @@ def prefill_parts(
     num_ctas: int,
     max_splits: int = 1,
 ) -> Parts:
-    """The step's prefill parts (module docstring), longest first.
+    """The step's prefill parts (module docstring): tiles from the last to the first, a tile's
+    parts together. Within a sequence that is longest first (a later tile sees more KV), and the
+    parts of a cut tile are of about equal size.
 
     A tile of nb KV blocks (up to its last token's causal position) is cut into
     k = clip(round(nb / target), 1, max_splits) parts of nb // k or nb // k + 1 blocks, where
-    target is the SM's share of all tiles' blocks times kv heads, over PARTS_PER_CTA, and at least
-    MIN_PART_BLOCKS. With max_splits == 1 every tile is one part of blocks [0, nb).
+    target is an SM's share of the step's KV blocks (prefill tiles' and decode rows', times kv
+    heads) over PARTS_PER_CTA, and at least MIN_PART_BLOCKS. With max_splits == 1 every tile is
+    one part of blocks [0, nb).
     """
     num_decode, num_seqs = distribution[0], distribution[1]
     tile_seq, tile_tok, num_tiles = prefill_tiles(
         cu_q_lens, distribution, num_tokens=num_tokens, tokens_per_tile=tokens_per_tile
     )
     mt = tile_seq.shape[0]
-    valid = jnp.arange(mt, dtype=jnp.int32) < num_tiles
+    i = jnp.arange(mt, dtype=jnp.int32)
+    valid = i < num_tiles
     seq_start, seq_end = cu_q_lens[tile_seq], cu_q_lens[tile_seq + 1]
     last_tok = jnp.minimum(tile_tok + tokens_per_tile, seq_end) - 1
     # KV blocks up to the causal position of the tile's last token.
     visible = kv_lens[tile_seq] - (seq_end - seq_start) + (last_tok - seq_start) + 1
     nb = jnp.where(valid, (visible + block_kv - 1) // block_kv, 0).astype(jnp.int32)
+    meta_of = lambda n: jnp.stack([num_decode, num_seqs, n, jnp.int32(0)]).astype(jnp.int32)  # noqa: E731
+    zero = jnp.zeros_like(i)
+    # Tiles from the last to the first: position i holds tile num_tiles - 1 - i.
+    rev = jnp.clip(num_tiles - 1 - i, 0, mt - 1)
     if max_splits == 1:
-        k = valid.astype(jnp.int32)
-    else:
-        share = jnp.sum(nb) * num_kv_heads / (num_ctas * PARTS_PER_CTA)
-        target = jnp.maximum(share, MIN_PART_BLOCKS)
-        k = jnp.clip(jnp.round(nb / target), 1, max_splits).astype(jnp.int32)
-        k = jnp.where(valid, jnp.minimum(k, jnp.maximum(nb, 1)), 0)
-    # Part p belongs to the tile whose cumulative part count first exceeds p (loop-free).
-    part_end = jnp.cumsum(k, dtype=jnp.int32)
-    mp = mt * max_splits
-    p = jnp.arange(mp, dtype=jnp.int32)
-    tile = jnp.minimum(jnp.searchsorted(part_end, p, side="right", method="compare_all"), mt - 1)
-    tile = tile.astype(jnp.int32)
+        cols = [tile_seq[rev], tile_tok[rev], zero, nb[rev], zero, zero + 1, rev, zero]
+        table = jnp.where(valid[:, None], jnp.stack(cols, axis=1), 0).astype(jnp.int32)
+        return Parts(meta_of(num_tiles), table, tile_tok, valid.astype(jnp.int32))
+    s = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    decode_blocks = jnp.where(s < num_decode, (kv_lens + block_kv - 1) // block_kv, 0)
+    share = (jnp.sum(nb) + jnp.sum(decode_blocks)) * num_kv_heads / (num_ctas * PARTS_PER_CTA)
+    target = jnp.maximum(share, MIN_PART_BLOCKS)
+    k = jnp.clip(jnp.round(nb / target), 1, max_splits).astype(jnp.int32)
+    k = jnp.where(valid, jnp.minimum(k, jnp.maximum(nb, 1)), 0)
+    k_rev = jnp.where(valid, k[rev], 0)
+    # Part p belongs to the reversed position whose cumulative part count first exceeds p
+    # ([MP, MT] comparisons: no while loop).
+    part_end = jnp.cumsum(k_rev, dtype=jnp.int32)
+    p = jnp.arange(mt * max_splits, dtype=jnp.int32)
+    pos = jnp.searchsorted(part_end, p, side="right", method="compare_all")
+    pos = jnp.minimum(pos, mt - 1).astype(jnp.int32)
+    tile = rev[pos]
     kt, nbt = k[tile], nb[tile]
-    j = p - (part_end[tile] - kt)
+    j = p - (part_end[pos] - kt)
     safe_k = jnp.maximum(kt, 1)
-    b0 = j * nbt // safe_k
-    b1 = (j + 1) * nbt // safe_k
+    cols = [tile_seq[tile], tile_tok[tile], j * nbt // safe_k, (j + 1) * nbt // safe_k, j, kt, tile]
+    cols.append(jnp.zeros_like(p))
     num_parts = part_end[-1]
-    exists = p < num_parts
-    cols = [tile_seq[tile], tile_tok[tile], b0, b1, j, kt, tile, jnp.zeros_like(p)]
-    table = jnp.where(exists[:, None], jnp.stack(cols, axis=1), 0).astype(jnp.int32)
-    # Longest first (stable: equal parts keep token order, a tile's parts stay together).
-    order = jnp.argsort(jnp.where(exists, b1 - b0, -1), descending=True, stable=True)
-    meta = jnp.stack([num_decode, num_seqs, num_parts, jnp.int32(0)]).astype(jnp.int32)
-    return Parts(meta, table[order], tile_tok, k)
+    table = jnp.where((p < num_parts)[:, None], jnp.stack(cols, axis=1), 0).astype(jnp.int32)
+    return Parts(meta_of(num_parts), table, tile_tok, k)

@@ -144,6 +144,7 @@ def default_tuning(
     dtype,
     num_ctas: int = 132,
     num_tokens: int = 0,
+    num_q_heads: int | None = None,
 ) -> TuningConfig:
     """A schedule from static shapes only; the choices are backed by docs/benchmarks.md (H200).
 
@@ -175,8 +176,21 @@ def default_tuning(
     # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
     # splits, row sums on the tensor cores (see above; 160 KiB of SMEM for head_dim 64).
     if prefill_heavy and head_dim <= 64 and not (page_size % 128 and 128 % page_size):
+        kv_splits = 1
+        if num_q_heads is not None:  # fewer tiles than SMs in a full bucket: cut them in parts
+            tokens_per_tile = 3 * (ROWS // max(1, num_q_heads // num_kv_heads))
+            if -(-num_tokens // tokens_per_tile) * num_kv_heads < num_ctas:
+                kv_splits = 4
         return TuningConfig(
-            128, 2, 1, num_ctas, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
+            128,
+            2,
+            1,
+            num_ctas,
+            compute_wgs=3,
+            decode_wgs=2,
+            producer_warps=4,
+            mma_row_sums=True,
+            prefill_kv_splits=kv_splits,
         )
     if head_dim < 128:
         prefs = [(128, 3), (128, 2), (64, 3)]

@@ -75,3 +75,30 @@ def test_head_dim_128_decode_picks(num_seqs, pages_per_seq, expected):
     )
     picked = (tn.block_kv, tn.num_stages, tn.decode_splits, tn.decode_wgs, tn.producer_warps)
     assert picked == expected
+
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,num_tokens,expected",
+    [
+        (9, 3, 2048, 4),  # 33 tiles of 63 tokens x 3 kv heads: 99 items for 132 SMs
+        (9, 3, 4096, 1),  # 198 items
+        (32, 8, 2048, 1),  # 43 tiles of 48 tokens x 8 kv heads: 344 items
+        (None, 3, 2048, 1),  # q heads unknown: no guess
+    ],
+)
+def test_prefill_kv_splits_where_tiles_are_fewer_than_sms(
+    num_q_heads, num_kv_heads, num_tokens, expected
+):
+    tn = default_tuning(
+        num_seqs=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        page_size=16,
+        pages_per_seq=512,
+        dtype=jnp.bfloat16,
+        num_ctas=132,
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+    )
+    assert tn.prefill_kv_splits == expected
+    tn.check_fits(64, 16, jnp.bfloat16)

@@ -18,7 +18,7 @@ import pytest
 from kernel_cases import make_step
 
 from pallas_kernels.kv_layout import write_kv_reference
-from pallas_kernels.ragged_paged_attention import api
+from pallas_kernels.ragged_paged_attention import api, schedule
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
@@ -141,6 +141,54 @@ def test_kernel_matches_reference(case):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _check(out, ref, dtype)
     # Padding tokens are exactly zero.
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+
+
+# Split prefill tiles (prefill_kv_splits): a long chunk after a cached prefix, a chunk from
+# position 32, a one-token chunk and decode rows, on 12 CTAs so that schedule.prefill_parts cuts
+# tiles. With one q head per kv head a warpgroup holds 64 tokens, and the chunk at position 32
+# puts a part's first key (position 128) inside a warpgroup's rows (96-159): rows 96-127 see no
+# key of that part (the -inf row max the kernel must not turn into NaN).
+# (page, q heads, kv heads, dtype, soft cap, tuning)
+SPLIT_CASES = [
+    (
+        *(16, 3, 3, jnp.float32, None),
+        TuningConfig(64, 2, 1, 12, compute_wgs=3, mma_row_sums=True, prefill_kv_splits=4),
+    ),
+    (32, 8, 2, jnp.bfloat16, 20.0, TuningConfig(64, 2, 1, 12, pingpong=True, prefill_kv_splits=2)),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=["f32-g1-cw3-k4", "bf16-pingpong-cap-k2"])
+def test_split_prefill_tiles_match_reference(case):
+    ps, hq, hkv, dtype, soft_cap, tuning = case
+    step = make_step(
+        11,
+        decode_kv_lens=[5, 300],
+        prefill=[(130, 900), (1, 1), (150, 182)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=64,
+        dtype=dtype,
+    )
+    tokens_per_tile = tuning.compute_wgs * (64 // (hq // hkv))
+    plan = schedule.prefill_parts(
+        step.cu_q_lens,
+        step.kv_lens,
+        step.distribution,
+        num_tokens=step.q.shape[0],
+        tokens_per_tile=tokens_per_tile,
+        block_kv=tuning.block_kv,
+        num_kv_heads=hkv,
+        num_ctas=tuning.num_ctas,
+        max_splits=tuning.prefill_kv_splits,
+    )
+    assert int(jnp.max(plan.tile_parts)) == tuning.prefill_kv_splits  # tiles were cut
+    kw = dict(sm_scale=0.125, soft_cap=soft_cap)
+    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*step.args, **kw)
+    _check(out, ref, dtype)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
@@ -281,6 +329,12 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(mma_row_sums=1)
     with pytest.raises(ValueError, match="SMEM"):  # the ones tiles count
         TuningConfig(128, 2, 1, decode_wgs=2, mma_row_sums=True).check_fits(128, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="prefill_kv_splits=0"):
+        TuningConfig(prefill_kv_splits=0)
+    with pytest.raises(ValueError, match="prefill_kv_splits=True"):
+        TuningConfig(prefill_kv_splits=True)
+    with pytest.raises(ValueError, match="prefill_kv_splits=9"):
+        TuningConfig(prefill_kv_splits=9)
     with pytest.raises(ValueError, match="pingpong=True needs compute_wgs=2"):
         TuningConfig(compute_wgs=3, pingpong=True)
     with pytest.raises(ValueError, match="head_dim=128"):  # 160 registers: no head_dim-128 tile

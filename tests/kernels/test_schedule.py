@@ -1,4 +1,5 @@
-"""The kernel's work-item schedule: right tiles, and no while loop in the step's metadata math.
+"""The kernel's work-item schedule: right tiles and parts, the merge of split tiles, and no while
+loop in the step's metadata math.
 
 A while loop in a GPU program waits for the host at every iteration (it reads the predicate back);
 computed once per layer, the schedule's former `jnp.searchsorted` loop made the engine's step
@@ -7,12 +8,15 @@ host-bound. These tests keep the metadata loop-free.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.prefill_merge import merge_prefill_parts
 from pallas_kernels.ragged_paged_attention.reference import token_metadata
 
 
@@ -39,17 +43,138 @@ def test_prefill_tiles_match_a_plain_loop(seed):
     cu[1 : num_seqs + 1] = np.cumsum(q_lens)
     cu[num_seqs + 1 :] = cu[num_seqs]
     num_tokens = int(cu[-1]) + 5  # a padded bucket
-    meta, tile_seq, tile_tok = schedule.prefill_tiles(
+    tile_seq, tile_tok, num_tiles = schedule.prefill_tiles(
         jnp.asarray(cu),
         jnp.asarray([num_decode, num_seqs], jnp.int32),
         num_tokens=num_tokens,
         tokens_per_tile=tpt,
     )
     seqs, toks = _tiles_numpy(q_lens, num_decode, tpt)
-    assert int(meta[schedule.META_NUM_TILES]) == len(seqs)
-    assert int(meta[schedule.META_NUM_DECODE]) == num_decode
+    assert int(num_tiles) == len(seqs)
     np.testing.assert_array_equal(np.asarray(tile_seq)[: len(seqs)], seqs)
     np.testing.assert_array_equal(np.asarray(tile_tok)[: len(toks)], toks)
+
+
+def _step(q_lens, kv_lens, num_decode, max_seqs=8, pad_tokens=5):
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1 :] = cu[len(q_lens)]
+    lens = np.zeros(max_seqs, np.int32)
+    lens[: len(kv_lens)] = kv_lens
+    dist = np.asarray([num_decode, len(q_lens)], np.int32)
+    return cu, lens, dist, int(cu[-1]) + pad_tokens
+
+
+def _parts(cu, lens, dist, num_tokens, *, tpt, bk=64, hkv=2, num_ctas=8, max_splits=1):
+    plan = schedule.prefill_parts(
+        jnp.asarray(cu),
+        jnp.asarray(lens),
+        jnp.asarray(dist),
+        num_tokens=num_tokens,
+        tokens_per_tile=tpt,
+        block_kv=bk,
+        num_kv_heads=hkv,
+        num_ctas=num_ctas,
+        max_splits=max_splits,
+    )
+    n = int(plan.meta[schedule.META_NUM_PARTS])
+    return plan, np.asarray(plan.parts)[:n]
+
+
+def _blocks_numpy(cu, lens, dist, tpt, bk):
+    """(seq, first token, KV blocks up to its last token's position) of every tile."""
+    tiles = []
+    for s in range(int(dist[0]), int(dist[1])):
+        q_len = int(cu[s + 1] - cu[s])
+        for t in range(0, q_len, tpt):
+            last = min(t + tpt, q_len) - 1
+            tiles.append((s, int(cu[s]) + t, -(-(int(lens[s]) - q_len + last + 1) // bk)))
+    return tiles
+
+
+def test_unsplit_parts_are_the_tiles_from_last_to_first():
+    cu, lens, dist, t = _step([1, 1, 40, 9, 17], [30, 7, 300, 9, 100], num_decode=2)
+    plan, parts = _parts(cu, lens, dist, t, tpt=8)
+    tiles = _blocks_numpy(cu, lens, dist, 8, 64)[::-1]
+    assert len(parts) == len(tiles)
+    for row, (seq, tok, nb) in zip(parts, tiles, strict=True):
+        assert row[schedule.PART_SEQ] == seq and row[schedule.PART_TOK0] == tok
+        assert (row[schedule.PART_B0], row[schedule.PART_B1]) == (0, nb)
+        assert (row[schedule.PART_INDEX], row[schedule.PART_COUNT]) == (0, 1)
+    assert int(plan.meta[schedule.META_NUM_DECODE]) == 2
+
+
+@pytest.mark.parametrize("max_splits", [2, 4])
+def test_split_parts_cover_each_tile_once(max_splits):
+    # One long chunk after a cached prefix and a short one: few tiles for 8 SMs x 2 kv heads.
+    cu, lens, dist, t = _step([1, 50, 6], [90, 1000, 6], num_decode=1)
+    plan, parts = _parts(cu, lens, dist, t, tpt=16, max_splits=max_splits)
+    tiles = _blocks_numpy(cu, lens, dist, 16, 64)
+    counts = np.asarray(plan.tile_parts)
+    assert counts.max() == max_splits  # the long tiles were cut (the case means something)
+    assert counts[len(tiles) :].sum() == 0
+    for index, (seq, tok, nb) in enumerate(tiles):
+        rows = parts[parts[:, schedule.PART_TILE] == index]
+        k = int(counts[index])
+        assert len(rows) == k and set(rows[:, schedule.PART_COUNT]) == {k}
+        assert list(rows[:, schedule.PART_INDEX]) == list(range(k))  # together, in order
+        assert np.all(rows[:, schedule.PART_SEQ] == seq) and np.all(
+            rows[:, schedule.PART_TOK0] == tok
+        )
+        b0, b1 = rows[:, schedule.PART_B0], rows[:, schedule.PART_B1]
+        assert b0[0] == 0 and b1[-1] == nb and np.all(b0[1:] == b1[:-1]) and np.all(b1 > b0)
+    # Tiles from the last to the first.
+    order = [int(r[schedule.PART_TILE]) for r in parts]
+    assert order == sorted(order, reverse=True)
+
+
+def test_parts_are_not_cut_when_tiles_are_plenty():
+    cu, lens, dist, t = _step([200, 200], [200, 400], num_decode=0)
+    plan, parts = _parts(cu, lens, dist, t, tpt=8, num_ctas=4, max_splits=4)
+    assert np.all(parts[:, schedule.PART_COUNT] == 1)
+    assert len(parts) == 50
+
+
+def test_merge_weighs_parts_by_their_log_sum_exp():
+    """Rows of a split tile: the parts merged by 2^lse; of other tiles and decode rows: part 0.
+    Never-written memory (NaN here) of parts a tile does not have never leaks."""
+    rng = np.random.default_rng(0)
+    g, tpw, wgs, d, hkv = 2, 4, 2, 8, 1
+    # Tokens: 1 decode token, then a prefill of 12 tokens in tiles of 8 (tile 0: tokens 1-8,
+    # split in 3 parts; tile 1: tokens 9-12, whole), padded to 14 tokens.
+    cu = jnp.asarray([0, 1, 13, 13], jnp.int32)
+    dist = jnp.asarray([1, 2], jnp.int32)
+    tile_tok = jnp.asarray([1, 9, 17, 25], jnp.int32)
+    tile_parts = jnp.asarray([3, 1, 0, 0], jnp.int32)
+    t, k = 14, 4
+    out = np.full((k, hkv, t * g, d), np.nan, np.float32)
+    out[0] = rng.standard_normal((hkv, t * g, d))
+    out[1:3, :, 2:18] = rng.standard_normal((2, hkv, 16, d))  # tile 0's rows, parts 1 and 2
+    lse = np.full((k, hkv, 4 * wgs, 64), np.nan, np.float32)
+    lse[:3, :, 0:2] = rng.standard_normal((3, hkv, 2, 64)) * 3
+    lse[2, 0, 0, 3] = -np.inf  # a row that saw no key of part 2
+    merged = np.asarray(
+        merge_prefill_parts(
+            jnp.asarray(out),
+            jnp.asarray(lse),
+            tile_tok,
+            tile_parts,
+            cu,
+            dist,
+            group=g,
+            tokens_per_wg=tpw,
+            compute_wgs=wgs,
+        )
+    )
+    expected = out[0].copy()
+    for tok in range(1, 9):
+        wg = (tok - 1) // tpw
+        for h in range(g):
+            row = (tok - 1 - wg * tpw) * g + h
+            w = 2.0 ** lse[:3, 0, wg, row]
+            o = np.nan_to_num(out[:3, 0, tok * g + h])
+            expected[0, tok * g + h] = (w[:, None] * o).sum(0) / w.sum()
+    np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_token_metadata_matches_a_plain_loop():
@@ -68,9 +193,18 @@ def _lowered_text(fn, *args) -> str:
 def test_step_metadata_has_no_while_loop():
     cu = jnp.zeros(257, jnp.int32)
     dist = jnp.zeros(2, jnp.int32)
-    tiles = _lowered_text(
-        lambda c, d: schedule.prefill_tiles(c, d, num_tokens=512, tokens_per_tile=32), cu, dist
-    )
-    meta = _lowered_text(lambda k, c, d: token_metadata(k, c, d, 512), cu[:-1], cu, dist)
-    for text in (tiles, meta):
+    texts = [_lowered_text(lambda k, c, d: token_metadata(k, c, d, 512), cu[:-1], cu, dist)]
+    for max_splits in (1, 4):
+        plan = lambda c, k, d, m=max_splits: schedule.prefill_parts(  # noqa: E731
+            c, k, d, num_tokens=512, tokens_per_tile=32, block_kv=64, num_kv_heads=2,
+            num_ctas=132, max_splits=m,
+        )  # fmt: skip
+        texts.append(_lowered_text(plan, cu, cu[:-1], dist))
+    k, g, tpw, wgs = 4, 2, 16, 2
+    out = jnp.zeros((k, 2, 512 * g, 64), jnp.bfloat16)
+    lse = jnp.zeros((k, 2, (512 // 32 + 256) * wgs, 64), jnp.float32)
+    tiles = jnp.zeros(512 // 32 + 256, jnp.int32)
+    merge = functools.partial(merge_prefill_parts, group=g, tokens_per_wg=tpw, compute_wgs=wgs)
+    texts.append(_lowered_text(merge, out, lse, tiles, tiles, cu, dist))
+    for text in texts:
         assert "while" not in text
