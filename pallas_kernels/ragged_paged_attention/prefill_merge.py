@@ -13,6 +13,8 @@ K - 1 output-sized reads, which is why default_tuning splits only buckets with f
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -46,20 +48,22 @@ def merge_prefill_parts(
     box_start = jnp.minimum(tile_tok[tile] + wg * tokens_per_wg, num_tokens - tokens_per_wg)
     box = jnp.where(split, tile * compute_wgs + wg, 0)  # [T]
     row = jnp.where(split[:, None], (t - box_start)[:, None] * group + jnp.arange(group), 0)
-    lse = part_lse[:, :, box[:, None], row]  # [K, Hkv, T, G]
-    j = jnp.arange(k).reshape(k, 1, 1, 1)
-    lse = jnp.where(j < tile_parts[tile][:, None], lse, -jnp.inf)  # parts that exist
-    top = jnp.max(lse, axis=0)
+    # Elementwise over the K parts (Python loops, no reductions over an axis), so that XLA can
+    # fuse the weights, the sum and the caller's transpose into one kernel.
+    count = tile_parts[tile][:, None]  # [T, 1]
+    lse = [
+        jnp.where(j < count, part_lse[j][:, box[:, None], row], -jnp.inf) for j in range(k)
+    ]  # K x [Hkv, T, G]; -inf for parts that do not exist
+    top = functools.reduce(jnp.maximum, lse)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows not merged
-    wts = jnp.exp2(lse - top)  # [K, Hkv, T, G]; 0 for parts that do not exist
+    wts = [jnp.exp2(x - top) for x in lse]  # 0 for parts that do not exist
     parts = out.reshape(k, hkv, num_tokens, group, d)
-    # A sum over the K parts written out, not an einsum: one elementwise fusion that reads each
-    # part once (an einsum lowers to a batched matmul over materialised f32 operands).
+    # Never-written rows may hold anything (NaN): only rows of positive weight are read.
     merged = sum(
-        wts[j][..., None] * jnp.where(wts[j][..., None] > 0, parts[j].astype(jnp.float32), 0.0)
-        for j in range(k)  # never-written rows may hold anything: only weighted rows are read
+        w[..., None] * jnp.where(w[..., None] > 0, parts[j].astype(jnp.float32), 0.0)
+        for j, w in enumerate(wts)
     )
-    merged = merged / jnp.maximum(wts.sum(axis=0), 1e-30)[..., None]
+    merged = merged / jnp.maximum(sum(wts), 1e-30)[..., None]
     merged = merged.reshape(hkv, rows, d).astype(out.dtype)
     split_rows = jnp.repeat(split, group)[None, :, None]  # [1, T * G, 1]
     return jnp.where(split_rows, merged, out[0])
