@@ -206,7 +206,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             if splits == 1:
                 r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
                 plgpu.commit_smem()
-                dst = r.out.at[0, it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
+                dst = r.out.at[0, it["tok0"], it["head"]]  # [G, D]
                 plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
             else:
                 stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
@@ -247,7 +247,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                     r.part_lse_smem.at[wg][...] = log2_sum_exp(m, denom)
                 plgpu.commit_smem()
                 part = it["part_index"]  # 0 unless the tile is split
-                out_rows = r.out.at[part, it["head"]]  # [T * G, D]
+                out_part = r.out.at[part]  # [T, Hkv, G, D]
 
                 if r.part_lse is not None:
 
@@ -257,20 +257,14 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                         dst = r.part_lse.at[part, it["head"], row]  # [64]
                         plgpu.copy_smem_to_gmem(r.part_lse_smem.at[wg], dst)
 
-                @pl.when(n_tok == tpw)  # a full tile is never clamped: one box store
-                def _store_tile():
-                    src = r.q_smem.at[qs, wg, pl.ds(0, tpw * g)]
-                    plgpu.copy_smem_to_gmem(src, out_rows.at[pl.ds(first_tok * g, tpw * g)])
+                # Token by token ([G, D] each): rows of the Q box before first_tok (a clamped
+                # box) belong to other tiles.
+                def store(k, _):
+                    src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
+                    plgpu.copy_smem_to_gmem(src, out_part.at[first_tok + k, it["head"]])
+                    return ()
 
-                @pl.when(n_tok < tpw)  # the tile's other rows belong to other tiles: token by token
-                def _store_rows():
-                    def one(k, _):
-                        src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
-                        plgpu.copy_smem_to_gmem(src, out_rows.at[pl.ds((first_tok + k) * g, g)])
-                        return ()
-
-                    lax.fori_loop(0, n_tok, one, ())
-
+                lax.fori_loop(0, n_tok, store, ())
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turns)

@@ -43,9 +43,9 @@ def attention_kernel(
     cu_ref,  # int32[S + 1]                    GMEM
     pt_ref,  # int32[S, MP]                    GMEM, MP a multiple of pages_per_block
     parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts in order (schedule.py)
-    q_ref,  # [Hkv, T * G, D]                  GMEM, row t * G + g = token t, q head kv_head * G + g
+    q_ref,  # [T, Hkv, G, D]                   GMEM, [T, Hq, D] reshaped (q head kv_head * G + g)
     kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
-    out_ref,  # [K, Hkv, T * G, D]             GMEM, q_ref's layout per prefill part index (K:
+    out_ref,  # [K, T, Hkv, G, D]              GMEM, q_ref's layout per prefill part index (K:
     #                                          tuning.prefill_kv_splits; decode rows in [0])
     opart_ref,  # f32[S*Hkv*splits, G, D]      GMEM (split decode partials) or None
     lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
@@ -63,7 +63,7 @@ def attention_kernel(
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
     qd_full,  # barrier[2], decode Q landed
-    qp_full,  # barrier[2], prefill Q landed (one box copy per compute warpgroup)
+    qp_full,  # barrier[2], prefill Q landed (one copy per token of each compute warpgroup)
     qd_free,  # barrier[2], decode Q slot released
     qp_free,  # barrier[2], prefill Q slot released (WGS arrivals)
     turn,  # barrier, 2 arrivals: prefill ping-pong rendezvous (mgpu_turns.py), or None

@@ -34,13 +34,13 @@ def launch(
     cu_q_lens: jax.Array,  # int32[S + 1]
     page_table: jax.Array,  # int32[S, MP]
     parts: jax.Array,  # int32[MT * K, PART_COLUMNS]   (schedule.prefill_parts)
-    qh: jax.Array,  # [Hkv, T * G, D]   head-major: row t * G + g is token t, q head kv_head * G + g
+    q: jax.Array,  # [T, Hkv, G, D]   the step's [T, Hq, D] queries (q head kv_head * G + g)
     kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
     *,
     interpret,
     profile_dir: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
-    """Runs the kernel; returns (out [K, *qh.shape], split decode partials or None, their lse or
+    """Runs the kernel; returns (out [K, *q.shape], split decode partials or None, their lse or
     None, split prefill parts' lse f32[K, Hkv, MT * WGS, 64] or None); K is
     tuning.prefill_kv_splits, and out[k] holds the k-th parts of split prefill tiles (out[0]
     everything else).
@@ -52,13 +52,13 @@ def launch(
     d = st.head_dim
     wgs = tn.compute_wgs
     num_seqs = kv_lens.shape[0]
-    dtype = qh.dtype
+    dtype = q.dtype
     split = tn.decode_splits > 1
     dec_parts = num_seqs * st.num_kv_heads * tn.decode_splits
     k = tn.prefill_kv_splits
     max_tiles = parts.shape[0] // k
     out_types = [
-        jax.ShapeDtypeStruct((k, *qh.shape), dtype),
+        jax.ShapeDtypeStruct((k, *q.shape), dtype),
         jax.ShapeDtypeStruct((dec_parts, st.group, d), jnp.float32) if split else None,
         jax.ShapeDtypeStruct((dec_parts, ROWS), jnp.float32) if split else None,
         jax.ShapeDtypeStruct((k, st.num_kv_heads, max_tiles * wgs, ROWS), jnp.float32)
@@ -91,7 +91,7 @@ def launch(
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_full
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_full
+        plgpu.Barrier(num_arrivals=wgs * st.tokens_per_wg, num_barriers=2),  # qp_full
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
         plgpu.Barrier(num_arrivals=2) if tn.pingpong else None,  # turn (mgpu_turns.py)
@@ -112,7 +112,7 @@ def launch(
         ),
         interpret=interpret,
     )
-    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, qh, kv_pages))
+    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages))
 
 
 def combine_splits(

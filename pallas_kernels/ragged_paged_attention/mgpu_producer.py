@@ -106,18 +106,24 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
 
             @pl.when(items.is_decode(w))
             def _q_decode():
-                src = r.q.at[it["head"], pl.ds(it["tok0"] * g, g)]  # [G, D]
+                src = r.q.at[it["tok0"], it["head"]]  # [G, D]
                 dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
                 plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
 
             @pl.when(items.is_prefill(w))
             def _q_prefill():
                 for wg in range(st.tuning.compute_wgs):
-                    # One box of tokens_per_wg tokens x G heads, clamped into [0, T) (tile_rows).
+                    # tokens_per_wg tokens from `start` (clamped into [0, T), tile_rows), one
+                    # copy of G heads each (a [G, D] slab of q) into rows token * G + g.
                     start = tile_rows(st, it["tok0"] + wg * tpw)
-                    src = r.q.at[it["head"], pl.ds(start * g, tpw * g)]  # [tpw * G, D]
-                    dst = r.q_smem.at[qs, wg, pl.ds(0, tpw * g)]
-                    plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
+
+                    def one(k, _, wg=wg, start=start):
+                        src = r.q.at[start + k, it["head"]]  # [G, D]
+                        dst = r.q_smem.at[qs, wg, pl.ds(k * g, g)]
+                        plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
+                        return ()
+
+                    lax.fori_loop(0, tpw, one, ())
 
         _when(issues_q, _q)
 

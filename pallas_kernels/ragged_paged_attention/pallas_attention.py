@@ -131,13 +131,15 @@ def ragged_paged_attention_pallas(
     pad = -pages_per_seq % ppb
     if pad:
         page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
-    # Head-major Q: one (tile, kv head) is a contiguous slab of rows. A prefill Q box spans
-    # tokens_per_wg tokens and must fit inside it: pad tiny buckets.
+    # Q as [T, Hkv, G, D], a free reshape: the kernel copies each token's [G, D] slab of a kv
+    # head straight into a warpgroup's rows, and stores O the same way (no head-major transposes
+    # around the call). A prefill Q box spans tokens_per_wg tokens and must fit inside [0, T):
+    # pad tiny buckets.
     g = hq // hkv
     tpw = ROWS // g
     t_pad = max(num_tokens, tpw)
-    qh = jnp.pad(q, ((0, t_pad - num_tokens), (0, 0), (0, 0))) if t_pad > num_tokens else q
-    qh = qh.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
+    q4 = jnp.pad(q, ((0, t_pad - num_tokens), (0, 0), (0, 0))) if t_pad > num_tokens else q
+    q4 = q4.reshape(t_pad, hkv, g, d)
     st = Statics(
         num_tokens=t_pad,
         num_kv_heads=hkv,
@@ -162,20 +164,20 @@ def ragged_paged_attention_pallas(
         max_splits=tuning.prefill_kv_splits,
     )
     interp = plgpu.InterpretGPUParams() if interpret else False
-    oh, opart, lse, part_lse = launch(
+    out, opart, lse, part_lse = launch(
         st,
         plan.meta,
         kv_lens,
         cu_q_lens,
         page_table,
         plan.parts,
-        qh,
+        q4,
         kv_pages,
         interpret=interp,
         profile_dir=profile_dir,
     )
-    oh = merge_prefill_parts(
-        oh,
+    out = merge_prefill_parts(
+        out,
         part_lse,
         plan.tile_tok,
         plan.tile_parts,
@@ -185,7 +187,7 @@ def ragged_paged_attention_pallas(
         tokens_per_wg=tpw,
         compute_wgs=tuning.compute_wgs,
     )
-    out = oh.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:num_tokens]
+    out = out.reshape(t_pad, hq, d)[:num_tokens]
     if tuning.decode_splits > 1:
         out = combine_splits(
             out,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 
 def merge_prefill_parts(
-    out: jax.Array,  # [K, Hkv, T * G, D]   per part index: rows of the parts with that index
+    out: jax.Array,  # [K, T, Hkv, G, D]   per part index: rows of the parts with that index
     part_lse: jax.Array | None,  # f32[K, Hkv, MT * WGS, 64]  by tile and warpgroup Q box row
     tile_tok: jax.Array,  # int32[MT]  first token of each tile, in token order
     tile_parts: jax.Array,  # int32[MT]  parts of each tile (0 past the last tile)
@@ -31,11 +31,10 @@ def merge_prefill_parts(
     tokens_per_wg: int,
     compute_wgs: int,
 ) -> jax.Array:
-    """Returns [Hkv, T * G, D]: out[0] with the rows of split tiles merged over their parts."""
-    k, hkv, rows, d = out.shape
+    """Returns [T, Hkv, G, D]: out[0] with the rows of split tiles merged over their parts."""
+    k, num_tokens = out.shape[:2]
     if k == 1:
         return out[0]
-    num_tokens = rows // group
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     prefill = (t >= cu_q_lens[distribution[0]]) & (t < cu_q_lens[distribution[1]])
     # The tile of each prefill token ([T, MT] comparisons, no while loop: schedule.py).
@@ -49,21 +48,19 @@ def merge_prefill_parts(
     box = jnp.where(split, tile * compute_wgs + wg, 0)  # [T]
     row = jnp.where(split[:, None], (t - box_start)[:, None] * group + jnp.arange(group), 0)
     # Elementwise over the K parts (Python loops, no reductions over an axis), so that XLA can
-    # fuse the weights, the sum and the caller's transpose into one kernel.
-    count = tile_parts[tile][:, None]  # [T, 1]
-    lse = [
-        jnp.where(j < count, part_lse[j][:, box[:, None], row], -jnp.inf) for j in range(k)
-    ]  # K x [Hkv, T, G]; -inf for parts that do not exist
+    # fuse the weights and the sum into one kernel.
+    count = tile_parts[tile][:, None, None]  # [T, 1, 1]
+    lse = [  # K x [T, Hkv, G]; -inf for parts that do not exist
+        jnp.where(j < count, jnp.moveaxis(part_lse[j][:, box[:, None], row], 0, 1), -jnp.inf)
+        for j in range(k)
+    ]
     top = functools.reduce(jnp.maximum, lse)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows not merged
     wts = [jnp.exp2(x - top) for x in lse]  # 0 for parts that do not exist
-    parts = out.reshape(k, hkv, num_tokens, group, d)
     # Never-written rows may hold anything (NaN): only rows of positive weight are read.
     merged = sum(
-        w[..., None] * jnp.where(w[..., None] > 0, parts[j].astype(jnp.float32), 0.0)
+        w[..., None] * jnp.where(w[..., None] > 0, out[j].astype(jnp.float32), 0.0)
         for j, w in enumerate(wts)
     )
-    merged = merged / jnp.maximum(sum(wts), 1e-30)[..., None]
-    merged = merged.reshape(hkv, rows, d).astype(out.dtype)
-    split_rows = jnp.repeat(split, group)[None, :, None]  # [1, T * G, 1]
-    return jnp.where(split_rows, merged, out[0])
+    merged = (merged / jnp.maximum(sum(wts), 1e-30)[..., None]).astype(out.dtype)
+    return jnp.where(split[:, None, None, None], merged, out[0])

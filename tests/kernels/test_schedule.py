@@ -147,9 +147,9 @@ def test_merge_weighs_parts_by_their_log_sum_exp():
     tile_tok = jnp.asarray([1, 9, 17, 25], jnp.int32)
     tile_parts = jnp.asarray([3, 1, 0, 0], jnp.int32)
     t, k = 14, 4
-    out = np.full((k, hkv, t * g, d), np.nan, np.float32)
-    out[0] = rng.standard_normal((hkv, t * g, d))
-    out[1:3, :, 2:18] = rng.standard_normal((2, hkv, 16, d))  # tile 0's rows, parts 1 and 2
+    out = np.full((k, t, hkv, g, d), np.nan, np.float32)
+    out[0] = rng.standard_normal((t, hkv, g, d))
+    out[1:3, 1:9] = rng.standard_normal((2, 8, hkv, g, d))  # tile 0's tokens, parts 1 and 2
     lse = np.full((k, hkv, 4 * wgs, 64), np.nan, np.float32)
     lse[:3, :, 0:2] = rng.standard_normal((3, hkv, 2, 64)) * 3
     lse[2, 0, 0, 3] = -np.inf  # a row that saw no key of part 2
@@ -172,8 +172,8 @@ def test_merge_weighs_parts_by_their_log_sum_exp():
         for h in range(g):
             row = (tok - 1 - wg * tpw) * g + h
             w = 2.0 ** lse[:3, 0, wg, row]
-            o = np.nan_to_num(out[:3, 0, tok * g + h])
-            expected[0, tok * g + h] = (w[:, None] * o).sum(0) / w.sum()
+            o = out[:3, tok, 0, h]
+            expected[tok, 0, h] = (w[:, None] * o).sum(0) / w.sum()
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -201,7 +201,7 @@ def test_step_metadata_has_no_while_loop():
         )  # fmt: skip
         texts.append(_lowered_text(plan, cu, cu[:-1], dist))
     k, g, tpw, wgs = 4, 2, 16, 2
-    out = jnp.zeros((k, 2, 512 * g, 64), jnp.bfloat16)
+    out = jnp.zeros((k, 512, 2, g, 64), jnp.bfloat16)
     lse = jnp.zeros((k, 2, (512 // 32 + 256) * wgs, 64), jnp.float32)
     tiles = jnp.zeros(512 // 32 + 256, jnp.int32)
     merge = functools.partial(merge_prefill_parts, group=g, tokens_per_wg=tpw, compute_wgs=wgs)
