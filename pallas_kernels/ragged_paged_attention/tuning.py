@@ -170,7 +170,11 @@ def default_tuning(
     ring among three warpgroups, 128 x 3 stages and split-decode staging (more SMEM) measured
     slower. With mma_row_sums (kernel run 8, calls AK and AL): 32q/8kv/64 at 8,192 tokens +10%
     in both calls (448-453 against 407-409 TFLOP/s), at 2,048 after 6,144 cached +6% to +24%,
-    9q/3kv/64 -4% to +17%.
+    9q/3kv/64 -4% to +17%. prefill_kv_splits=4 where the full bucket has fewer tiles than SMs
+    (needs num_q_heads; kernel run 9, calls AN and AP): 9q/3kv/64 at 2,048 tokens after 6,144
+    cached, kernel 0.077 against 0.103-0.104 ms (the call's device time with the merge 0.099
+    against 0.112), from position 0 even; where tiles are plenty (4,096 and 8,192 tokens,
+    32q/8kv/64) cutting only added the merge.
     """
     prefill_heavy = num_tokens >= 2048
     # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
