@@ -26,6 +26,17 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
             ),
             64,
         ),
+        (
+            TuningConfig(
+                *(128, 2, 1, 132),
+                compute_wgs=3,
+                decode_wgs=2,
+                producer_warps=4,
+                mma_row_sums=True,
+                prefill_kv_splits=4,
+            ),
+            64,
+        ),
     ],
     ids=[
         "default-form",
@@ -35,6 +46,7 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
         "producer-warps-4",
         "compute-wgs-3",
         "mma-row-sums",
+        "prefill-kv-splits",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):
