@@ -67,7 +67,7 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
     if masked and st.tuning.prefill_kv_splits > 1:
         # A part of a split tile may start past a row's position: the row sees no key of the
         # part so far, m_new is -inf, and -inf - -inf would be NaN. Subtract 0 instead: alpha and
-        # p are 0, and the part's log-sum-exp for the row stays -inf (prefill_merge.py).
+        # p are 0, and the part's log-sum-exp for the row stays -inf (partial_merge.py).
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
     p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))

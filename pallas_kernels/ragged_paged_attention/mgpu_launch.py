@@ -1,4 +1,4 @@
-"""Launch of the Mosaic GPU kernel: scratch buffers, barriers, persistent grid; split merge."""
+"""Launch of the Mosaic GPU kernel: scratch buffers, barriers, persistent grid."""
 
 from __future__ import annotations
 
@@ -113,34 +113,3 @@ def launch(
         interpret=interpret,
     )
     return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages))
-
-
-def combine_splits(
-    out: jax.Array,  # [T, Hq, D]
-    opart: jax.Array,  # f32[S * Hkv * splits, G, D]
-    lse: jax.Array,  # f32[S * Hkv * splits, 64]   log2-sum-exp per row
-    cu_q_lens: jax.Array,  # int32[S + 1]
-    num_decode: jax.Array,  # int32[]
-    *,
-    num_kv_heads: int,
-    splits: int,
-) -> jax.Array:
-    """Merge the decode splits (flash-decoding) and write the decode rows into `out`."""
-    num_tokens, hq, d = out.shape
-    num_seqs = cu_q_lens.shape[0] - 1
-    g = hq // num_kv_heads
-    o = opart.reshape(num_seqs, num_kv_heads, splits, g, d)
-    lse = lse[:, :g].reshape(num_seqs, num_kv_heads, splits, g)
-    valid_seq = jnp.arange(num_seqs) < num_decode  # partials of other seqs were never written
-    lse = jnp.where(valid_seq[:, None, None, None], lse, -jnp.inf)
-    top = jnp.max(lse, axis=2, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    wts = jnp.exp2(lse - top)  # [S, K, splits, G]
-    o = jnp.where(wts[..., None] > 0, o, 0.0)
-    merged = jnp.einsum("skjg,skjgd->skgd", wts, o) / jnp.maximum(wts.sum(axis=2), 1e-30)[..., None]
-    merged = merged.reshape(num_seqs, hq, d).astype(out.dtype)
-    # Decode sequence s owns token cu_q_lens[s] == s; the first min(S, T) rows hold every decode
-    # token.
-    n = min(num_seqs, num_tokens)
-    is_dec = (jnp.arange(n) < num_decode)[:, None, None]
-    return out.at[:n].set(jnp.where(is_dec, merged[:n], out[:n]))

@@ -15,11 +15,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
 from pallas_kernels.ragged_paged_attention.mgpu_launch import (
-    combine_splits,
     launch,
     profile_smem_bytes,
 )
-from pallas_kernels.ragged_paged_attention.prefill_merge import merge_prefill_parts
+from pallas_kernels.ragged_paged_attention.partial_merge import combine_splits, merge_prefill_parts
 from pallas_kernels.ragged_paged_attention.tuning import (
     ROWS,
     SMEM_BYTES,

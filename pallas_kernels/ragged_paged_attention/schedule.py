@@ -9,7 +9,7 @@ A prefill tile is `tokens_per_tile` consecutive query tokens of one prefill sequ
 tile of a sequence may be partial). Tiles never cross sequences, so a tile's rows share one page
 table row. A part is a tile over a range of its KV blocks: every tile is one part unless the step
 has too little prefill work to keep every SM busy to the end (`prefill_parts`), then long tiles
-are cut into up to `max_splits` parts, whose partial outputs prefill_merge.py combines. Parts come
+are cut into up to `max_splits` parts, whose partial outputs partial_merge.py combines. Parts come
 from the last tile to the first (longest first within a sequence), so the kernel's snake
 (mgpu_items.snake_item) pairs long with short.
 
@@ -75,7 +75,7 @@ def prefill_tiles(
 class Parts(NamedTuple):
     meta: jax.Array  # int32[META_SIZE]
     parts: jax.Array  # int32[MT * max_splits, PART_COLUMNS], in the kernel's order
-    tile_tok: jax.Array  # int32[MT]: first token of each tile, in token order (prefill_merge.py)
+    tile_tok: jax.Array  # int32[MT]: first token of each tile, in token order (partial_merge.py)
     tile_parts: jax.Array  # int32[MT]: parts of each tile (0 past the last tile)
 
 
@@ -117,7 +117,7 @@ def prefill_parts(
     zero = jnp.zeros_like(i)
     # Tiles from the last to the first: position i holds tile num_tiles - 1 - i.
     rev = jnp.clip(num_tiles - 1 - i, 0, mt - 1)
-    if max_splits == 1:
+    if max_splits == 1:  # the tiles themselves: no part count to accumulate or search
         cols = [tile_seq[rev], tile_tok[rev], zero, nb[rev], zero, zero + 1, rev, zero]
         table = jnp.where(valid[:, None], jnp.stack(cols, axis=1), 0).astype(jnp.int32)
         return Parts(meta_of(num_tiles), table, tile_tok, valid.astype(jnp.int32))

@@ -53,7 +53,7 @@ class TuningConfig:
     prefill_kv_splits: at most this many parts per prefill tile, each over a range of the tile's
                    KV blocks (schedule.prefill_parts decides per step: only when the step has
                    too few tiles to keep every SM busy to the end). Parts write partial outputs
-                   and their log-sum-exp; prefill_merge.py combines them, which reads
+                   and their log-sum-exp; partial_merge.py combines them, which reads
                    prefill_kv_splits - 1 more output-sized buffers after the kernel.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import schedule
-from pallas_kernels.ragged_paged_attention.prefill_merge import merge_prefill_parts
+from pallas_kernels.ragged_paged_attention.partial_merge import merge_prefill_parts
 from pallas_kernels.ragged_paged_attention.reference import token_metadata
 
 
