@@ -4,7 +4,7 @@ The KV page layout every kernel, the reference path, the KV write and the shardi
 defined once, in `kv_layout`.
 """
 
-from pallas_kernels.kv_layout import KVLayout, write_kv, write_kv_reference
+from pallas_kernels.kv_layout import KVLayout, write_kv, write_kv_packed, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
     attention_step,
     ragged_paged_attention,
@@ -18,4 +18,5 @@ __all__ = [
     "ragged_paged_attention_reference",
     "write_kv",
     "write_kv_reference",
+    "write_kv_packed",
 ]

@@ -5,7 +5,8 @@
 Ceilings (copy bandwidth, bf16 matmul rate) are measured in the same run. Decode reports KV bytes
 read per second against the copy bandwidth (bytes read + written of a large device copy); prefill
 reports causal attention FLOP/s (4 * D * Hq per visible (query, key) pair) against the matmul rate.
-JAX's own Pallas (Triton) `paged_attention` runs on the same decode shapes in its own page layout.
+JAX's own Pallas (Triton) `paged_attention` runs on the same decode shapes in its own page layout;
+with `--cudnn-baseline`, cuDNN's flash attention runs on the same prefill work (contiguous K/V).
 
 Every timed call is checked first: rows of the first (up to) 8 sequences against the reference, as
 relative L2 error. Times are device times per call: one compiled program dispatched `--reps`
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import attention_step
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.tuning import (
@@ -274,6 +277,37 @@ def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
     return out, back_to_back(call, [tables[i % len(tables)] for i in range(reps)], trials)
 
 
+def time_cudnn_prefill(p, *, sm_scale, chunk, kv_len, reps, trials, profile=False):
+    """cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`, causal)
+    on the prefill step's one sequence, gathered into contiguous q [1, T, Hq, D] and k, v
+    [1, S, Hkv, D] (one copy per page table): the vendor's kernel on the same work, without
+    paging. Returns (output [T, Hq, D], time per call, device_times' dict when profile else {})."""
+    q = p["q"][None, :chunk]
+    page_size = p["kv"].shape[3]
+    n_pages = -(-kv_len // page_size)
+
+    def contiguous(table, kind):  # [1, S, Hkv, D]
+        pages = p["kv"][table[0, :n_pages], :, kind]  # [n, Hkv, PS, D]
+        return jnp.swapaxes(pages, 1, 2).reshape(1, n_pages * page_size, -1, pages.shape[-1])[
+            :, :kv_len
+        ]
+
+    kvs = [(contiguous(t, 0), contiguous(t, 1)) for t in p["tables"]]
+    attend = jax.jit(
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=sm_scale, is_causal=True, implementation="cudnn"
+        )[0]
+    )
+
+    def call(kv):
+        return attend(q, *kv)
+
+    out = jax.block_until_ready(call(kvs[0]))
+    xs = [kvs[i % len(kvs)] for i in range(max(reps, len(kvs)))]
+    extra = device_times(call, xs) if profile else {}
+    return out, back_to_back(call, xs, trials), extra
+
+
 # ----------------------------------------------------------------------------------------------
 # Phases
 
@@ -373,6 +407,8 @@ def run_decode(
 def run_prefill(
     rng, ceil, args, chunk, prefix, layout, page_size, tuning=None, a_ops="regs", impl="ours"
 ):
+    """One prefill row: ours (tuning: None for the default, a TuningConfig, or a function of the
+    default) or, with impl "cudnn", cuDNN's flash attention on the same work."""
     hq, hkv, d = LAYOUTS[layout]
     kv_len = chunk + prefix
     p = build_step(
@@ -395,33 +431,42 @@ def run_prefill(
     row = dict(kind="prefill", chunk=chunk, prefix=prefix, layout=layout, page=page_size, impl=impl)
     t_row = time.perf_counter()
     try:
-        base = default_tuning(
-            num_seqs=8,
-            num_kv_heads=hkv,
-            head_dim=d,
-            page_size=page_size,
-            pages_per_seq=p["tables"][0].shape[1],
-            dtype=jnp.bfloat16,
-            num_ctas=args.num_ctas,
-            num_tokens=chunk,
-            num_q_heads=hq,
-        )
-        tn = tuning(base) if callable(tuning) else (tuning or base)
-        out, t, first_s, extra = time_ours(
-            p,
-            sm_scale=sm_scale,
-            tuning=tn,
-            reps=args.reps,
-            trials=args.trials,
-            a_operands=a_ops,
-            profile=args.device_times,
-        )
+        if impl == "cudnn":
+            out, t, extra = time_cudnn_prefill(
+                p,
+                sm_scale=sm_scale,
+                chunk=chunk,
+                kv_len=kv_len,
+                reps=args.reps,
+                trials=args.trials,
+                profile=args.device_times,
+            )
+        else:
+            base = default_tuning(
+                num_seqs=8,
+                num_kv_heads=hkv,
+                head_dim=d,
+                page_size=page_size,
+                pages_per_seq=p["tables"][0].shape[1],
+                dtype=jnp.bfloat16,
+                num_ctas=args.num_ctas,
+                num_tokens=chunk,
+                num_q_heads=hq,
+            )
+            tn = tuning(base) if callable(tuning) else (tuning or base)
+            out, t, first_s, extra = time_ours(
+                p,
+                sm_scale=sm_scale,
+                tuning=tn,
+                reps=args.reps,
+                trials=args.trials,
+                a_operands=a_ops,
+                profile=args.device_times,
+            )
+            row.update(tuning=str(tn), a_operands=a_ops, first_call_s=first_s)
         row.update(
-            tuning=str(tn),
-            a_operands=a_ops,
             err=check_subset(out, p, sm_scale=sm_scale, num_check=1),
             ms=t * 1e3,
-            first_call_s=first_s,
             tflops=flops / t / 1e12,
         )
         row["pct_matmul"] = 100 * row["tflops"] / ceil["matmul_tflops"]
@@ -432,6 +477,82 @@ def run_prefill(
         row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
         traceback.print_exc()
     row["wall_s"] = time.perf_counter() - t_row
+    log(**row)
+    return row
+
+
+def run_kv_write(rng, args, layout, batch, ctx, chunk):
+    """The engine's layer call (`attention_step`: the KV write, an XLA scatter, then the kernel)
+    jitted with the pages donated, as the engine runs it; called `--reps` times in a row under the
+    profiler. Reports the device time per call of the scatter and of the attention kernel.
+    Decode: batch sequences of ctx tokens, each writing its last token. Prefill (batch 0): one
+    fresh chunk of `chunk` tokens writing all of them."""
+    hq, hkv, d = LAYOUTS[layout]
+    page_size = args.page_size
+    if batch:
+        p, _, _ = decode_case(rng, batch, ctx, layout, page_size, rotations=1)
+        positions = np.full(batch, ctx - 1)
+    else:
+        ctx = chunk
+        p = build_step(
+            rng,
+            q_lens=[chunk],
+            kv_lens=[chunk],
+            num_seqs=8,
+            num_tokens=chunk,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            page_size=page_size,
+            pages_per_seq=-(-chunk // page_size),
+            num_decode=0,
+            rotations=1,
+        )
+        positions = np.arange(chunk)
+    table = np.asarray(p["tables"][0])
+    num_tokens = p["q"].shape[0]
+    seq = np.arange(batch) if batch else np.zeros(chunk, np.int64)
+    slots = np.zeros(num_tokens, np.int32)  # padding tokens write into the null page
+    slots[: len(positions)] = table[seq, positions // page_size] * page_size + positions % page_size
+    k, v = (
+        jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (num_tokens, hkv, d)).astype(
+            jnp.bfloat16
+        )
+        for _ in range(2)
+    )
+    step = jax.jit(
+        functools.partial(attention_step, sm_scale=d**-0.5, backend="pallas"), donate_argnums=3
+    )
+    row = dict(kind="kv_write", layout=layout, batch=batch, ctx=ctx, page=page_size)
+    kv_bytes_written = 2 * 2 * len(positions) * hkv * d
+    try:
+        kv = p["kv"]
+        rest = (jnp.asarray(slots), p["kv_lens"], p["tables"][0], p["cu"], p["dist"])
+        for _ in range(3):  # compile, warm up
+            out, kv = step(p["q"], k, v, kv, *rest)
+        jax.block_until_ready(kv)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(args.reps):
+                    out, kv = step(p["q"], k, v, kv, *rest)
+                jax.block_until_ready((out, kv))
+            events = device_kernels(trace_dir)
+        total = collections.Counter()
+        for name, _, dur in events:
+            total[name] += dur
+        per_call = {name[:60]: t / args.reps / 1e3 for name, t in total.most_common(8)}  # us
+        write_us = sum(t for name, t in per_call.items() if "scatter" in name)
+        attention_us = sum(t for name, t in per_call.items() if "mosaic" in name)
+        row.update(
+            write_us=write_us,
+            attention_us=attention_us,
+            kernels_us={name: round(t, 2) for name, t in per_call.items()},
+            written_mb=kv_bytes_written / 1e6,
+            write_gbs=kv_bytes_written / write_us / 1e3 if write_us else 0.0,
+        )
+    except Exception as e:  # noqa: BLE001
+        row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+        traceback.print_exc()
     log(**row)
     return row
 
@@ -580,7 +701,9 @@ def ceilings(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", default="smoke", choices=["smoke", "mixed", "decode", "prefill"])
+    ap.add_argument(
+        "--phase", default="smoke", choices=["smoke", "mixed", "decode", "prefill", "kvwrite"]
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--trials", type=int, default=5)
@@ -611,6 +734,16 @@ def main() -> None:
         "--device-times",
         action="store_true",
         help="prefill: also the kernel's own device time per call, from a profiler trace",
+    )
+    ap.add_argument(
+        "--kv-write-cases",
+        default="32q/8kv/128,256,1024;9q/3kv/64,256,2048;32q/8kv/128,0,8192;9q/3kv/64,0,8192",
+        help='kvwrite: "layout,batch,ctx;..." (batch 0: one fresh prefill chunk of ctx tokens)',
+    )
+    ap.add_argument(
+        "--cudnn-baseline",
+        action="store_true",
+        help="prefill from position 0: also cuDNN's flash attention on the same work",
     )
     ap.add_argument(
         "--dry", action="store_true", help="tiny ceilings (CPU dry runs of this script)"
@@ -700,7 +833,11 @@ def main() -> None:
                 ]
             for spec in args.chunks.split(","):  # "chunk" or "chunk+cached_prefix"
                 chunk, _, prefix = spec.partition("+")
-                for name, tn in variants:
+                # cuDNN's causal mask is aligned top-left (query i sees keys 0..i): after a
+                # cached prefix it is other work (relative error 3.6-7.4, docs/benchmarks.md).
+                cudnn = args.cudnn_baseline and not prefix
+                runs = variants + ([("cudnn", None)] if cudnn else [])
+                for name, tn in runs:
                     rows.append(
                         run_prefill(
                             rng,
@@ -714,6 +851,11 @@ def main() -> None:
                             impl=name,
                         )
                     )
+    if args.phase == "kvwrite":
+        for case in args.kv_write_cases.split(";"):
+            layout, batch, ctx = case.split(",")
+            n = int(ctx)
+            rows.append(run_kv_write(rng, args, layout, int(batch), n, n))
     with open(os.path.join(args.out, f"attention_bench_{args.phase}.json"), "w") as f:
         json.dump(LOG, f, indent=1)
     print_table(ceil, rows)
@@ -727,6 +869,18 @@ def print_table(ceil, rows) -> None:
     )
     print(f"{'case':44s} {'impl':20s} {'ms':>9s} {'rate':>12s} {'%ceil':>6s} {'relerr':>8s}")
     for r in rows:
+        if r["kind"] == "kv_write":
+            what = f"decode B={r['batch']} ctx={r['ctx']}" if r["batch"] else f"prefill {r['ctx']}"
+            case = f"kv write, {what} {r['layout']} p{r['page']}"
+            if "error" in r:
+                print(f"{case:44s} ERROR {r['error'][:60]}")
+                continue
+            print(
+                f"{case:44s} scatter {r['write_us']:.1f} us ({r['written_mb']:.2f} MB,"
+                f" {r['write_gbs']:.0f} GB/s), attention kernel {r['attention_us']:.1f} us;"
+                f" all: {r['kernels_us']}"
+            )
+            continue
         if r["kind"] == "decode":
             case = f"decode B={r['batch']} ctx={r['ctx']} {r['layout']} p{r['page']}"
             rate = f"{r.get('tbs', 0):.2f} TB/s"

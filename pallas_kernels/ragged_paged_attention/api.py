@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import write_kv_reference
+from pallas_kernels.kv_layout import write_kv_packed
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -63,11 +63,12 @@ def attention_step(
 ) -> tuple[jax.Array, jax.Array]:
     """What one model layer calls: write the step's K/V into the pages, then attend.
 
-    Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_reference` (an
-    XLA scatter, in place when kv_pages is donated) before attending; see docs/kernels.md.
+    Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_packed` (an XLA
+    scatter of 32-bit words, in place when kv_pages is donated) before attending; see
+    docs/kernels.md.
     """
     _check_backend(backend)
-    kv_pages = write_kv_reference(kv_pages, k, v, slot_mapping)
+    kv_pages = write_kv_packed(kv_pages, k, v, slot_mapping)
     out = ragged_paged_attention(
         q,
         kv_pages,
