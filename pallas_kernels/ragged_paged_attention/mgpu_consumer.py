@@ -181,7 +181,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         return r.qa_smem.at[wg]
 
     def normalise(acc, denom):
-        safe = jnp.maximum(denom, 1e-30)  # empty decode splits and parts: acc == 0, so O = 0
+        # Empty decode splits and parts, and the padding sequence's rows (no KV blocks at all,
+        # schedule.with_padding_sequence): acc == 0, so O = 0.
+        safe = jnp.maximum(denom, 1e-30)
         return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
 
     def log2_sum_exp(m, denom):  # -inf for rows that saw no key

@@ -151,6 +151,10 @@ def ragged_paged_attention_pallas(
         tuning=tuning,
         a_operands="smem" if interpret else a_operands,
     )
+    # Padding tokens become one more prefill sequence with no KV, whose rows the kernel zeroes.
+    kv_lens, cu_q_lens, distribution = schedule.with_padding_sequence(
+        kv_lens, cu_q_lens, distribution, num_tokens=num_tokens
+    )
     plan = schedule.prefill_parts(
         cu_q_lens,
         kv_lens,
@@ -197,5 +201,4 @@ def ragged_paged_attention_pallas(
             num_kv_heads=hkv,
             splits=tuning.decode_splits,
         )
-    valid = jnp.arange(num_tokens) < cu_q_lens[distribution[1]]
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
+    return out

@@ -58,9 +58,13 @@ def combine_splits(
     merged = merged.reshape(num_seqs, hq, d).astype(out.dtype)
     # Decode sequence s owns token cu_q_lens[s] == s; the first min(S, T) rows hold every decode
     # token.
-    n = min(num_seqs, num_tokens)
-    is_dec = (jnp.arange(n) < num_decode)[:, None, None]
-    return out.at[:n].set(jnp.where(is_dec, merged[:n], out[:n]))
+    if num_seqs < num_tokens:
+        merged = jnp.pad(merged, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
+    is_dec = (jnp.arange(num_tokens) < num_decode)[:, None, None]
+    # One select over the whole output, not out.at[:S].set(...): XLA's GPU dynamic-slice fusion
+    # took that update of the kernel's output, fed by the kernel's other outputs, into one fusion
+    # with the kernel and failed to compile it ("a cycle is detected", docs/benchmarks.md run 10).
+    return jnp.where(is_dec, merged[:num_tokens], out)
 
 
 def merge_prefill_parts(

@@ -40,6 +40,32 @@ PARTS_PER_CTA = 4
 MIN_PART_BLOCKS = 2
 
 
+def with_padding_sequence(
+    kv_lens: jax.Array,  # int32[S]
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    distribution: jax.Array,  # int32[2]
+    *,
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The step with its padding tokens as one more prefill sequence, which has no KV: returns
+    (kv_lens int32[S + 1], cu_q_lens int32[S + 2], distribution) for the kernel.
+
+    Sequence S owns the tokens past cu_q_lens[num_seqs] with kv_len 0, and the padding sequences
+    [num_seqs, S) become empty prefill sequences (no tokens, no KV). The kernel computes the
+    padding tokens' rows over zero KV blocks and stores zeros there (mgpu_consumer.normalise), so
+    no masking pass over the whole output runs after it: one XLA kernel less per call, and per
+    engine layer. Their page-table row is never read (no blocks), so the table keeps S rows.
+    """
+    num_seqs_max = kv_lens.shape[0]
+    num_seqs = distribution[1]
+    s = jnp.arange(num_seqs_max + 1, dtype=jnp.int32)
+    cu = jnp.where(s <= num_seqs, cu_q_lens, cu_q_lens[num_seqs])  # empty padding sequences
+    cu = jnp.concatenate([cu, jnp.full((1,), num_tokens, jnp.int32)])
+    lens = jnp.concatenate([jnp.where(s[:-1] < num_seqs, kv_lens, 0), jnp.zeros(1, jnp.int32)])
+    dist = jnp.stack([distribution[0], jnp.int32(num_seqs_max + 1)])
+    return lens, cu.astype(jnp.int32), dist.astype(jnp.int32)
+
+
 def max_prefill_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
     """Upper bound of sum_s cdiv(q_len_s, tokens_per_tile) over any valid step."""
     return -(-num_tokens // tokens_per_tile) + num_seqs
@@ -112,7 +138,8 @@ def prefill_parts(
     last_tok = jnp.minimum(tile_tok + tokens_per_tile, seq_end) - 1
     # KV blocks up to the causal position of the tile's last token.
     visible = kv_lens[tile_seq] - (seq_end - seq_start) + (last_tok - seq_start) + 1
-    nb = jnp.where(valid, (visible + block_kv - 1) // block_kv, 0).astype(jnp.int32)
+    # (A tile of the padding sequence, with_padding_sequence, sees nothing: visible <= 0.)
+    nb = jnp.where(valid, jnp.maximum(visible + block_kv - 1, 0) // block_kv, 0).astype(jnp.int32)
     meta_of = lambda n: jnp.stack([num_decode, num_seqs, n, jnp.int32(0)]).astype(jnp.int32)  # noqa: E731
     zero = jnp.zeros_like(i)
     # Tiles from the last to the first: position i holds tile num_tiles - 1 - i.

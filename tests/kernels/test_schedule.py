@@ -135,6 +135,29 @@ def test_parts_are_not_cut_when_tiles_are_plenty():
     assert len(parts) == 50
 
 
+def test_padding_tokens_become_a_sequence_without_kv():
+    """with_padding_sequence: padding sequences emptied (whatever their cu and kv_lens held), one
+    more prefill sequence over the padding tokens with kv_len 0, whose tiles have no KV blocks."""
+    cu, lens, dist, t = _step([1, 1, 40], [30, 7, 300], num_decode=2, pad_tokens=21)
+    cu[4:] += 3  # padding sequences' offsets and lengths carry no meaning (reference.py)
+    lens[3:] = 99
+    ext_lens, ext_cu, ext_dist = schedule.with_padding_sequence(
+        jnp.asarray(lens), jnp.asarray(cu), jnp.asarray(dist), num_tokens=t
+    )
+    valid = int(cu[3])
+    np.testing.assert_array_equal(np.asarray(ext_cu), [*cu[:4], *[valid] * 5, t])
+    np.testing.assert_array_equal(np.asarray(ext_lens), [30, 7, 300] + [0] * 6)
+    np.testing.assert_array_equal(np.asarray(ext_dist), [2, 9])
+    plan, parts = _parts(ext_cu, ext_lens, ext_dist, t, tpt=8, max_splits=4)
+    pad = parts[parts[:, schedule.PART_SEQ] == 8]
+    # Tiles from the last to the first: the padding tokens' tiles come first.
+    assert list(pad[:, schedule.PART_TOK0]) == [valid + 16, valid + 8, valid]
+    assert np.all(pad[:, schedule.PART_B1] == 0) and np.all(pad[:, schedule.PART_COUNT] == 1)
+    chunk = parts[parts[:, schedule.PART_SEQ] == 2]
+    assert len(set(chunk[:, schedule.PART_TILE])) == 5 and np.all(chunk[:, schedule.PART_B1] > 0)
+    assert len(parts) == len(pad) + len(chunk)  # nothing for the emptied padding sequences
+
+
 def test_merge_weighs_parts_by_their_log_sum_exp():
     """Rows of a split tile: the parts merged by 2^lse; of other tiles and decode rows: part 0.
     Never-written memory (NaN here) of parts a tile does not have never leaks."""
@@ -194,6 +217,8 @@ def test_step_metadata_has_no_while_loop():
     cu = jnp.zeros(257, jnp.int32)
     dist = jnp.zeros(2, jnp.int32)
     texts = [_lowered_text(lambda k, c, d: token_metadata(k, c, d, 512), cu[:-1], cu, dist)]
+    pad = functools.partial(schedule.with_padding_sequence, num_tokens=512)
+    texts.append(_lowered_text(pad, cu[:-1], cu, dist))
     for max_splits in (1, 4):
         plan = lambda c, k, d, m=max_splits: schedule.prefill_parts(  # noqa: E731
             c, k, d, num_tokens=512, tokens_per_tile=32, block_kv=64, num_kv_heads=2,
