@@ -6,7 +6,9 @@ is one kernel (or copy) the device ran, with its start and duration in nanosecon
 
 from __future__ import annotations
 
+import collections
 import glob
+import tempfile
 
 
 def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
@@ -34,4 +36,19 @@ def busy_ns(events: list[tuple[str, int, int]]) -> int:
         if hi > lo:
             total += hi - lo
         end = max(end, hi)
+    return total
+
+
+def traced_kernel_totals(run) -> collections.Counter:
+    """run() (which blocks until its work is done) under the JAX profiler: the total device time
+    of each GPU kernel, by name, in nanoseconds."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            run()
+        events = device_kernels(trace_dir)
+    total = collections.Counter()
+    for name, _, dur in events:
+        total[name] += dur
     return total

@@ -20,13 +20,11 @@ that of the XLA ops around it (`others_ms`: head-major transposes, tile metadata
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -46,7 +44,7 @@ from pallas_kernels.ragged_paged_attention.tuning import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_events import device_kernels  # noqa: E402
+from trace_events import traced_kernel_totals  # noqa: E402
 
 LAYOUTS = {"32q/8kv/128": (32, 8, 128), "32q/8kv/64": (32, 8, 64), "9q/3kv/64": (9, 3, 64)}
 LOG: list[dict] = []
@@ -100,13 +98,7 @@ def device_times(fn, xs: list) -> dict:
     with the most total time (the attention kernel, in every case this script times) and of the
     rest, in ms."""
     jax.block_until_ready([fn(x) for x in xs])
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready([fn(x) for x in xs])
-        events = device_kernels(trace_dir)
-    total = collections.Counter()
-    for name, _, dur in events:
-        total[name] += dur
+    total = traced_kernel_totals(lambda: jax.block_until_ready([fn(x) for x in xs]))
     if not total:
         return dict(device_times_error="no GPU events in the trace")
     top = max(total, key=total.get)
@@ -404,14 +396,11 @@ def run_decode(
     return rows
 
 
-def run_prefill(
-    rng, ceil, args, chunk, prefix, layout, page_size, tuning=None, a_ops="regs", impl="ours"
-):
-    """One prefill row: ours (tuning: None for the default, a TuningConfig, or a function of the
-    default) or, with impl "cudnn", cuDNN's flash attention on the same work."""
+def prefill_case(rng, layout, chunk, prefix, page_size, *, rotations):
+    """build_step's step of one prefill chunk of `chunk` tokens after `prefix` cached ones."""
     hq, hkv, d = LAYOUTS[layout]
     kv_len = chunk + prefix
-    p = build_step(
+    return build_step(
         rng,
         q_lens=[chunk],
         kv_lens=[kv_len],
@@ -423,8 +412,18 @@ def run_prefill(
         page_size=page_size,
         pages_per_seq=-(-kv_len // page_size),
         num_decode=0,
-        rotations=2,
+        rotations=rotations,
     )
+
+
+def run_prefill(
+    rng, ceil, args, chunk, prefix, layout, page_size, tuning=None, a_ops="regs", impl="ours"
+):
+    """One prefill row: ours (tuning: None for the default, a TuningConfig, or a function of the
+    default) or, with impl "cudnn", cuDNN's flash attention on the same work."""
+    hq, hkv, d = LAYOUTS[layout]
+    kv_len = chunk + prefix
+    p = prefill_case(rng, layout, chunk, prefix, page_size, rotations=2)
     sm_scale = d**-0.5
     pairs = chunk * prefix + chunk * (chunk + 1) / 2
     flops = 4 * d * hq * pairs
@@ -494,20 +493,7 @@ def run_kv_write(rng, args, layout, batch, ctx, chunk):
         positions = np.full(batch, ctx - 1)
     else:
         ctx = chunk
-        p = build_step(
-            rng,
-            q_lens=[chunk],
-            kv_lens=[chunk],
-            num_seqs=8,
-            num_tokens=chunk,
-            hq=hq,
-            hkv=hkv,
-            d=d,
-            page_size=page_size,
-            pages_per_seq=-(-chunk // page_size),
-            num_decode=0,
-            rotations=1,
-        )
+        p = prefill_case(rng, layout, chunk, 0, page_size, rotations=1)
         positions = np.arange(chunk)
     table = np.asarray(p["tables"][0])
     num_tokens = p["q"].shape[0]
@@ -531,15 +517,14 @@ def run_kv_write(rng, args, layout, batch, ctx, chunk):
         for _ in range(3):  # compile, warm up
             out, kv = step(p["q"], k, v, kv, *rest)
         jax.block_until_ready(kv)
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(args.reps):
-                    out, kv = step(p["q"], k, v, kv, *rest)
-                jax.block_until_ready((out, kv))
-            events = device_kernels(trace_dir)
-        total = collections.Counter()
-        for name, _, dur in events:
-            total[name] += dur
+
+        def run():
+            nonlocal out, kv
+            for _ in range(args.reps):
+                out, kv = step(p["q"], k, v, kv, *rest)
+            jax.block_until_ready((out, kv))
+
+        total = traced_kernel_totals(run)
         per_call = {name[:60]: t / args.reps / 1e3 for name, t in total.most_common(8)}  # us
         write_us = sum(t for name, t in per_call.items() if "scatter" in name)
         attention_us = sum(t for name, t in per_call.items() if "mosaic" in name)

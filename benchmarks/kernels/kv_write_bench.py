@@ -17,11 +17,9 @@ library, since merging the kv-head axis into the rows would defeat its tensor-pa
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +29,7 @@ from jax import lax
 from pallas_kernels.kv_layout import write_kv_packed, write_kv_reference
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_events import device_kernels  # noqa: E402
+from trace_events import traced_kernel_totals  # noqa: E402
 
 
 def _as_u32(x):  # [..., D] 16-bit -> u32[..., D / 2], a bitcast
@@ -91,16 +89,17 @@ def time_form(name, pages, k, v, slots, reps):
     for _ in range(2):
         pages = step(pages, k, v, slots)
     jax.block_until_ready(pages)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(reps):
-                pages = step(pages, k, v, slots)
-            jax.block_until_ready(pages)
-        events = device_kernels(trace_dir)
-    total = collections.Counter()
-    for kname, _, dur in events:
-        total[kname[:50]] += dur / reps / 1e3
-    return dict(form=name, exact=ok, us=sum(total.values()), kernels=dict(total.most_common(4)))
+
+    def run():
+        nonlocal pages
+        for _ in range(reps):
+            pages = step(pages, k, v, slots)
+        jax.block_until_ready(pages)
+
+    totals = traced_kernel_totals(run)  # ns over `reps` calls
+    us = sum(totals.values()) / reps / 1e3
+    top = {kname[:50]: ns / reps / 1e3 for kname, ns in totals.most_common(4)}
+    return dict(form=name, exact=ok, us=us, kernels=top)
 
 
 def main() -> None:
