@@ -245,6 +245,34 @@ def time_ours(p, *, sm_scale, tuning, reps, trials, a_operands="regs", profile=F
     return out, back_to_back(call, tabs, trials), first_call_s, extra
 
 
+def time_tuned(p, args, layout, tuning, a_operands, *, profile):
+    """time_ours with `tuning` resolved against the case's default_tuning (None: the default; a
+    TuningConfig; or a function of the default, parse_tuning). Returns (tuning, *time_ours)."""
+    hq, hkv, d = LAYOUTS[layout]
+    base = default_tuning(
+        num_seqs=p["kv_lens"].shape[0],
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=p["kv"].shape[3],
+        pages_per_seq=p["tables"][0].shape[1],
+        dtype=jnp.bfloat16,
+        num_ctas=args.num_ctas,
+        num_tokens=p["q"].shape[0],
+        num_q_heads=hq,
+    )
+    tn = tuning(base) if callable(tuning) else (tuning or base)
+    timed_ = time_ours(
+        p,
+        sm_scale=d**-0.5,
+        tuning=tn,
+        reps=args.reps,
+        trials=args.trials,
+        a_operands=a_operands,
+        profile=profile,
+    )
+    return (tn, *timed_)
+
+
 def time_jax_paged(p, *, sm_scale, reps, trials, num_decode):
     """JAX's Pallas Triton decode kernel on the same KV (its layout: k/v_pages [Hkv, P, PS, D])."""
     with warnings.catch_warnings():
@@ -337,26 +365,7 @@ def run_decode(
         row = dict(kind="decode", batch=batch, ctx=ctx, layout=layout, page=page_size, impl=name)
         t_row = time.perf_counter()
         try:
-            base = default_tuning(
-                num_seqs=batch,
-                num_kv_heads=LAYOUTS[layout][1],
-                head_dim=d,
-                page_size=page_size,
-                pages_per_seq=p["tables"][0].shape[1],
-                dtype=jnp.bfloat16,
-                num_ctas=args.num_ctas,
-                num_tokens=p["q"].shape[0],
-                num_q_heads=LAYOUTS[layout][0],
-            )
-            tn = tn(base) if callable(tn) else (tn or base)
-            out, t, first_s, _ = time_ours(
-                p,
-                sm_scale=sm_scale,
-                tuning=tn,
-                reps=args.reps,
-                trials=args.trials,
-                a_operands=a_ops,
-            )
+            tn, out, t, first_s, _ = time_tuned(p, args, layout, tn, a_ops, profile=False)
             row.update(
                 tuning=str(tn),
                 a_operands=a_ops,
@@ -441,26 +450,8 @@ def run_prefill(
                 profile=args.device_times,
             )
         else:
-            base = default_tuning(
-                num_seqs=8,
-                num_kv_heads=hkv,
-                head_dim=d,
-                page_size=page_size,
-                pages_per_seq=p["tables"][0].shape[1],
-                dtype=jnp.bfloat16,
-                num_ctas=args.num_ctas,
-                num_tokens=chunk,
-                num_q_heads=hq,
-            )
-            tn = tuning(base) if callable(tuning) else (tuning or base)
-            out, t, first_s, extra = time_ours(
-                p,
-                sm_scale=sm_scale,
-                tuning=tn,
-                reps=args.reps,
-                trials=args.trials,
-                a_operands=a_ops,
-                profile=args.device_times,
+            tn, out, t, first_s, extra = time_tuned(
+                p, args, layout, tuning, a_ops, profile=args.device_times
             )
             row.update(tuning=str(tn), a_operands=a_ops, first_call_s=first_s)
         row.update(
