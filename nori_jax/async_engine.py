@@ -28,8 +28,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import LLMEngine
-from nori_jax.outputs import RequestOutput
 from nori_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

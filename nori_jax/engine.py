@@ -14,19 +14,19 @@ import time
 import jax
 import numpy as np
 
-from nori_jax import compilation_cache, compile_counter
+from nori_jax.core.output_processor import OutputProcessor
+from nori_jax.core.outputs import RequestOutput
+from nori_jax.core.paging import PageAllocator
+from nori_jax.core.request import Request, RequestTimes
+from nori_jax.core.scheduler import Scheduler
+from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.kv_cache import num_pages_for_memory
-from nori_jax.mesh import make_mesh
+from nori_jax.executor import compilation_cache, compile_counter
+from nori_jax.executor.kv_cache import num_pages_for_memory
+from nori_jax.executor.mesh import make_mesh
+from nori_jax.executor.runner import ModelRunner
 from nori_jax.metrics import EngineMetrics
-from nori_jax.output_processor import OutputProcessor
-from nori_jax.outputs import RequestOutput
-from nori_jax.paging import PageAllocator
-from nori_jax.request import Request, RequestTimes
-from nori_jax.runner import ModelRunner
 from nori_jax.sampling_params import SamplingParams
-from nori_jax.scheduler import Scheduler
-from nori_jax.scheduler_config import SchedulerConfig
 from nori_jax.weights.loader import load_model
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from nori_jax.engine_config import ATTENTION_BACKENDS, EngineConfig
-from nori_jax.mesh import MeshConfig
+from nori_jax.mesh_config import MeshConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from nori_jax.mesh import MeshConfig
+from nori_jax.mesh_config import MeshConfig
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import LLMEngine
 from nori_jax.engine_config import EngineConfig
-from nori_jax.mesh import MeshConfig
-from nori_jax.outputs import RequestOutput
+from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams
 
 Message = dict[str, Any]

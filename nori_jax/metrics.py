@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nori_jax.request import Request
+from nori_jax.core.request import Request
 
 _LATENCY_BUCKETS = (
     0.001,

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-NULL_PAGE = 0
+from pallas_kernels.page_constants import NULL_PAGE  # noqa: F401 (re-exported)
+
 K_INDEX = 0
 V_INDEX = 1
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nori_jax.async_engine import RequestStream
-from nori_jax.outputs import RequestOutput
+from nori_jax.core.outputs import RequestOutput
 from serve import convert
 from serve.context import ServeContext, get_context
 from serve.errors import bad_request

@@ -9,7 +9,7 @@ import time
 from fastapi import Request
 
 from nori_jax.async_engine import AsyncEngine, RequestStream
-from nori_jax.outputs import RequestOutput
+from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from serve.errors import api_error_from

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nori_jax.async_engine import EngineDeadError, EngineStoppedError, RequestTimeoutError
-from nori_jax.scheduler import QueueFullError
+from nori_jax.core.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 

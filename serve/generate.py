@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from nori_jax.outputs import RequestOutput
+from nori_jax.core.outputs import RequestOutput
 from serve import convert
 from serve.context import get_context
 from serve.protocol import GenerateRequest

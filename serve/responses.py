@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nori_jax.outputs import RequestOutput
+from nori_jax.core.outputs import RequestOutput
 from nori_jax.tokenizer import Tokenizer
 
 

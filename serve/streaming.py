@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from nori_jax.async_engine import RequestStream
-from nori_jax.outputs import RequestOutput
+from nori_jax.core.outputs import RequestOutput
 from serve.errors import ApiError, api_error_from
 
 SSE_DONE = "data: [DONE]\n\n"

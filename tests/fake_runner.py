@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from nori_jax.paging import PageAllocator
-from nori_jax.request import Request
+from nori_jax.core.paging import PageAllocator
+from nori_jax.core.request import Request
+from nori_jax.core.scheduler import Scheduler
+from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.core.step_plan import StepPlan
 from nori_jax.sampling_params import SamplingParams
-from nori_jax.scheduler import Scheduler
-from nori_jax.scheduler_config import SchedulerConfig
-from nori_jax.step_plan import StepPlan
 
 
 def next_token(tokens: list[int]) -> int:

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nori_jax.kv_cache import allocate_kv_pages
-from nori_jax.mesh import MeshConfig, make_mesh
+from nori_jax.executor.kv_cache import allocate_kv_pages
+from nori_jax.executor.mesh import make_mesh
+from nori_jax.mesh_config import MeshConfig
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel, load_model
 

@@ -11,7 +11,7 @@ from fake_runner import (
     run_to_completion,
 )
 
-from nori_jax.scheduler import QueueFullError
+from nori_jax.core.scheduler import QueueFullError
 
 
 def _random_requests(n: int, seed: int, max_prompt: int = 120, max_out: int = 20):

@@ -23,7 +23,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     os.environ["NORI_JAX_PARAM_CACHE"] = tempfile.mkdtemp(prefix="nori-param-cache-")
-    from nori_jax.mesh import MeshConfig, make_mesh
+    from nori_jax.executor.mesh import make_mesh
+    from nori_jax.mesh_config import MeshConfig
     from nori_jax.weights.loader import load_model
 
     mesh = make_mesh(MeshConfig())

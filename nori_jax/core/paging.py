@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from pallas_kernels.kv_layout import NULL_PAGE
+from pallas_kernels.page_constants import NULL_PAGE
 
 ROOT_HASH = b""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from nori_jax.request import Request
+from nori_jax.core.request import Request
 
 
 class RequestMetrics(NamedTuple):

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from nori_jax.batch_slots import BatchSlots
-from nori_jax.paging import ROOT_HASH, PageAllocator, page_hash
-from nori_jax.request import Request, RequestStatus
-from nori_jax.scheduler_config import SchedulerConfig
-from nori_jax.step_plan import StepPlan, pick_bucket, token_buckets
+from nori_jax.core.batch_slots import BatchSlots
+from nori_jax.core.paging import ROOT_HASH, PageAllocator, page_hash
+from nori_jax.core.request import Request, RequestStatus
+from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.core.step_plan import StepPlan, pick_bucket, token_buckets
 
 
 class QueueFullError(RuntimeError):

@@ -24,12 +24,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nori_jax import compile_counter
-from nori_jax.kv_cache import allocate_kv_pages, kv_sharding
-from nori_jax.mesh import replicated
+from nori_jax.core.step_plan import StepPlan
+from nori_jax.executor import compile_counter
+from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
+from nori_jax.executor.mesh import replicated
+from nori_jax.executor.sampler import sample
 from nori_jax.models.llama import AttentionInputs
-from nori_jax.sampler import sample
-from nori_jax.step_plan import StepPlan
 from nori_jax.weights.loader import LoadedModel
 
 logger = logging.getLogger(__name__)

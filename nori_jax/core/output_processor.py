@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from nori_jax.outputs import RequestMetrics, RequestOutput
-from nori_jax.request import Request
+from nori_jax.core.outputs import RequestMetrics, RequestOutput
+from nori_jax.core.request import Request
 from nori_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nori_jax.request import Request
+from nori_jax.core.request import Request
 
 
 class BatchSlots:

@@ -1,14 +1,15 @@
-"""Device mesh with axes (`data`, `model`): one device by default, tensor parallel over `model`."""
+"""The device mesh as configuration: axis sizes (`data`, `model`), checked against a model.
+
+JAX-free, so configs can be built and validated in processes that never touch a device; the mesh
+itself is made by `nori_jax.executor.mesh.make_mesh`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-import jax
-import numpy as np
 import yaml
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nori_jax.model_config import ModelConfig
 
@@ -43,18 +44,3 @@ class MeshConfig:
         ):
             if n % tp:
                 raise ValueError(f"mesh model={tp} does not divide {name}={n}")
-
-
-def make_mesh(config: MeshConfig) -> Mesh:
-    devices = jax.devices()
-    if config.num_devices > len(devices):
-        raise ValueError(
-            f"mesh data={config.data} x model={config.model} needs {config.num_devices} devices; "
-            f"{len(devices)} available"
-        )
-    grid = np.asarray(devices[: config.num_devices]).reshape(config.data, config.model)
-    return Mesh(grid, AXES)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
