@@ -105,6 +105,9 @@ class RequestStream:
                 later,
                 new_token_ids=item.new_token_ids + later.new_token_ids,
                 new_text=item.new_text + later.new_text,
+                new_logprobs=None
+                if later.new_logprobs is None
+                else (item.new_logprobs or []) + later.new_logprobs,
             )
         self.finished = item.finished
         return item

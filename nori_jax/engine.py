@@ -1,27 +1,30 @@
-"""LLMEngine: add_request / step / abort over scheduler -> runner -> scheduler.update.
+"""LLMEngine: the engine in one process: add_request / step / abort.
 
-Single-threaded and synchronous: the offline `LLM` drives it in a loop and the server's engine
-thread does the same. Everything that touches JAX happens inside `step()` (and construction).
+It puts together the three parts vLLM's v1 engine has: the frontend (tokenization, validation,
+the output processor with detokenization and stop strings, metrics), the engine core (scheduler,
+plan builder, step loop; `core/engine_core.py`) and the executor (the model on the device;
+`executor/runner.py`). The offline `LLM` drives it in a loop; the server runs the same core in a
+process of its own (engine_core_process.py) and the frontend in the API server.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import time
 
 import jax
 import numpy as np
 
+from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
-from nori_jax.core.outputs import RequestOutput
+from nori_jax.core.outputs import EngineCoreOutputs, RequestOutput
 from nori_jax.core.paging import PageAllocator
-from nori_jax.core.request import Request, RequestTimes
+from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.executor import compilation_cache, compile_counter
+from nori_jax.executor import compilation_cache
+from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
@@ -34,19 +37,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-@dataclasses.dataclass
-class StepTimes:
-    """Cumulative host wall time of the engine loop, split by stage (seconds)."""
-
-    steps: int = 0
-    tokens: int = 0  # real (unpadded) tokens run through the model
-    padded_tokens: int = 0  # tokens of the compiled buckets actually executed
-    schedule: float = 0.0  # Scheduler.schedule(): picking work and building the StepPlan
-    launch: float = 0.0  # host-to-device transfer of the plan and dispatch of the step
-    wait: float = 0.0  # blocked on the device for a step's tokens (host idle)
-    postprocess: float = 0.0  # Scheduler.update(), detokenization, stop strings, metrics
-
-
 def resolve_attention_backend(name: str) -> str:
     """'auto' is the Pallas kernel on GPU when it is built, the jnp reference elsewhere."""
     if name != "auto":
@@ -54,6 +44,26 @@ def resolve_attention_backend(name: str) -> str:
             raise ValueError(f"attention_backend={name!r} is not available; built: {BACKENDS}")
         return name
     return "pallas" if jax.default_backend() == "gpu" and "pallas" in BACKENDS else "reference"
+
+
+class CountedRunner:
+    """The runner as the engine core's executor, counting any program built while it runs."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._compiles = CompileCounter()
+
+    @property
+    def num_recompiles(self) -> int:
+        return self._compiles.count
+
+    def launch(self, plan):
+        with self._compiles.counting():
+            return self.runner.launch(plan)
+
+    def fetch(self, handle):
+        with self._compiles.counting():
+            return self.runner.fetch(handle)
 
 
 class LLMEngine:
@@ -97,37 +107,37 @@ class LLMEngine:
             kv_headroom=config.kv_headroom,
             max_num_waiting=config.max_num_waiting,
         )
+        scfg = self.scheduler_config
         allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, allocator)
-        self.runner = ModelRunner(
-            self.model,
-            self.mesh,
+        scheduler = Scheduler(scfg, allocator)
+        builder = PlanBuilder(
+            scfg.max_num_seqs,
+            scfg.max_pages_per_seq,
+            scfg.page_size,
             num_pages,
-            config.page_size,
-            config.max_num_seqs,
-            self.scheduler_config.max_pages_per_seq,
-            self.scheduler.buckets,
+            scheduler.buckets,
+            mcfg.vocab_size,
+        )
+        self.runner = ModelRunner(
+            self.model, self.mesh, num_pages, config.page_size, builder.layout, scheduler.buckets
         )
         self.runner.compile_all()
         self.runner.warm_up()
+        self.core = EngineCore(
+            scheduler, builder, CountedRunner(self.runner), async_scheduling=config.async_scheduling
+        )
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
-        self._ids = itertools.count()
-        self._eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
-        self._num_recompiles = self._recompiles_seen = 0
-        self.step_times = StepTimes()
-        self._in_flight = None  # (plan, device handle) launched but not yet fetched
-        self._preemptions_seen = self._hits_seen = self._queries_seen = 0
+        self._next_id = 0
+        self._eos = list(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
         logger.info(
             "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
             self.model.source,
-            self.model.dtype.__name__
-            if hasattr(self.model.dtype, "__name__")
-            else self.model.dtype,
+            getattr(self.model.dtype, "__name__", self.model.dtype),
             num_pages,
             config.page_size,
-            self.scheduler.buckets,
+            scheduler.buckets,
             self.attention_backend,
         )
 
@@ -143,15 +153,26 @@ class LLMEngine:
             raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
         return want
 
-    # ---- requests ---------------------------------------------------------------------------
+    # ---- parts ------------------------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def step_times(self):
+        return self.core.step_times
 
     @property
     def num_recompiles(self) -> int:
         """XLA programs built inside this engine's steps since warm-up; anything but 0 is a bug."""
-        return self._num_recompiles
+        return self.core.executor.num_recompiles
+
+    # ---- requests ---------------------------------------------------------------------------
 
     def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
+        self._next_id += 1
+        return f"req-{self._next_id - 1}"
 
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """Validate a prompt and return (token ids, text or None)."""
@@ -191,125 +212,57 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         tokenized: tuple[list[int], str | None] | None = None,
+        stream: bool = True,
     ) -> str:
         """Queue a request; ValueError for bad input, QueueFullError when the queue is full.
 
         `tokenized` is `self.tokenize(prompt)` when the caller already ran it (batch validation).
+        With `stream`, each step returns an output for the request when it has new tokens;
+        otherwise only its finished output comes back (no per-step text).
         """
         params = params or SamplingParams()
         params.validate()
         token_ids, text = tokenized or self.tokenize(prompt)
+        request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        req = Request(
-            request_id=request_id or self.new_request_id(),
-            prompt_token_ids=token_ids,
-            params=params,
-            seed=seed,
-            eos_token_ids=self._eos,
-            times=RequestTimes(arrival_time if arrival_time is not None else time.monotonic()),
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self.core.add_request(
+            EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival)
         )
-        self.scheduler.add_request(req)
-        self.processor.add(req, text)
-        return req.request_id
+        self.processor.add(request_id, text, token_ids, params, tuple(self._eos), stream)
+        return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now (reason "abort"); its pages return to the pool at once."""
-        req = self.scheduler.finish_request(request_id, "abort")
-        if req is None:
+        finished = self.core.abort(request_id)
+        if finished is None:
             return None
-        self.metrics.observe_finished(req)
-        return self.processor.output(req)
+        self.metrics.observe_finished(finished)
+        return self.processor.finish(finished)
 
     def has_unfinished_requests(self) -> bool:
-        # A step still in flight once every request has finished holds only rows of finished
-        # requests (planned before their end was known): its samples are discarded unseen.
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return an output for every request that gained tokens or
-        finished.
-
-        With `async_scheduling` (the default) the step launched here is fetched by the next call:
-        the host schedules step N+1 and post-processes step N-1 while the device runs step N, so
-        outputs trail the device by one step. Without it, each call launches and fetches its step.
-        """
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        launched = None
-        if plan is not None:
-            compiles_before = compile_counter.compile_count()
-            launched = (plan, self.runner.launch(plan))
-            self._num_recompiles += compile_counter.compile_count() - compiles_before
-        t2 = time.perf_counter()
-        if self.config.async_scheduling:
-            done, self._in_flight = self._in_flight, launched
-        else:
-            done = launched
-        outputs: list[RequestOutput] = []
-        t3 = t4 = t2
-        if done is not None:
-            tokens, logprobs = self.runner.fetch(done[1])
-            t3 = time.perf_counter()
-            outputs = self._deliver(done[0], tokens, logprobs)
-            t4 = time.perf_counter()
-        st = self.step_times
-        if plan is not None:
-            st.steps += 1
-            st.tokens += plan.num_tokens
-            st.padded_tokens += plan.bucket
-            self.metrics.scheduler_duration.observe(t1 - t0)
-        if plan is not None or done is not None:
-            self.metrics.step_duration.observe(t4 - t0)
-        st.schedule += t1 - t0
-        st.launch += t2 - t1
-        st.wait += t3 - t2
-        st.postprocess += t4 - t3
-        self._update_gauges()
-        return outputs
+        """Run one engine iteration; return an output for every streamed request that gained
+        tokens and for every request that finished (see EngineCore.step)."""
+        return self._process(self.core.step())
 
     def drain(self) -> list[RequestOutput]:
-        """Wait for the step still in flight, if any, and deliver its samples.
+        """Wait for the step still in flight, if any, and deliver its samples."""
+        return self._process(self.core.drain())
 
-        Call when going idle: once every request has finished, that step only holds rows planned
-        before their end was known, and nothing should be left running on the device when the
-        process exits.
-        """
-        done, self._in_flight = self._in_flight, None
-        if done is None:
-            return []
-        return self._deliver(done[0], *self.runner.fetch(done[1]))
-
-    def _deliver(self, plan, tokens: np.ndarray, logprobs: np.ndarray) -> list[RequestOutput]:
-        """Hand a finished step's samples to the scheduler, then detokenize and report."""
-        outputs = []
-        for req in self.scheduler.update(plan, tokens, logprobs):
-            if self.processor.detokenize(req):
-                self.scheduler.finish_request(req.request_id, "stop")
-            if len(req.output_token_ids) == 1 and req.times.first_token is not None:
-                self.metrics.ttft.observe(req.times.first_token - req.times.arrival)
-            self.metrics.generation_tokens.inc()
-            if req.is_finished:
-                self.metrics.observe_finished(req)
-            outputs.append(self.processor.output(req))
+    def _process(self, outs: EngineCoreOutputs) -> list[RequestOutput]:
+        outputs, stopped = self.processor.process(outs)
+        for request_id in stopped:  # stop strings: the core finishes them now
+            finished = self.core.abort(request_id, "stop")
+            if finished is not None:
+                outs.finished.append(finished)
+                outputs.append(self.processor.finish(finished))
+        self.metrics.observe(outs)
         return outputs
 
-    def _update_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        m.running.set(len(s.running))
-        m.waiting.set(s.num_waiting)
-        m.kv_usage.set(s.allocator.usage)
-        c = s.counters
-        m.preemptions.inc(c.num_preemptions - self._preemptions_seen)
-        m.prefix_hits.inc(c.prefix_cache_hits - self._hits_seen)
-        m.prefix_queries.inc(c.prefix_cache_queries - self._queries_seen)
-        self._preemptions_seen, self._hits_seen = c.num_preemptions, c.prefix_cache_hits
-        self._queries_seen = c.prefix_cache_queries
-        m.recompiles.inc(self._num_recompiles - self._recompiles_seen)
-        self._recompiles_seen = self._num_recompiles
-
     def get_metrics(self) -> dict:
-        self._update_gauges()
         return self.metrics.as_dict()

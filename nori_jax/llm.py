@@ -63,7 +63,7 @@ class LLM:
         for p in param_list:
             p.validate()
         ids = [
-            self.engine.add_request(None, prompt, p, tokenized=tok)
+            self.engine.add_request(None, prompt, p, tokenized=tok, stream=False)
             for prompt, p, tok in zip(prompts, param_list, tokenized, strict=True)
         ]
         finished: dict[str, RequestOutput] = {}

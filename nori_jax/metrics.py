@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nori_jax.core.request import Request
+from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -139,20 +139,46 @@ class EngineMetrics:
             "nori:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
         )
 
-    def observe_finished(self, req: Request) -> None:
-        t = req.times
-        self.prompt_tokens.inc(req.num_prompt_tokens)
-        self.success.labels(finished_reason=req.finish_reason or "abort").inc()
-        if t.finished is not None:
-            self.e2e.observe(t.finished - t.arrival)
-        if t.queue_time is not None:
-            self.queue_time.observe(t.queue_time)
-        if t.prefill_time is not None:
-            self.prefill_time.observe(t.prefill_time)
-        if t.decode_time is not None:
-            self.decode_time.observe(t.decode_time)
-            if len(req.output_token_ids) > 1:
-                self.tpot.observe(t.decode_time / (len(req.output_token_ids) - 1))
+    def observe(self, outs: EngineCoreOutputs) -> None:
+        """One engine step's outputs: tokens, first tokens, finishes and the scheduler's state."""
+        if outs.request_ids:
+            self.generation_tokens.inc(len(outs.request_ids))
+        for first in outs.first_tokens:
+            self.ttft.observe(first.time_to_first_token)
+        for f in outs.finished:
+            self.observe_finished(f)
+        st = outs.stats
+        if st is None:
+            return
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_usage.set(st.kv_usage)
+        if st.num_preemptions:
+            self.preemptions.inc(st.num_preemptions)
+        if st.prefix_cache_queries:
+            self.prefix_hits.inc(st.prefix_cache_hits)
+            self.prefix_queries.inc(st.prefix_cache_queries)
+        if st.num_recompiles:
+            self.recompiles.inc(st.num_recompiles)
+        if st.num_steps:
+            self.scheduler_duration.observe(st.schedule_seconds)
+        if st.step_seconds:
+            self.step_duration.observe(st.step_seconds)
+
+    def observe_finished(self, f: FinishedRequest) -> None:
+        m = f.metrics
+        self.prompt_tokens.inc(f.num_prompt_tokens)
+        self.success.labels(finished_reason=f.finish_reason).inc()
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+        if m.prefill_time is not None:
+            self.prefill_time.observe(m.prefill_time)
+        if m.decode_time is not None:
+            self.decode_time.observe(m.decode_time)
+            if f.num_output_tokens > 1:
+                self.tpot.observe(m.decode_time / (f.num_output_tokens - 1))
 
     def as_dict(self) -> dict[str, Any]:
         """Counters and gauges as numbers (labelled ones as {label: value}); histograms as

@@ -54,7 +54,5 @@ def chat_logprobs(
 
 
 def new_logprobs(out: RequestOutput) -> list[float]:
-    """Logprobs of this step's new tokens."""
-    if out.logprobs is None or not out.new_token_ids:
-        return []
-    return out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
+    """Logprobs of this output's new tokens."""
+    return out.new_logprobs or []

@@ -26,7 +26,8 @@ from nori_jax.bench.arrivals import arrival_times
 from nori_jax.bench.config import LognormalLengths
 from nori_jax.bench.dataset import sample_lengths
 from nori_jax.bench.runner import seeded_streams
-from nori_jax.engine import LLMEngine, StepTimes
+from nori_jax.core.engine_core import StepTimes
+from nori_jax.engine import LLMEngine
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.sampling_params import SamplingParams
 
@@ -130,7 +131,7 @@ def run_workload(
             now = time.perf_counter() - start
             while nxt < len(indices) and arrivals[nxt] <= now:
                 i = indices[nxt]
-                ids[engine.add_request(None, w.prompts[i], params[i])] = i
+                ids[engine.add_request(None, w.prompts[i], params[i], stream=False)] = i
                 nxt += 1
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - start)))

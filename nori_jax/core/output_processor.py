@@ -1,23 +1,40 @@
-"""Turns token ids into streamed text on the host: incremental detokenization and stop strings."""
+"""Turns the engine core's raw outputs into `RequestOutput`s: deltas, text, stop strings.
+
+Runs where the text is wanted (the API server process when serving, the caller's thread
+offline), never inside the step loop. Per request it keeps the output token ids; text is made
+incrementally only for requests that stream or have stop strings, and otherwise once, lazily, when
+the finished output's `text` is first read. A stop string found here finishes the request: the
+processor returns its id for the caller to abort in the core, holds the cut text, and emits the
+final output when the core confirms the finish.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from nori_jax.core.outputs import RequestMetrics, RequestOutput
-from nori_jax.core.request import Request
+from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestOutput
+from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Stream:
-    request: Request
+    request_id: str
     prompt: str | None
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    released: int = 0  # characters of `text` already handed out
-    num_tokens_seen: int = 0  # output tokens already detokenized
-    num_tokens_reported: int = 0  # output tokens already handed out
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool  # hand out deltas each step (else only the finished output)
+    eos_token_ids: tuple[int, ...]
+    detok: IncrementalDetokenizer | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] | None = None
+    released: list[str] = dataclasses.field(default_factory=list)  # text pieces handed out
+    held: str = ""  # text not yet released: it may be the start of a stop string
+    max_stop_len: int = 0
+    num_reported: int = 0  # output tokens already handed out
+    num_pieces_reported: int = 0  # released text pieces already handed out
+    stopped: bool = False  # a stop string ended it; the core's finish is awaited
 
 
 class OutputProcessor:
@@ -25,73 +42,175 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
 
-    def add(self, req: Request, prompt: str | None) -> None:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
-            )
-        self._streams[req.request_id] = _Stream(req, prompt, detok)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
 
-    def detokenize(self, req: Request) -> bool:
-        """Extend the request's text with its new tokens; True if a stop string now ends it."""
-        s = self._streams[req.request_id]
-        new_ids = req.output_token_ids[s.num_tokens_seen :]
-        s.num_tokens_seen = len(req.output_token_ids)
-        if s.detok is None:
-            return False
-        p = req.params
-        if (
-            req.finish_reason == "stop"
-            and new_ids
-            and not p.include_stop_str_in_output
-            and (new_ids[-1] in p.stop_token_ids or new_ids[-1] in req.eos_token_ids)
-        ):
-            new_ids = new_ids[:-1]  # the stop token itself is not part of the text
-        for tok in new_ids:
-            s.text += s.detok.add(tok)
-        return not req.is_finished and self._cut_at_stop_string(s)
+    def __len__(self) -> int:
+        return len(self._streams)
 
-    def _cut_at_stop_string(self, s: _Stream) -> bool:
-        stops = s.request.params.stop
-        if not stops:
-            return False
-        # Text before `released` was checked in earlier steps; a new match can only start after
-        # released - (longest stop - 1).
-        start = max(s.released - max(map(len, stops)) + 1, 0)
-        for stop in stops:
-            i = s.text.find(stop, start)
-            if i >= 0:
-                s.text = s.text[
-                    : i + len(stop) if s.request.params.include_stop_str_in_output else i
-                ]
-                return True
-        return False
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        stream: bool = True,
+    ) -> None:
+        s = _Stream(request_id, prompt, prompt_token_ids, params, stream, tuple(eos_token_ids))
+        s.max_stop_len = max(map(len, params.stop), default=0)
+        if self.tokenizer is not None and (stream or params.stop):
+            s.detok = self._detokenizer(s)
+        if params.logprobs is not None:
+            s.logprobs = []
+        self._streams[request_id] = s
 
-    def output(self, req: Request) -> RequestOutput:
-        """The request's output so far; the stream is dropped once the request has finished."""
-        s = self._streams[req.request_id]
-        finished = req.is_finished
-        hold = 0
-        if not finished and req.params.stop:
-            hold = max(map(len, req.params.stop)) - 1  # the tail may be the start of a stop string
-        release_to = max(s.released, len(s.text) - hold)
-        new_text = s.text[s.released : release_to]
-        s.released = release_to
-        new_ids = req.output_token_ids[s.num_tokens_reported :]
-        s.num_tokens_reported = len(req.output_token_ids)
-        if finished:
-            del self._streams[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=s.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=s.text[: s.released],
-            finished=finished,
-            finish_reason=req.finish_reason,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
-            metrics=RequestMetrics.of(req),
+    def _detokenizer(self, s: _Stream) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer, s.prompt_token_ids, s.params.skip_special_tokens
         )
+
+    def process(self, outs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs: (user outputs, request ids a stop string has finished).
+
+        The caller aborts the returned ids in the core (reason "stop"); their final outputs come
+        with the core's FinishedRequest, through `finish`.
+        """
+        streams = self._streams
+        finished = {f.request_id: f for f in outs.finished}
+        touched: list[_Stream] = []
+        lp = outs.logprobs
+        for rid, tok in zip(outs.request_ids, outs.token_ids.tolist(), strict=True):
+            s = streams.get(rid)
+            if s is None or s.stopped:
+                continue  # not ours, or tokens sampled after a stop string
+            s.token_ids.append(tok)
+            if s.logprobs is not None:
+                s.logprobs.append(lp.get(rid, 0.0))
+            if s.detok is not None:
+                f = finished.get(rid)
+                if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
+                    s.held += s.detok.add(tok)
+                touched.append(s)
+            elif s.stream:
+                touched.append(s)
+        outputs, stopped = [], []
+        for s in touched:
+            if s.request_id in finished:
+                continue  # its final output follows
+            if s.params.stop and self._cut_at_stop_string(s):
+                s.stopped = True
+                stopped.append(s.request_id)
+                continue
+            self._release(s)
+            if s.stream:
+                out = self._delta(s)
+                if out is not None:
+                    outputs.append(out)
+        for f in outs.finished:
+            out = self.finish(f)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped
+
+    def finish(self, f: FinishedRequest) -> RequestOutput | None:
+        """The final output of a request the core has finished (None if not ours)."""
+        s = self._streams.pop(f.request_id, None)
+        if s is None:
+            return None
+        reason = "stop" if s.stopped else f.finish_reason
+        if s.detok is not None:
+            if not s.stopped:  # a stop string's cut text is final; else check the tail once
+                self._cut_at_stop_string(s)
+            s.released.append(s.held)
+            s.held = ""
+        new_ids = s.token_ids[s.num_reported :] if s.stream else []
+        out = RequestOutput(
+            request_id=s.request_id,
+            prompt=s.prompt,
+            prompt_token_ids=s.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text="".join(s.released[s.num_pieces_reported :]) if s.stream else "",
+            new_logprobs=s.logprobs[s.num_reported :] if s.logprobs is not None else None,
+            finished=True,
+            finish_reason=reason,
+            token_ids=s.token_ids,
+            logprobs=s.logprobs,
+            metrics=f.metrics,
+        )
+        if s.detok is not None:
+            out._text = "".join(s.released)
+        elif self.tokenizer is not None:
+            out._decode = self._final_text(s, reason)
+        else:
+            out._text = ""
+        return out
+
+    def _final_text(self, s: _Stream, reason: str) -> Callable[[], str]:
+        """Decode the whole output once, when its text is first read (the same text streaming
+        would have produced)."""
+
+        def decode() -> str:
+            ids = s.token_ids
+            if reason == "stop" and ids and self._is_stop_token(s, ids[-1]):
+                ids = ids[:-1]
+            detok = self._detokenizer(s)
+            return "".join(detok.add(t) for t in ids)
+
+        return decode
+
+    @staticmethod
+    def _is_stop_token(s: _Stream, tok: int) -> bool:
+        p = s.params
+        return not p.include_stop_str_in_output and (
+            tok in p.stop_token_ids or tok in s.eos_token_ids
+        )
+
+    @staticmethod
+    def _release(s: _Stream) -> None:
+        """Move the held text into the released pieces, but for a tail that may still be the
+        start of a stop string."""
+        hold = s.max_stop_len - 1
+        cut = max(len(s.held) - hold, 0)
+        if cut:
+            s.released.append(s.held[:cut])
+            s.held = s.held[cut:]
+
+    @staticmethod
+    def _delta(s: _Stream) -> RequestOutput | None:
+        new_ids = s.token_ids[s.num_reported :]
+        text = "".join(s.released[s.num_pieces_reported :])
+        if not new_ids and not text:
+            return None
+        new_lp = s.logprobs[s.num_reported :] if s.logprobs is not None else None
+        s.num_reported = len(s.token_ids)
+        s.num_pieces_reported = len(s.released)
+        return RequestOutput(
+            request_id=s.request_id,
+            prompt=s.prompt,
+            prompt_token_ids=s.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=text,
+            new_logprobs=new_lp,
+            finished=False,
+            finish_reason=None,
+        )
+
+    @staticmethod
+    def _cut_at_stop_string(s: _Stream) -> bool:
+        """Find the earliest stop string in the unreleased text; on a match keep the text up to
+        it (or through it, with include_stop_str_in_output)."""
+        best, best_stop = -1, ""
+        for stop in s.params.stop:
+            i = s.held.find(stop)
+            if i >= 0 and (best < 0 or i < best):
+                best, best_stop = i, stop
+        if best < 0:
+            return False
+        keep = best + len(best_stop) if s.params.include_stop_str_in_output else best
+        s.held = s.held[:keep]
+        return True
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request without an output (its caller has gone)."""
+        self._streams.pop(request_id, None)

@@ -1,18 +1,29 @@
-"""What the engine hands back: one RequestOutput per request per step it progressed in."""
+"""What the engine hands back.
+
+Two levels:
+  - `EngineCoreOutputs`: what the engine core emits per step, raw and columnar (the requests that
+    gained a token, their token ids, who finished and with which stage times, the step's
+    scheduler stats). No text: detokenization happens where text is wanted. These are msgspec
+    structs, so the engine-core process sends them as they are.
+  - `RequestOutput`: what users read, built by the output processor. Outputs carry deltas
+    (`new_token_ids`, `new_text`); the last one (`finished=True`) also carries the whole text,
+    token ids and stage metrics. Nothing is copied per step in proportion to a request's length.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
-from nori_jax.core.request import Request
+import msgspec
+import numpy as np
 
 
 class RequestMetrics(NamedTuple):
     """A request's stage timings in seconds (None where the stage was not reached).
 
-    A NamedTuple, not a frozen dataclass: one is built per request per step, and a frozen
-    dataclass's __init__ (object.__setattr__ per field) costs about 3.5x as much.
+    A NamedTuple: cheap to build, and it travels through msgspec as an array.
     """
 
     queue_time: float | None
@@ -23,20 +34,51 @@ class RequestMetrics(NamedTuple):
     num_preemptions: int
     num_cached_tokens: int
 
+
+class FinishedRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metrics: RequestMetrics
+
+
+class FirstToken(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    time_to_first_token: float
+
+
+class StepStats(msgspec.Struct, array_like=True, gc=False):
+    """The scheduler's state after a step, and what the step added to the running counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_generated_tokens: int
+    num_preemptions: int  # since the last StepStats
+    prefix_cache_hits: int  # tokens, since the last StepStats
+    prefix_cache_queries: int
+    num_recompiles: int  # since the last StepStats
+    schedule_seconds: float
+    step_seconds: float
+    num_steps: int  # engine steps covered (0 or 1)
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
+    request_ids: list[str]  # requests that gained a token, in row order
+    token_bytes: bytes  # int32[len(request_ids)] (numpy bytes: one buffer, not a list)
+    logprobs: dict[str, float]  # sampled-token logprob, for the requests that asked
+    finished: list[FinishedRequest]
+    first_tokens: list[FirstToken]
+    stats: StepStats | None = None
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return np.frombuffer(self.token_bytes, np.int32)
+
     @classmethod
-    def of(cls, req: Request) -> RequestMetrics:
-        t = req.times
-        ttft = None if t.first_token is None else t.first_token - t.arrival
-        e2e = None if t.finished is None else t.finished - t.arrival
-        return cls(
-            t.queue_time,
-            t.prefill_time,
-            t.decode_time,
-            ttft,
-            e2e,
-            req.num_preemptions,
-            req.num_cached_tokens,
-        )
+    def empty(cls) -> EngineCoreOutputs:
+        return cls([], b"", {}, [], [])
 
 
 @dataclasses.dataclass
@@ -44,11 +86,22 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    text: str  # the output text so far (stop strings cut off unless asked to keep them)
+    new_token_ids: list[int]  # tokens added since the last output
+    new_text: str  # text released since the last output (held back while it may begin a stop)
+    new_logprobs: list[float] | None  # logprobs of new_token_ids, when asked for
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    new_token_ids: list[int]  # tokens added by this step
-    new_text: str  # text released by this step (held back while it may begin a stop string)
-    logprobs: list[float] | None
-    metrics: RequestMetrics
+    # On the finished output only (None before): the whole output.
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    metrics: RequestMetrics | None = None
+    _text: str | None = dataclasses.field(default=None, repr=False)
+    _decode: Callable[[], str] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def text(self) -> str | None:
+        """The whole output text (finished outputs only; stop strings cut off unless asked to
+        keep them). Decoded on first read where no one streamed it."""
+        if self._text is None and self._decode is not None:
+            self._text, self._decode = self._decode(), None
+        return self._text

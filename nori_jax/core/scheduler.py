@@ -1,12 +1,17 @@
 """Continuous batching: which requests run in the next step, with how many tokens each.
 
-Pure Python + numpy (never JAX), tested with a fake runner. Each step:
+Pure Python + numpy (never JAX), tested with a fake device. Each step:
   1. decodes of running requests, oldest first (one token each);
   2. chunks of running requests still prefilling (chunked prefill), page-aligned, under the budget;
   3. admission of waiting requests, FCFS, short queue first, then the long-prompt queue within its
      token share; no admission in a step that had to preempt.
 When pages run out, the newest running request is preempted (pages freed, re-queued at the front
 with the tokens it has, recomputed later); the engine never runs out of memory and never drops work.
+
+The running batch's progress lives in `SlotCounters` (one row per slot), so a step over a thousand
+decoding requests is a few numpy operations; Python touches only the rows that need something
+(a new page, a prefill chunk, an admission, a finish). The output is logical rows
+(`SchedulerOutput`); the plan builder lays them out as the step's arrays.
 """
 
 from __future__ import annotations
@@ -18,11 +23,19 @@ import time
 
 import numpy as np
 
-from nori_jax.core.batch_slots import BatchSlots
 from nori_jax.core.paging import ROOT_HASH, PageAllocator, page_hash
 from nori_jax.core.request import Request, RequestStatus
 from nori_jax.core.scheduler_config import SchedulerConfig
-from nori_jax.core.step_plan import StepPlan, pick_bucket, token_buckets
+from nori_jax.core.scheduler_output import (
+    Acquire,
+    AddPages,
+    BatchEvent,
+    PrefillRow,
+    Release,
+    SchedulerOutput,
+)
+from nori_jax.core.slot_counters import SlotCounters
+from nori_jax.core.step_plan import token_buckets
 
 
 class QueueFullError(RuntimeError):
@@ -34,6 +47,17 @@ class SchedulerCounters:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens found
+
+
+@dataclasses.dataclass
+class StepUpdate:
+    """What one step's samples did: a new token per listed request, and who finished."""
+
+    request_ids: list[str]  # requests that gained a token, in row order
+    token_ids: np.ndarray  # int32[len(request_ids)]
+    logprobs: dict[str, float]  # for the requests that asked for them
+    finished: list[Request]  # finished by these samples (stop token, length)
+    first_tokens: list[Request]  # requests whose first output token this was
 
 
 class Scheduler:
@@ -49,10 +73,12 @@ class Scheduler:
         self.buckets = token_buckets(config.max_num_batched_tokens)
         self.waiting: collections.deque[Request] = collections.deque()
         self.waiting_long: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # admission order: the oldest first
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
-        self.slots = BatchSlots(config.max_num_seqs, config.max_pages_per_seq)
+        self.slots = SlotCounters(config.max_num_seqs)
+        self._events: list[BatchEvent] = []
+        self._eos_ids = np.zeros(0, np.int32)  # every request's EOS ids (for a vectorized check)
         self._preempted_this_step = False
 
     # ---- queue management -------------------------------------------------------------------
@@ -72,6 +98,8 @@ class Scheduler:
             raise QueueFullError(f"waiting queue is full ({limit} requests)")
         threshold = self.config.long_prefill_threshold
         req.is_long = threshold is not None and req.num_prompt_tokens >= threshold
+        if not set(req.eos_token_ids) <= set(self._eos_ids.tolist()):
+            self._eos_ids = np.union1d(self._eos_ids, req.eos_token_ids).astype(np.int32)
         self.requests[req.request_id] = req
         (self.waiting_long if req.is_long else self.waiting).append(req)
 
@@ -84,69 +112,98 @@ class Scheduler:
             (self.waiting_long if req.is_long else self.waiting).remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        self._release(req, reason)
-        return req
-
-    def _release(self, req: Request, reason: str) -> None:
-        self.slots.release(req)
+            self._release_slot(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.times.finished = time.monotonic()
         del self.requests[req.request_id]
+        return req
+
+    def num_computed_tokens(self, req: Request) -> int:
+        """Tokens of `req` whose KV is written or being written by a launched step."""
+        return (
+            int(self.slots.computed[req.slot]) if req.slot is not None else req.num_computed_tokens
+        )
+
+    def _release_slot(self, req: Request) -> None:
+        self._events.append(Release(req.slot))
+        self.slots.release(req)
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
-        """Pick the next step's work; None when there is nothing to run."""
-        cfg = self.config
+    def schedule(self) -> SchedulerOutput | None:
+        """Pick the next step's work and advance each request as if it had run; None when idle."""
+        cfg, c = self.config, self.slots
         self._preempted_this_step = False
-        budget = cfg.max_num_batched_tokens
-        long_budget = cfg.long_prefill_budget
-        rows: list[tuple[Request, int]] = []
-        scheduled: set[str] = set()
+        budget, long_budget = cfg.max_num_batched_tokens, cfg.long_prefill_budget
 
         # 1. Decodes, oldest first: they keep every running stream moving.
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.num_remaining != 1 or self._done(req):
-                continue
-            if self._reserve(req, 1, scheduled, may_preempt_self=True):
-                rows.append((req, 1))
-                scheduled.add(req.request_id)
-                budget -= 1
+        run = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
+        total = c.known[run] + c.pending[run]
+        remaining = total - c.computed[run]
+        done = (c.pending[run] > 0) & (total >= c.stop_at[run])  # the pending token ends it
+        is_decode = (remaining == 1) & ~done
+        need_page = is_decode & (c.computed[run] >= c.num_pages[run] * self.page_size)
+        if need_page.any():
+            epochs = c.epoch[run]
+            self._decode_pages(run[need_page])
+            is_decode &= c.epoch[run] == epochs  # preempted meanwhile
+        decodes = run[is_decode]
+        budget -= len(decodes)
+        scheduled = np.zeros(cfg.max_num_seqs, bool)  # per slot
+        scheduled[decodes] = True
 
         # 2. Running prefills (chunked), oldest first.
-        for req in list(self.running):
-            if req.request_id in scheduled or req.status is not RequestStatus.RUNNING:
-                continue
-            n = self._chunk_size(req, req.num_computed_tokens, budget, long_budget)
-            if n and self._reserve(req, n, scheduled, may_preempt_self=False):
-                rows.append((req, n))
-                scheduled.add(req.request_id)
+        prefills: list[tuple[Request, int]] = []
+        for slot in run[remaining > 1].tolist():
+            req = c.requests[slot]
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # preempted in this step
+            n = self._chunk_size(req, int(c.computed[slot]), budget, long_budget)
+            if n and self._reserve(req, n, scheduled):
+                prefills.append((req, n))
+                scheduled[slot] = True
                 budget -= n
                 long_budget -= n if req.is_long else 0
 
         # 3. Admission, FCFS within each queue; never in a step that had to preempt.
         if not self._preempted_this_step:
-            budget = self._admit(self.waiting, rows, budget, long_budget)
+            budget = self._admit(self.waiting, prefills, budget, long_budget)
             if budget > 0:
-                self._admit(self.waiting_long, rows, budget, long_budget - self._long_tokens(rows))
+                used = sum(n for r, n in prefills if r.is_long)
+                self._admit(self.waiting_long, prefills, budget, long_budget - used)
 
-        return self._build_plan(rows) if rows else None
+        if not len(decodes) and not prefills:
+            return None
+        return self._output(decodes, prefills)
 
-    def _done(self, req: Request) -> bool:
-        """The pending token will end it (max_tokens or context reached): schedule nothing more."""
-        return req.num_pending_tokens > 0 and (
-            len(req.output_token_ids) + req.num_pending_tokens >= req.params.max_tokens
-            or req.num_scheduled_total >= self.config.max_model_len
-        )
-
-    def _long_tokens(self, rows: list[tuple[Request, int]]) -> int:
-        return sum(n for r, n in rows if r.is_long)
+    def _decode_pages(self, slots: np.ndarray) -> None:
+        """A new page for each decode row that fills its last one (oldest first), preempting the
+        newest running requests when the pool is empty (the row's own request, if it is newest)."""
+        c = self.slots
+        for slot in slots.tolist():
+            req = c.requests[slot]
+            if req is None:
+                continue  # preempted for an older request in this loop
+            while True:
+                pages = self.allocator.allocate(1)
+                if pages is not None:
+                    self._add_pages(req, pages)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int, long_budget: int) -> int:
-        remaining = req.num_scheduled_total - num_computed
+        total = (
+            int(self.slots.known[req.slot] + self.slots.pending[req.slot])
+            if req.slot is not None
+            else req.num_scheduled_total
+        )
+        remaining = total - num_computed
         n = min(remaining, budget, long_budget if req.is_long else budget)
         if 0 < n < remaining:
             # End the chunk on a page boundary when the budget allows, so every page but the last
@@ -156,37 +213,31 @@ class Scheduler:
                 n = aligned
         return max(n, 0)
 
-    def _pages_needed(self, req: Request, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size) - len(req.pages)
+    def _add_pages(self, req: Request, pages: list[int]) -> None:
+        self._events.append(AddPages(req.slot, len(req.pages), pages))
+        req.pages.extend(pages)
+        self.slots.num_pages[req.slot] = len(req.pages)
 
-    def _reserve(self, req: Request, n: int, scheduled: set[str], may_preempt_self: bool) -> bool:
-        """Give `req` pages for n more tokens, preempting newer unscheduled requests if needed."""
-        need = self._pages_needed(req, req.num_computed_tokens + n)
+    def _reserve(self, req: Request, n: int, scheduled: np.ndarray) -> bool:
+        """Pages for n more tokens of a running prefill, preempting newer unscheduled requests."""
+        c = self.slots
+        need = math.ceil((int(c.computed[req.slot]) + n) / self.page_size) - len(req.pages)
         while need > 0:
             pages = self.allocator.allocate(need)
             if pages is not None:
-                req.pages.extend(pages)
-                self.slots.add_pages(req, pages)
+                self._add_pages(req, pages)
                 return True
-            victim = self._newest_preemptible(req, scheduled)
-            if victim is None:
-                if may_preempt_self:
-                    self._preempt(req)
-                return False
+            victim = next(
+                (v for v in reversed(self.running) if v is req or not scheduled[v.slot]), req
+            )
+            if victim is req:
+                return False  # only requests newer than `req` are preempted for it
             self._preempt(victim)
         return True
 
-    def _newest_preemptible(self, req: Request, scheduled: set[str]) -> Request | None:
-        for victim in reversed(self.running):
-            if victim is req:
-                return None  # only requests newer than `req` are preempted for it
-            if victim.request_id not in scheduled:
-                return victim
-        return None
-
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.slots.release(req)
+        self._release_slot(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed_tokens = 0
@@ -198,13 +249,14 @@ class Scheduler:
         self.counters.num_preemptions += 1
         self._preempted_this_step = True
 
-    def _admit(self, queue, rows, budget: int, long_budget: int) -> int:
+    def _admit(self, queue, prefills, budget: int, long_budget: int) -> int:
         cfg = self.config
         headroom = int(cfg.kv_headroom * self.allocator.num_usable_pages)
         while queue and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = queue[0]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
+            assert req.num_pending_tokens == 0, "admitted with a sample in flight"
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
             cached = self.allocator.lookup(
@@ -220,22 +272,31 @@ class Scheduler:
                 break
             queue.popleft()
             req.pages = cached + new_pages
-            self.slots.acquire(req)
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             req.num_registered_pages = len(cached)
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = time.monotonic()
+            self.slots.acquire(req, cfg.max_model_len)
+            p = req.params
+            self._events.append(
+                Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
+            )
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
             self.running.append(req)
-            rows.append((req, n))
+            prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
         return budget
 
     def _num_long_prefilling(self) -> int:
-        return sum(1 for r in self.running if r.is_long and r.num_remaining > 1)
+        c = self.slots
+        return sum(
+            1
+            for r in self.running
+            if r.is_long and c.known[r.slot] + c.pending[r.slot] - c.computed[r.slot] > 1
+        )
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         if not self.allocator.enable_prefix_caching:
@@ -247,139 +308,157 @@ class Scheduler:
             req.page_hashes.append(page_hash(parent, req.token_ids(i * ps, (i + 1) * ps)))
         return req.page_hashes[:num_pages]
 
-    # ---- the plan ---------------------------------------------------------------------------
+    def _output(self, decodes: np.ndarray, prefills: list[tuple[Request, int]]) -> SchedulerOutput:
+        """The step's rows; advances each request's progress as if the step had run."""
+        c = self.slots
+        nd = len(decodes)
+        pending = c.pending[decodes] > 0
+        positions = c.computed[decodes].astype(np.int32)
+        decode_input_ids = np.where(pending, 0, c.last_token[decodes]).astype(np.int32)
+        decode_prev_index = np.where(pending, c.last_row[decodes], -1).astype(np.int32)
+        decode_sample_index = (
+            c.known[decodes] - c.prompt_len[decodes] + c.pending[decodes]
+        ).astype(np.int32)
+        c.computed[decodes] += 1
+        c.pending[decodes] += 1
+        c.last_row[decodes] = np.arange(nd, dtype=np.int32)
 
-    def _build_plan(self, rows: list[tuple[Request, int]]) -> StepPlan:
-        cfg, ps, slots = self.config, self.page_size, self.slots
-        decodes = [req for req, n in rows if n == 1]
-        prefills = [(req, n) for req, n in rows if n != 1]
-        reqs = decodes + [req for req, _ in prefills]
-        counts = [1] * len(decodes) + [n for _, n in prefills]
-        num_rows, num_dec = len(reqs), len(decodes)
-        num_tokens = sum(counts)
-        t, s = pick_bucket(self.buckets, num_tokens), cfg.max_num_seqs
+        # One-token chunks (a budget cut, a one-token prompt) join the decode rows, so the decode
+        # segment is exactly the rows with one query token; longer chunks follow.
+        ones = [(req, n) for req, n in prefills if n == 1]
+        chunks = [(req, n) for req, n in prefills if n != 1]
+        extra = len(ones)
+        extra_slots = np.fromiter((r.slot for r, _ in ones), np.int64, extra)
+        extra_ids = np.zeros(extra, np.int32)
+        extra_pos = c.computed[extra_slots].astype(np.int32)
+        extra_sample_index = (
+            c.known[extra_slots] + c.pending[extra_slots] - c.prompt_len[extra_slots]
+        ).astype(np.int32)
+        samples = np.ones(nd + len(prefills), bool)
+        for j, (req, _) in enumerate(ones):
+            start = int(extra_pos[j])
+            extra_ids[j] = req.token_ids(start, start + 1)[0]
+            samples[nd + j] = self._advance(req.slot, 1, nd + j)
 
-        row_slots = np.full(s, slots.padding_slot, np.int32)
-        row_slots[:num_rows] = [r.slot for r in reqs]
-        page_table = slots.page_table[row_slots]  # [S, MP]
-        start = np.zeros(s, np.int32)
-        start[:num_rows] = [r.num_computed_tokens for r in reqs]
-        q_lens = np.zeros(s, np.int32)
-        q_lens[:num_rows] = counts
-        kv_lens = start + q_lens
-        cu_q_lens = np.zeros(s + 1, np.int32)
-        np.cumsum(q_lens, out=cu_q_lens[1:])
-        logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
-
-        input_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slot_mapping = np.zeros(t, np.int32)  # padding -> page 0, slot 0
-        # Decode rows, vectorized: one token each, at position start.
-        # A one-token row is usually a decode: its token is the last one, or, when the previous
-        # step's sample has not reached the host yet, a placeholder the device fills from that
-        # step's output (prev_index). It can also be a one-token prefill chunk cut by the budget.
-        prev_index = np.full(t, -1, np.int32)
-        prev_index[:num_dec] = [r.last_row if r.num_pending_tokens else -1 for r in decodes]
-        input_ids[:num_dec] = [
-            0
-            if r.num_pending_tokens
-            else r.last_token
-            if r.num_computed_tokens == r.num_tokens - 1
-            else r.token_ids(r.num_computed_tokens, r.num_computed_tokens + 1)[0]
-            for r in decodes
-        ]
-        pos = start[:num_dec]
-        positions[:num_dec] = pos
-        slot_mapping[:num_dec] = page_table[np.arange(num_dec), pos // ps] * ps + pos % ps
-        # Prefill chunks: few rows, many tokens each.
-        offset = num_dec
-        for i, (req, n) in enumerate(prefills, start=num_dec):
-            pos = np.arange(start[i], start[i] + n, dtype=np.int32)
-            input_ids[offset : offset + n] = req.token_ids(int(start[i]), int(start[i]) + n)
-            positions[offset : offset + n] = pos
-            slot_mapping[offset : offset + n] = page_table[i, pos // ps] * ps + pos % ps
-            offset += n
-        sample_index = np.zeros(s, np.int32)
-        sample_index[:num_rows] = [len(r.output_token_ids) + r.num_pending_tokens for r in reqs]
-        samples = [
-            int(k) + n == r.num_scheduled_total
-            for r, k, n in zip(reqs, start, counts, strict=False)
-        ]
-        # The plan is final: advance each request as if the step had run (see Request).
-        for i, (r, n, smp) in enumerate(zip(reqs, counts, samples, strict=True)):
-            r.num_computed_tokens += n
-            if smp:
-                r.num_pending_tokens += 1
-                r.last_row = i
-        # JAX clips out-of-range indices silently, which would corrupt another request's KV.
-        assert 0 <= page_table.min() and page_table.max() < self.allocator.num_pages, "bad page id"
-        return StepPlan(
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            cu_q_lens=cu_q_lens,
-            kv_lens=kv_lens,
-            page_table=page_table,
-            distribution=np.asarray([num_dec, num_rows], np.int32),
-            logits_indices=logits_indices,
-            temperature=slots.temperature[row_slots],
-            top_p=slots.top_p[row_slots],
-            top_k=slots.top_k[row_slots],
-            seeds=slots.seeds[row_slots],
-            sample_index=sample_index,
-            prev_index=prev_index,
-            request_ids=[r.request_id for r in reqs],
-            num_scheduled_tokens=counts,
-            samples=samples,
-            num_tokens=num_tokens,
+        rows: list[PrefillRow] = []
+        first_chunk = nd + extra
+        for j, (req, n) in enumerate(chunks):
+            slot = req.slot
+            start, total = int(c.computed[slot]), int(c.known[slot] + c.pending[slot])
+            sample_index = total - req.num_prompt_tokens
+            rows.append(PrefillRow(slot, start, req.token_ids(start, start + n), sample_index))
+            samples[first_chunk + j] = self._advance(slot, n, first_chunk + j)
+        chunk_slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
+        row_slots = np.concatenate([decodes, extra_slots, chunk_slots]).astype(np.int32)
+        events, self._events = self._events, []
+        return SchedulerOutput(
+            decode_slots=np.concatenate([decodes, extra_slots]).astype(np.int32),
+            decode_positions=np.concatenate([positions, extra_pos]),
+            decode_input_ids=np.concatenate([decode_input_ids, extra_ids]),
+            decode_prev_index=np.concatenate([decode_prev_index, np.full(extra, -1, np.int32)]),
+            decode_sample_index=np.concatenate([decode_sample_index, extra_sample_index]),
+            prefills=rows,
+            events=events,
+            row_requests=[c.requests[s] for s in row_slots.tolist()],
+            row_slots=row_slots,
+            row_epochs=c.epoch[row_slots],
+            row_num_tokens=np.asarray([1] * first_chunk + [n for _, n in chunks], np.int32),
+            row_samples=samples,
+            num_tokens=nd + sum(n for _, n in prefills),
         )
+
+    def _advance(self, slot: int, n: int, row: int) -> bool:
+        """Advance a planned chunk of n tokens; True if it ends on the last token (samples)."""
+        c = self.slots
+        c.computed[slot] += n
+        if c.computed[slot] != c.known[slot] + c.pending[slot]:
+            return False
+        c.pending[slot] += 1
+        c.last_row[slot] = row
+        return True
 
     # ---- results ----------------------------------------------------------------------------
 
     def update(
-        self, plan: StepPlan, next_tokens: np.ndarray, logprobs: np.ndarray
-    ) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests that gained a token this step.
+        self, out: SchedulerOutput, next_tokens: np.ndarray, logprobs: np.ndarray | None = None
+    ) -> StepUpdate:
+        """Apply a step's sampled tokens (`next_tokens[i]` is row i's sample).
 
-        The plan already advanced every request's progress when it was built; this only delivers
-        the samples. A request finished meanwhile (stop, abort) is skipped; one preempted after
-        this plan was launched still receives its token (it is part of its output), then waits.
+        The step already advanced every request's progress when it was planned; this delivers
+        the samples. A request finished meanwhile (stop string, abort) is skipped; one preempted
+        after this step was planned still receives its token (it is part of its output), then
+        waits.
         """
-        now = time.monotonic()
-        progressed = []
-        for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
-            req = self.requests.get(rid)
-            if req is None:
-                continue  # finished (stop string, abort) after this plan was built
-            if req.status is RequestStatus.RUNNING:
-                self._register_full_pages(req)
-            if not samples:
-                continue
-            token = int(next_tokens[i])
+        c, now = self.slots, time.monotonic()
+        slots = out.row_slots
+        live = c.epoch[slots] == out.row_epochs  # still in the slot it was planned in
+        if self.allocator.enable_prefix_caching:
+            self._register_full_pages(slots[live])
+        reqs = out.row_requests
+        rows = np.flatnonzero(out.row_samples & live)
+        tokens = next_tokens[rows].astype(np.int32)
+        sslots = slots[rows]
+        for i, tok in zip(rows.tolist(), tokens.tolist(), strict=True):
+            reqs[i].output_token_ids.append(tok)
+        c.known[sslots] += 1
+        c.pending[sslots] -= 1
+        c.last_token[sslots] = tokens
+        c.last_token_time[sslots] = now
+        request_ids = [reqs[i].request_id for i in rows.tolist()]
+        update = StepUpdate(request_ids, tokens, {}, [], [])
+
+        for j in np.flatnonzero(c.known[sslots] - c.prompt_len[sslots] == 1).tolist():
+            reqs[rows[j]].times.first_token = now
+            update.first_tokens.append(reqs[rows[j]])
+        if logprobs is not None:
+            for j in np.flatnonzero(c.wants_logprobs[sslots]).tolist():
+                req, lp = reqs[rows[j]], float(logprobs[rows[j]])
+                req.output_logprobs.append(lp)
+                update.logprobs[req.request_id] = lp
+
+        # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
+        ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
+        ends |= np.isin(tokens, self._eos_ids) & ~c.ignore_eos[sslots]
+        for j in np.flatnonzero(ends).tolist():
+            req = reqs[rows[j]]
+            reason = self._finish_reason(req, int(tokens[j]))
+            if reason is not None:
+                update.finished.append(self.finish_request(req.request_id, reason))
+
+        # Rows whose request left its slot after this step was planned.
+        for i in np.flatnonzero(out.row_samples & ~live).tolist():
+            req = reqs[i]
+            if req.is_finished:
+                continue  # finished (stop string, abort): the sample is discarded
+            tok = int(next_tokens[i])  # preempted: the token is still part of its output
             req.num_pending_tokens -= 1
-            req.output_token_ids.append(token)
-            if req.params.logprobs is not None:
-                req.output_logprobs.append(float(logprobs[i]))
+            req.output_token_ids.append(tok)
             if req.times.first_token is None:
                 req.times.first_token = now
+                update.first_tokens.append(req)
             req.times.last_token = now
-            reason = self._finish_reason(req, token)
+            update.request_ids.append(req.request_id)
+            update.token_ids = np.append(update.token_ids, np.int32(tok))
+            if logprobs is not None and req.params.logprobs is not None:
+                req.output_logprobs.append(float(logprobs[i]))
+                update.logprobs[req.request_id] = float(logprobs[i])
+            reason = self._finish_reason(req, tok)
             if reason is not None:
-                self.finish_request(rid, reason)
-            progressed.append(req)
-        return progressed
+                update.finished.append(self.finish_request(req.request_id, reason))
+        return update
 
-    def _register_full_pages(self, req: Request) -> None:
+    def _register_full_pages(self, slots: np.ndarray) -> None:
         """Publish pages filled by launched steps. Their tokens are all known on the host by now,
         and any later step that reads them runs after the step that writes them."""
-        if not self.allocator.enable_prefix_caching:
-            return
-        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
-        if full > req.num_registered_pages:
-            hashes = self._page_hashes(req, full)
-            for j in range(req.num_registered_pages, full):
+        c = self.slots
+        full = np.minimum(c.computed[slots], c.known[slots]) // self.page_size
+        for slot in slots[full > c.registered[slots]].tolist():
+            req = c.requests[slot]
+            num_full = int(min(c.computed[slot], c.known[slot]) // self.page_size)
+            hashes = self._page_hashes(req, num_full)
+            for j in range(int(c.registered[slot]), num_full):
                 self.allocator.register(req.pages[j], hashes[j])
-            req.num_registered_pages = full
+            c.registered[slot] = num_full
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -390,17 +469,19 @@ class Scheduler:
         return None
 
     def check_invariants(self) -> None:
-        """For tests: page accounting, queue states and limits hold."""
+        """For tests: page accounting, queue states, limits and the slot counters hold."""
+        c = self.slots
         self.allocator.check_invariants([r.pages for r in self.running])
         assert len(self.running) <= self.config.max_num_seqs
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
+        assert c.num_free + len(self.running) == self.config.max_num_seqs
         for r in self.running:
-            assert r.status is RequestStatus.RUNNING
-            assert len(r.pages) * self.page_size >= r.num_computed_tokens
+            s = r.slot
+            assert r.status is RequestStatus.RUNNING and c.requests[s] is r
+            assert c.known[s] == r.num_tokens and c.num_pages[s] == len(r.pages)
+            assert len(r.pages) * self.page_size >= c.computed[s]
             assert len(r.pages) <= self.config.max_pages_per_seq
-            row = self.slots.page_table[r.slot]
-            assert row[: len(r.pages)].tolist() == r.pages and not row[len(r.pages) :].any()
-        assert not self.slots.page_table[self.slots.padding_slot].any()
+            assert 0 <= c.pending[s] <= 2 and c.computed[s] <= c.known[s] + c.pending[s]
         for r in list(self.waiting) + list(self.waiting_long):
             assert r.status is RequestStatus.WAITING and not r.pages and r.slot is None

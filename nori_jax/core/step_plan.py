@@ -1,4 +1,4 @@
-"""The StepPlan: one step's work as plain numpy arrays already padded to a compiled bucket."""
+"""The StepPlan: one step's work as packed numpy buffers already padded to a compiled bucket."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import bisect
 import dataclasses
 
 import numpy as np
+
+from nori_jax.core.sampling_modes import SamplerMode
+from nori_jax.core.scheduler_output import SchedulerOutput
+from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 
 
 def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int]:
@@ -28,45 +32,60 @@ def pick_bucket(buckets: list[int], num_tokens: int) -> int:
 
 @dataclasses.dataclass
 class StepPlan:
-    """Arrays the jitted step consumes, plus host bookkeeping the scheduler reads back.
+    """The arrays the jitted step consumes (see step_layout.py), and the rows they came from.
 
-    T = token bucket, S = max_num_seqs rows, MP = max pages per sequence. Rows are ordered decode
-    (one query token) first, then prefill chunks, then padding rows (q_len 0, kv_len 0).
+    T = token bucket, S = max_num_seqs rows. Rows are ordered decode (one query token) first,
+    then prefill chunks, then padding rows (q_len 0, kv_len 0).
     """
 
-    input_ids: np.ndarray  # int32[T]
-    positions: np.ndarray  # int32[T]
-    slot_mapping: np.ndarray  # int32[T]; padding writes go to page 0
-    cu_q_lens: np.ndarray  # int32[S + 1]
-    kv_lens: np.ndarray  # int32[S]
-    page_table: np.ndarray  # int32[S, MP]
-    distribution: np.ndarray  # int32[2]: (num_decode_rows, num_rows)
-    logits_indices: np.ndarray  # int32[S]: last token of each row
-    temperature: np.ndarray  # float32[S]
-    top_p: np.ndarray  # float32[S]
-    top_k: np.ndarray  # int32[S]; 0 = off
-    seeds: np.ndarray  # int32[S]
-    sample_index: np.ndarray  # int32[S]: index of the output token a row samples (RNG stream)
-    # int32[T]: for a token whose id is still on the device (sampled by the previous step), the
-    # row of that step whose sample it is; -1 where input_ids holds the real id.
-    prev_index: np.ndarray
-    # Host-side bookkeeping (not sent to the device).
-    request_ids: list[str]  # per real row
-    num_scheduled_tokens: list[int]  # per real row
-    samples: list[bool]  # per real row: does this row's last token produce an output token?
-    num_tokens: int  # real tokens (<= T)
+    layout: StepLayout
+    tokens: np.ndarray  # int32[4, T]
+    rows: np.ndarray  # int32[layout.row_size]
+    sampler_mode: SamplerMode
+    scheduled: SchedulerOutput
 
     @property
     def bucket(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.tokens.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.scheduled.num_tokens
 
     @property
     def num_rows(self) -> int:
-        return len(self.request_ids)
+        return self.scheduled.num_rows
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
-        }
+    @property
+    def request_ids(self) -> list[str]:
+        return self.scheduled.request_ids
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return self.scheduled.row_num_tokens.tolist()
+
+    @property
+    def samples(self) -> list[bool]:
+        return self.scheduled.row_samples.tolist()
+
+    def token_field(self, name: str) -> np.ndarray:
+        return self.tokens[TOKEN_FIELDS.index(name)]
+
+    def row_field(self, name: str) -> np.ndarray:
+        return self.layout.view(self.rows, name)
+
+    # The fields by name, for tests and tools (the device reads the packed buffers).
+    input_ids = property(lambda self: self.token_field("input_ids"))
+    positions = property(lambda self: self.token_field("positions"))
+    slot_mapping = property(lambda self: self.token_field("slot_mapping"))
+    prev_index = property(lambda self: self.token_field("prev_index"))
+    cu_q_lens = property(lambda self: self.row_field("cu_q_lens"))
+    kv_lens = property(lambda self: self.row_field("kv_lens"))
+    logits_indices = property(lambda self: self.row_field("logits_indices"))
+    distribution = property(lambda self: self.row_field("distribution"))
+    page_table = property(lambda self: self.row_field("page_table"))
+    temperature = property(lambda self: self.row_field("temperature"))
+    top_p = property(lambda self: self.row_field("top_p"))
+    top_k = property(lambda self: self.row_field("top_k"))
+    seeds = property(lambda self: self.row_field("seeds"))
+    sample_index = property(lambda self: self.row_field("sample_index"))

@@ -1,20 +1,39 @@
-"""JAX's persistent compilation cache, on for every engine, including small programs."""
+"""JAX's persistent compilation cache for the engine's programs.
+
+The cache is a process-wide JAX setting, so the engine touches it only when asked or when the
+process has none: an explicit directory turns it on there (caching every program, including the
+small ones JAX skips by default, which on CPU is nearly all of ours); with none given, the
+project's directory is used only if the process has no cache configured, and a cache the user set
+up stays exactly as it is. Importing nori_jax changes nothing.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import jax
 
+logger = logging.getLogger(__name__)
+DEFAULT_DIR = "~/.cache/nori_jax/xla"
 
-def enable(cache_dir: str | None = None) -> Path:
-    path = Path(
-        cache_dir or os.environ.get("NORI_JAX_CACHE_DIR") or "~/.cache/nori_jax/xla"
-    ).expanduser()
+
+def default_dir() -> Path:
+    return Path(os.environ.get("NORI_JAX_CACHE_DIR") or DEFAULT_DIR).expanduser()
+
+
+def enable(cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """Point JAX's persistent cache at `cache_dir`, or (None) at the default directory unless
+    the process already has a cache. Returns the directory in use (None if none)."""
+    current = jax.config.jax_compilation_cache_dir
+    if cache_dir is None and current:
+        logger.info("compilation cache: the process's own, %s", current)
+        return Path(current)
+    path = Path(cache_dir).expanduser() if cache_dir is not None else default_dir()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    # The defaults skip programs that compile in under a second: on CPU that is nearly all of ours.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    logger.info("compilation cache: %s", path)
     return path

@@ -1,13 +1,20 @@
-"""The device side: one jitted ragged step, compiled ahead of time for every token bucket.
+"""The device side: a jitted forward pass per token bucket and a sampler program per mode, all
+compiled ahead of time.
 
-    step(state, kv_pages, prev_tokens, batch)
-        -> (next_tokens int32[S], logprobs float32[S], kv_pages)
+    forward(params, kv_pages, prev_tokens, tokens, rows) -> (logits float32[S, V], kv_pages)
+    sample[mode](logits, rows) -> (next_tokens int32[S], logprobs float32[S])
 
-`state` is the model's parameters (nnx.split once; the graphdef is closed over), `kv_pages` is
-donated and comes back updated in place, and only S tokens + S logprobs return to the host.
-`prev_tokens` is the previous step's `next_tokens`, still on the device: decode rows whose input
-is the previous step's sample read it from there (`batch["prev_index"]`), which lets the host plan
-step N+1 while step N runs.
+`params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
+graphdef and the tree structure are closed over), so a launch flattens no NNX state. `tokens`
+and `rows` are the step's two packed int32 buffers (core/step_layout.py): one host-to-device
+transfer each. `kv_pages` is donated and comes back updated in place; only S tokens and S
+logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`, still on the
+device: decode rows whose input is the previous step's sample read it from there
+(`prev_index`), which lets the host plan step N+1 while step N runs.
+
+The sampler is its own program over the fixed [S, V] logits, so its modes (sampling_modes.py)
+cost a handful of small compiles rather than one more forward pass per bucket, and the step
+never branches on device data.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,39 +32,47 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from nori_jax.core.sampling_modes import DEFAULT_TOP_K_CAP, SamplerMode
+from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan
-from nori_jax.executor import compile_counter
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
 from nori_jax.executor.sampler import sample
+from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
 
-def _step(graphdef, state, kv_pages, prev_tokens, batch):
-    model = nnx.merge(graphdef, state)
-    prev = batch["prev_index"]
-    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["input_ids"])
+def _forward(graphdef, treedef, layout, params, kv_pages, prev_tokens, tokens, rows):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
+    prev = tok["prev_index"]
+    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], tok["input_ids"])
     meta = AttentionInputs(
-        slot_mapping=batch["slot_mapping"],
-        kv_lens=batch["kv_lens"],
-        page_table=batch["page_table"],
-        cu_q_lens=batch["cu_q_lens"],
-        distribution=batch["distribution"],
+        slot_mapping=tok["slot_mapping"],
+        kv_lens=row["kv_lens"],
+        page_table=row["page_table"],
+        cu_q_lens=row["cu_q_lens"],
+        distribution=row["distribution"],
     )
-    hidden, kv_pages = model(input_ids, batch["positions"], kv_pages, meta)
-    logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
-    tokens, logprobs = sample(
+    hidden, kv_pages = model(input_ids, tok["positions"], kv_pages, meta)
+    return model.compute_logits(hidden[row["logits_indices"]]), kv_pages  # [S, V]
+
+
+def _sample(layout, mode, top_k_cap, logits, rows):
+    row = unpack_rows(layout, rows)
+    return sample(
         logits,
-        batch["temperature"],
-        batch["top_p"],
-        batch["top_k"],
-        batch["seeds"],
-        batch["sample_index"],
+        row["temperature"],
+        row["top_p"],
+        row["top_k"],
+        row["seeds"],
+        row["sample_index"],
+        mode=mode,
+        top_k_cap=top_k_cap,
     )
-    return tokens, logprobs, kv_pages
 
 
 class ModelRunner:
@@ -66,120 +82,127 @@ class ModelRunner:
         mesh: Mesh,
         num_pages: int,
         page_size: int,
-        max_num_seqs: int,
-        max_pages_per_seq: int,
+        layout: StepLayout,
         buckets: list[int],
+        top_k_cap: int = DEFAULT_TOP_K_CAP,
     ):
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
-        self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq
+        self.layout = layout
         self.buckets = list(buckets)
+        self.top_k_cap = top_k_cap
         cfg = loaded.config
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, loaded.dtype, mesh)
+        self._params, treedef = jax.tree.flatten(loaded.state)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
-        self._jitted = jax.jit(
-            functools.partial(_step, loaded.graphdef),
+        self._forward_fn = jax.jit(
+            functools.partial(_forward, loaded.graphdef, treedef, layout),
             donate_argnums=(1,),
-            out_shardings=(
-                self._replicated,
-                self._replicated,
-                [self._kv_sharding] * cfg.num_layers,
-            ),
+            out_shardings=(self._replicated, [self._kv_sharding] * cfg.num_layers),
         )
-        self._executables: dict[int, jax.stages.Compiled] = {}
+        self._sample_fns = {
+            mode: jax.jit(
+                functools.partial(_sample, layout, mode, top_k_cap),
+                out_shardings=(self._replicated, self._replicated),
+            )
+            for mode in SamplerMode
+        }
+        self._forwards: dict[int, jax.stages.Compiled] = {}
+        self._samplers: dict[SamplerMode, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
-        self._prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
+        self._prev_tokens = jax.device_put(
+            np.zeros(layout.max_num_seqs, np.int32), self._replicated
+        )
 
-    def _abstract_batch(self, t: int) -> dict[str, jax.ShapeDtypeStruct]:
-        s, mp, rep = self.max_num_seqs, self.max_pages_per_seq, self._replicated
-        i32, f32 = jnp.int32, jnp.float32
-        shapes = {
-            "input_ids": ((t,), i32),
-            "positions": ((t,), i32),
-            "slot_mapping": ((t,), i32),
-            "cu_q_lens": ((s + 1,), i32),
-            "kv_lens": ((s,), i32),
-            "page_table": ((s, mp), i32),
-            "distribution": ((2,), i32),
-            "logits_indices": ((s,), i32),
-            "temperature": ((s,), f32),
-            "top_p": ((s,), f32),
-            "top_k": ((s,), i32),
-            "seeds": ((s,), i32),
-            "sample_index": ((s,), i32),
-            "prev_index": ((t,), i32),
-        }
-        return {
-            k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()
-        }
+    def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
-    def compile_all(self) -> None:
-        """Lower every bucket, then compile them in parallel (XLA releases the GIL)."""
+    def compile_all(self, on_compiled: Callable[[str, float], None] | None = None) -> None:
+        """Lower every bucket and sampler mode, then compile them in parallel (XLA releases the
+        GIL). `on_compiled(name, seconds)` is called as each program is ready."""
         start = time.perf_counter()
-        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        state_abs = jax.tree.map(as_abstract, self.model.state)
+        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        params_abs = [as_abstract(x) for x in self._params]
         kv_abs = [as_abstract(x) for x in self.kv_pages]
-        prev_abs = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32, sharding=self._replicated)
+        s, i32 = self.layout.max_num_seqs, jnp.int32
+        prev_abs = self._abstract((s,), i32)
+        rows_abs = self._abstract((self.layout.row_size,), i32)
+        vocab = self.model.config.vocab_size
+        logits_abs = self._abstract((s, vocab), jnp.float32)
         lowered = {
-            t: self._jitted.lower(state_abs, kv_abs, prev_abs, self._abstract_batch(t))
+            ("forward", t): self._forward_fn.lower(
+                params_abs, kv_abs, prev_abs, self._abstract((len(TOKEN_FIELDS), t), i32), rows_abs
+            )
             for t in self.buckets
         }
+        lowered.update(
+            {("sampler", m): fn.lower(logits_abs, rows_abs) for m, fn in self._sample_fns.items()}
+        )
+
+        def compile_one(key):
+            t0 = time.perf_counter()
+            exe = lowered[key].compile()
+            if on_compiled is not None:
+                on_compiled(f"{key[0]} {key[1]!s}", time.perf_counter() - t0)
+            return exe
+
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(16, os.cpu_count() or 4)
         ) as pool:
-            compiled = dict(
-                zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True)
-            )
-        self._executables.update(compiled)
+            compiled = dict(zip(lowered, pool.map(compile_one, lowered), strict=True))
+        for (kind, key), exe in compiled.items():
+            (self._forwards if kind == "forward" else self._samplers)[key] = exe
         self.compile_seconds = time.perf_counter() - start
         logger.info(
-            "compiled %d buckets %s in %.1fs", len(compiled), self.buckets, self.compile_seconds
+            "compiled %d buckets %s and %d sampler modes in %.1fs",
+            len(self.buckets),
+            self.buckets,
+            len(self._samplers),
+            self.compile_seconds,
         )
 
+    def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
+        """Every compiled program by name ("forward 64", "sampler SAMPLE"), for inspection."""
+        out = {f"forward {t}": exe for t, exe in self._forwards.items()}
+        out.update({f"sampler {m.name}": exe for m, exe in self._samplers.items()})
+        return out
+
     def warm_up(self) -> None:
-        """Run every compiled bucket once on a plan that touches only the null page.
+        """Run every compiled bucket and sampler mode once on a plan that touches only the null
+        page.
 
         First executions may still build programs (interpret-mode kernels on CPU trace their
         bodies on first use; some backends load or autotune lazily); doing it here keeps the
         serving loop at zero compiles. Each plan has a decode row and a prefill row, so both
         kernel paths run; every slot maps into page 0, whose contents are garbage by design.
         """
-        s, mp = self.max_num_seqs, self.max_pages_per_seq
+        layout = self.layout
+        s, mp = layout.max_num_seqs, layout.max_pages_per_seq
         for t in self.buckets:
             q_lens = [1, t - 1] if t > 1 and s > 1 else [1]
             q_lens[-1] = min(q_lens[-1], mp * self.page_size)
             n = sum(q_lens)
-            cu = np.zeros(s + 1, np.int32)
+            tokens = new_tokens(t)
+            positions = tokens[TOKEN_FIELDS.index("positions")]
+            positions[1:n] = np.arange(n - 1)
+            tokens[TOKEN_FIELDS.index("slot_mapping")] = positions % self.page_size
+            tokens[TOKEN_FIELDS.index("input_ids")] = 1
+            rows = layout.new_rows()
+            cu = layout.view(rows, "cu_q_lens")
             cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
             cu[len(q_lens) + 1 :] = n
-            kv_lens = np.zeros(s, np.int32)
-            kv_lens[: len(q_lens)] = q_lens
-            positions = np.zeros(t, np.int32)
-            positions[1:n] = np.arange(n - 1)
-            plan = StepPlan(
-                input_ids=np.ones(t, np.int32),
-                positions=positions,
-                slot_mapping=positions % self.page_size,
-                cu_q_lens=cu,
-                kv_lens=kv_lens,
-                page_table=np.zeros((s, mp), np.int32),
-                distribution=np.asarray([1, len(q_lens)], np.int32),
-                logits_indices=np.maximum(cu[1:] - 1, 0),
-                temperature=np.ones(s, np.float32),
-                top_p=np.full(s, 0.9, np.float32),
-                top_k=np.full(s, 5, np.int32),
-                seeds=np.zeros(s, np.int32),
-                sample_index=np.zeros(s, np.int32),
-                prev_index=np.full(t, -1, np.int32),
-                request_ids=[],
-                num_scheduled_tokens=[],
-                samples=[],
-                num_tokens=n,
-            )
-            self.step(plan)
+            layout.view(rows, "kv_lens")[: len(q_lens)] = q_lens
+            layout.view(rows, "distribution")[:] = (1, len(q_lens))
+            layout.view(rows, "logits_indices")[:] = np.maximum(cu[1:] - 1, 0)
+            layout.view(rows, "temperature")[:] = 1.0
+            layout.view(rows, "top_p")[:] = 0.9
+            layout.view(rows, "top_k")[:] = 5
+            self.fetch(self._launch(t, tokens, rows, SamplerMode.GREEDY))
+        for mode in (SamplerMode.SAMPLE, SamplerMode.FULL):  # sampler programs need one bucket
+            self.fetch(self._launch(self.buckets[-1], tokens, rows, mode))
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
@@ -187,20 +210,22 @@ class ModelRunner:
         The device runs launched steps in order, so a step may read pages or tokens that the
         previous one is still writing.
         """
-        executable = self._executables.get(plan.bucket)
-        if executable is None:
-            raise RuntimeError(f"bucket {plan.bucket} was not compiled (buckets: {self.buckets})")
-        # The plan's numpy arrays go straight into the call: the executable's C++ dispatch path
-        # transfers them to their (replicated) shardings for a fraction of what jax.device_put
-        # of the same dict costs in Python (docs/benchmarks.md, "host launch cost").
-        tokens, logprobs, self.kv_pages = executable(
-            self.model.state, self.kv_pages, self._prev_tokens, plan.device_arrays()
+        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler_mode)
+
+    def _launch(self, bucket: int, tokens: np.ndarray, rows: np.ndarray, mode):
+        forward = self._forwards.get(bucket)
+        if forward is None:
+            raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
+        tokens_d, rows_d = jax.device_put((tokens, rows), self._replicated)
+        logits, self.kv_pages = forward(
+            self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
         )
-        self._prev_tokens = tokens
+        next_tokens, logprobs = self._samplers[mode](logits, rows_d)
+        self._prev_tokens = next_tokens
         # Start the device-to-host copy now, so fetching later does not add a round trip.
-        tokens.copy_to_host_async()
+        next_tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
-        return tokens, logprobs
+        return next_tokens, logprobs
 
     @staticmethod
     def fetch(handle: tuple[jax.Array, jax.Array]) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +234,4 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """Launch and wait: the synchronous step."""
-        return self.fetch(self.launch(plan))
-
-
-compile_counter.install()
+        return self.fetch(self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler_mode))

@@ -21,6 +21,7 @@ from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from pallas_kernels import attention_step
 
 MODEL = "model"  # mesh axis for tensor parallelism
+ATTENTION_SCOPE = "paged_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +83,22 @@ class Attention(nnx.Module):
         q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
         k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out, kv_pages = attention_step(
-            q,
-            k,
-            v,
-            kv_pages,
-            meta.slot_mapping,
-            meta.kv_lens,
-            meta.page_table,
-            meta.cu_q_lens,
-            meta.distribution,
-            sm_scale=self.sm_scale,
-            backend=self.backend,
-        )
+        # The scope names the attention's ops in the compiled HLO: its loops (the reference's
+        # page loop, a kernel's) are the only control flow the step may hold (test_step_hlo.py).
+        with jax.named_scope(ATTENTION_SCOPE):
+            out, kv_pages = attention_step(
+                q,
+                k,
+                v,
+                kv_pages,
+                meta.slot_mapping,
+                meta.kv_lens,
+                meta.page_table,
+                meta.cu_q_lens,
+                meta.distribution,
+                sm_scale=self.sm_scale,
+                backend=self.backend,
+            )
         return out.reshape(t, self.num_heads * self.head_dim) @ self.o_proj[...], kv_pages
 
 

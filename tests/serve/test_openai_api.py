@@ -268,8 +268,11 @@ def test_async_engine_in_process(server: Server) -> None:
         free = server.free_pages()
         long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
         gen = server.engine.generate("break off", long)
+        seen = 0
         async for out in gen:
-            if len(out.token_ids) == 3:
+            assert out.token_ids is None and not out.finished  # deltas until the end
+            seen += len(out.new_token_ids)
+            if seen >= 3:
                 break
         await gen.aclose()  # runs the generator's `finally`: the request is aborted
         # A reader that falls behind gets what waits for it merged into one output.

@@ -1,15 +1,24 @@
-"""Drive the Scheduler without a model: tokens are a deterministic function of the sequence."""
+"""Drive the Scheduler without a model: tokens are a deterministic function of the sequence.
+
+`make_scheduler` attaches a PlanBuilder, so `fake_step` and `run_to_completion` go through the
+same schedule -> build -> execute -> update path as the engine, with a fake device that resolves
+placeholder tokens from the previous step's samples exactly as the jitted step does.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from nori_jax.core.paging import PageAllocator
+from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.request import Request
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.core.scheduler_output import SchedulerOutput
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.sampling_params import SamplingParams
+
+VOCAB = 1003
 
 
 def next_token(tokens: list[int]) -> int:
@@ -21,9 +30,16 @@ def make_scheduler(num_pages: int = 64, **overrides) -> Scheduler:
     cfg = dict(max_model_len=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
     cfg.update(overrides)
     config = SchedulerConfig(**cfg)
-    return Scheduler(
-        config, PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+    s = Scheduler(config, PageAllocator(num_pages, config.page_size, config.enable_prefix_caching))
+    s._builder = PlanBuilder(
+        config.max_num_seqs,
+        config.max_pages_per_seq,
+        config.page_size,
+        num_pages,
+        s.buckets,
+        VOCAB,
     )
+    return s
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:
@@ -32,9 +48,13 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> 
     )
 
 
+def build(s: Scheduler, out: SchedulerOutput) -> StepPlan:
+    return s._builder.build(out)
+
+
 def check_plan(s: Scheduler, plan: StepPlan) -> None:
     """Every plan sits in a bucket, respects the budget, lists decodes first, and its token and
-    slot arrays agree with the requests' pages. Call right after schedule()."""
+    slot arrays agree with the requests' pages. Call right after schedule() + build()."""
     assert plan.bucket in s.buckets and plan.num_tokens <= plan.bucket
     assert plan.num_tokens <= s.config.max_num_batched_tokens
     assert plan.num_rows <= s.config.max_num_seqs
@@ -45,12 +65,12 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
     assert plan.cu_q_lens[plan.num_rows] == plan.num_tokens
     assert (plan.slot_mapping[plan.num_tokens :] == 0).all()  # padding writes go to page 0
     assert (plan.prev_index[first_prefill:] == -1).all()  # only decode rows use device tokens
+    assert (plan.page_table[plan.num_rows :] == 0).all()  # padding rows read the null page
     ps = s.page_size
-    for i, rid in enumerate(plan.request_ids):
-        req = s.requests[rid]
+    for i, req in enumerate(plan.scheduled.row_requests):
         lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
         start = int(plan.kv_lens[i]) - (hi - lo)
-        assert req.num_computed_tokens == plan.kv_lens[i]  # advanced at schedule time
+        assert s.num_computed_tokens(req) == plan.kv_lens[i]  # advanced at schedule time
         assert plan.positions[lo:hi].tolist() == list(range(start, start + hi - lo))
         known = plan.prev_index[lo:hi] < 0
         expected = req.token_ids(start, start + hi - lo)
@@ -58,6 +78,7 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
             t for t, k in zip(expected, known, strict=False) if k
         ]
         pages = np.asarray(req.pages)
+        assert plan.page_table[i, : len(pages)].tolist() == req.pages
         pos = plan.positions[lo:hi]
         assert (plan.slot_mapping[lo:hi] == pages[pos // ps] * ps + pos % ps).all()
         assert (plan.slot_mapping[lo:hi] >= ps).all(), "a real token writes into the null page"
@@ -77,24 +98,28 @@ class FakeDevice:
             plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
         )
         tokens = np.zeros(self.s.config.max_num_seqs, np.int32)
-        for i, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
+        for i, (req, samples) in enumerate(
+            zip(plan.scheduled.row_requests, plan.samples, strict=True)
+        ):
+            rid = req.request_id
             lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
             start = int(plan.kv_lens[i]) - (hi - lo)
             for j in range(lo, hi):
                 if plan.prev_index[j] >= 0:  # must be this request's previous sample
                     assert ids[j] == self.last_sample[rid]
             if samples:
-                req = self.s.requests.get(rid)
                 seq = req.token_ids(0, start) + ids[lo:hi].tolist()
                 tokens[i] = self.last_sample[rid] = next_token(seq)
         self.prev_tokens = tokens
         return tokens
 
 
-def fake_step(s: Scheduler, plan: StepPlan) -> list[Request]:
-    """Synchronous: execute the plan, then update."""
-    tokens = FakeDevice(s).execute(plan) if not hasattr(s, "_fake") else s._fake.execute(plan)
-    return s.update(plan, tokens, np.zeros(s.config.max_num_seqs, np.float32))
+def fake_step(s: Scheduler, out: SchedulerOutput):
+    """Synchronous: build and execute the step, then update."""
+    if not hasattr(s, "_fake"):
+        s._fake = FakeDevice(s)
+    plan = build(s, out)
+    return s.update(out, s._fake.execute(plan))
 
 
 def run_to_completion(
@@ -113,13 +138,14 @@ def run_to_completion(
     done: dict[str, Request] = {}
     in_flight = None
     for _ in range(max_steps):
-        plan = s.schedule()
+        out = s.schedule()
         s.check_invariants()
-        if plan is not None:
+        if out is not None:
+            plan = build(s, out)
             check_plan(s, plan)
             if on_step:
                 on_step(s, plan)
-            launched = (plan, device.execute(plan))
+            launched = (out, device.execute(plan))
         else:
             launched = None
         finish = in_flight if overlap else launched
@@ -127,10 +153,8 @@ def run_to_completion(
         if finish is None and launched is None:
             break
         if finish is not None:
-            zeros = np.zeros(s.config.max_num_seqs, np.float32)
-            for req in s.update(finish[0], finish[1], zeros):
-                if req.is_finished:
-                    done[req.request_id] = req
+            for req in s.update(*finish).finished:
+                done[req.request_id] = req
         s.check_invariants()
     assert not s.has_unfinished(), "scheduler stopped making progress"
     assert s.allocator.num_used_pages == 0, "pages leaked"

@@ -1,0 +1,84 @@
+"""A/B of `nori-jax bench offline` between source trees, in one process group, alternating.
+
+    python benchmarks/engine/ab_offline.py --tree base=.ab/base --tree new=. --rounds 2 \
+        --out $OUT -- --config h200-throughput --max-num-seqs 1024 \
+        --max-num-batched-tokens 8192 --num-prompts 2000
+
+Runs the trees A B A B ... (the GPU machine's host drifts 15-30% between calls, so only rows of
+one call compare), each in a fresh process with the tree first on PYTHONPATH and its own
+compilation cache (warm from the second round on). Prints one table row per run: total and
+output tok/s, steps, and the engine's stage split; writes each run's JSON and log under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_one(name: str, tree: Path, bench_args: list[str], out: Path, r: int, timeout: float):
+    result = out / f"{name}_{r}.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{tree.resolve()}:{env.get('PYTHONPATH', '')}"
+    env["NORI_JAX_CACHE_DIR"] = f"/tmp/nori_xla_{name}"
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "nori_jax.cli", "bench", "offline", *bench_args]
+    cmd += ["--result-json", str(result)]
+    t0 = time.perf_counter()
+    with (out / f"{name}_{r}.log").open("w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not result.is_file():
+        tail = (out / f"{name}_{r}.log").read_text()[-1500:]
+        return {"name": name, "round": r, "error": f"exit {proc.returncode}", "tail": tail}
+    data = json.loads(result.read_text())
+    data.update(name=name, round=r, wall_s=wall)
+    return data
+
+
+def row(d: dict) -> str:
+    if "error" in d:
+        return f"{d['name']:<8}{d['round']:>3}  ERROR {d['error']}\n{d['tail']}"
+    e = d["elapsed_s"]
+    split = "/".join(f"{100 * d[k] / e:.0f}" for k in ("schedule_s", "launch_s", "wait_s"))
+    split += f"/{100 * d['postprocess_s'] / e:.0f}"
+    return (
+        f"{d['name']:<8}{d['round']:>3}{d['total_token_throughput']:>11,.0f}"
+        f"{d['output_throughput']:>10,.0f}{d['steps']:>7}{d['mean_step_ms']:>8.2f}"
+        f"{split:>16}{d.get('num_recompiles', 0):>5}{d['wall_s']:>7.0f}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default="/tmp/ab_offline")
+    p.add_argument("--timeout", type=float, default=400, help="seconds per run")
+    args, bench_args = p.parse_known_args()
+    if bench_args and bench_args[0] == "--":
+        bench_args = bench_args[1:]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trees = [t.split("=", 1) for t in args.tree]
+    rows = []
+    header = f"{'tree':<8}{'rnd':>3}{'total/s':>11}{'out/s':>10}{'steps':>7}{'ms/st':>8}"
+    header += f"{'sch/lau/wai/pp%':>16}{'rec':>5}{'wall':>7}"
+    for r in range(args.rounds):
+        for name, path in trees:
+            d = run_one(name, Path(path), bench_args, out, r, args.timeout)
+            rows.append(d)
+            print(row(d), flush=True)
+    (out / "ab_offline.json").write_text(json.dumps(rows, indent=1))
+    print(header)
+    for d in rows:
+        print(row(d))
+
+
+if __name__ == "__main__":
+    main()

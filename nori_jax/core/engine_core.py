@@ -1,0 +1,215 @@
+"""The engine core: the step loop over scheduler -> plan builder -> executor -> scheduler.update.
+
+JAX-free: the executor (executor/runner.py on a device, a fake in tests and host benchmarks) is
+the only part that touches JAX. Requests arrive already tokenized and validated
+(`EngineCoreRequest`); each step returns raw, columnar `EngineCoreOutputs`. Detokenization, stop
+strings and user-facing outputs belong to the output processor, in the caller's process.
+
+With `async_scheduling` (the default) the step launched by one call is fetched by the next: the
+host schedules and builds step N+1, launches it, then post-processes step N while the device runs
+N+1, so outputs trail the device by one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+from nori_jax.core.outputs import (
+    EngineCoreOutputs,
+    FinishedRequest,
+    FirstToken,
+    RequestMetrics,
+    StepStats,
+)
+from nori_jax.core.plan_builder import PlanBuilder
+from nori_jax.core.request import Request, RequestTimes
+from nori_jax.core.scheduler import Scheduler, StepUpdate
+from nori_jax.core.step_plan import StepPlan
+from nori_jax.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    num_recompiles: int  # programs built after warm-up; anything but 0 is a bug
+
+    def launch(self, plan: StepPlan) -> Any: ...
+
+    def fetch(self, handle: Any) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
+    """A validated, tokenized request, as the frontend hands it to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed actually used (params.seed or one drawn by the frontend)
+    eos_token_ids: list[int]
+    arrival_time: float  # time.monotonic() (one clock for every process of a host)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Cumulative host wall time of the engine loop, split by stage (seconds)."""
+
+    steps: int = 0
+    tokens: int = 0  # real (unpadded) tokens run through the model
+    padded_tokens: int = 0  # tokens of the compiled buckets actually executed
+    schedule: float = 0.0  # Scheduler.schedule() and building the step's buffers
+    launch: float = 0.0  # host-to-device transfer of the buffers and dispatch of the step
+    wait: float = 0.0  # blocked on the device for a step's tokens (host idle)
+    postprocess: float = 0.0  # Scheduler.update() and the step's outputs
+
+
+def request_metrics(req: Request) -> RequestMetrics:
+    t = req.times
+    return RequestMetrics(
+        t.queue_time,
+        t.prefill_time,
+        t.decode_time,
+        None if t.first_token is None else t.first_token - t.arrival,
+        None if t.finished is None else t.finished - t.arrival,
+        req.num_preemptions,
+        req.num_cached_tokens,
+    )
+
+
+def finished_request(req: Request) -> FinishedRequest:
+    return FinishedRequest(
+        req.request_id,
+        req.finish_reason or "abort",
+        req.num_prompt_tokens,
+        len(req.output_token_ids),
+        request_metrics(req),
+    )
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        builder: PlanBuilder,
+        executor: Executor,
+        *,
+        async_scheduling: bool = True,
+    ):
+        self.scheduler = scheduler
+        self.builder = builder
+        self.executor = executor
+        self.async_scheduling = async_scheduling
+        self.step_times = StepTimes()
+        self._in_flight: tuple[Any, Any] | None = None  # (scheduled, device handle)
+        self._seen = (0, 0, 0, 0)  # preemptions, prefix hits, prefix queries, recompiles
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Queue a request; ValueError for a duplicate id, QueueFullError when the queue is full."""
+        self.scheduler.add_request(
+            Request(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                params=r.params,
+                seed=r.seed,
+                eos_token_ids=tuple(r.eos_token_ids),
+                times=RequestTimes(r.arrival_time),
+            )
+        )
+
+    def abort(self, request_id: str, reason: str = "abort") -> FinishedRequest | None:
+        """Finish a request now; its pages return to the pool at once. None if unknown."""
+        req = self.scheduler.finish_request(request_id, reason)
+        return None if req is None else finished_request(req)
+
+    def has_unfinished(self) -> bool:
+        # A step still in flight once every request has finished holds only rows of finished
+        # requests (planned before their end was known): its samples are discarded unseen.
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one engine iteration; return the tokens it delivered and who finished."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        plan = None if scheduled is None else self.builder.build(scheduled)
+        t1 = time.perf_counter()
+        launched = None if plan is None else (scheduled, self.executor.launch(plan))
+        t2 = time.perf_counter()
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        t3 = t4 = t2
+        out = EngineCoreOutputs.empty()
+        if done is not None:
+            tokens, logprobs = self.executor.fetch(done[1])
+            t3 = time.perf_counter()
+            out = self._outputs(self.scheduler.update(done[0], tokens, logprobs))
+            t4 = time.perf_counter()
+        st = self.step_times
+        if plan is not None:
+            st.steps += 1
+            st.tokens += plan.num_tokens
+            st.padded_tokens += plan.bucket
+        st.schedule += t1 - t0
+        st.launch += t2 - t1
+        st.wait += t3 - t2
+        st.postprocess += t4 - t3
+        step_s = t4 - t0 if (plan is not None or done is not None) else 0.0
+        out.stats = self._stats(len(out.request_ids), t1 - t0, step_s, int(plan is not None))
+        return out
+
+    def drain(self) -> EngineCoreOutputs:
+        """Wait for the step still in flight, if any, and deliver its samples.
+
+        Call when going idle: once every request has finished, that step only holds rows planned
+        before their end was known, and nothing should be left running on the device.
+        """
+        done, self._in_flight = self._in_flight, None
+        if done is None:
+            out = EngineCoreOutputs.empty()
+        else:
+            out = self._outputs(self.scheduler.update(done[0], *self.executor.fetch(done[1])))
+        out.stats = self._stats(len(out.request_ids), 0.0, 0.0, 0)
+        return out
+
+    def _outputs(self, upd: StepUpdate) -> EngineCoreOutputs:
+        return EngineCoreOutputs(
+            upd.request_ids,
+            upd.token_ids.astype(np.int32).tobytes(),
+            upd.logprobs,
+            [finished_request(r) for r in upd.finished],
+            [
+                FirstToken(r.request_id, r.times.first_token - r.times.arrival)
+                for r in upd.first_tokens
+            ],
+        )
+
+    def _stats(self, num_tokens: int, schedule_s: float, step_s: float, steps: int) -> StepStats:
+        s, c = self.scheduler, self.scheduler.counters
+        now = (
+            c.num_preemptions,
+            c.prefix_cache_hits,
+            c.prefix_cache_queries,
+            self.executor.num_recompiles,
+        )
+        delta = [a - b for a, b in zip(now, self._seen, strict=True)]
+        self._seen = now
+        return StepStats(
+            num_running=len(s.running),
+            num_waiting=s.num_waiting,
+            kv_usage=s.allocator.usage,
+            num_generated_tokens=num_tokens,
+            num_preemptions=delta[0],
+            prefix_cache_hits=delta[1],
+            prefix_cache_queries=delta[2],
+            num_recompiles=delta[3],
+            schedule_seconds=schedule_s,
+            step_seconds=step_s,
+            num_steps=steps,
+        )

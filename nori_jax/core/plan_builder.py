@@ -1,0 +1,127 @@
+"""The plan builder: owns the persistent batch and lays a step's rows out as its packed buffers.
+
+Every running request owns a slot (vLLM's "persistent batch"): its page-table row and sampling
+settings are written once, as the scheduler's batch events arrive, so building a step is a few
+numpy gathers over the scheduled slots. Slot `max_num_seqs` is the padding slot: an all-zero
+page-table row (the null page), which every padding row reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nori_jax.core.sampling_modes import DEFAULT_TOP_K_CAP, choose_mode, normalize_top_k
+from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
+from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
+from nori_jax.core.step_plan import StepPlan, pick_bucket
+
+_INPUT_IDS, _POSITIONS, _SLOT_MAPPING, _PREV_INDEX = (
+    TOKEN_FIELDS.index(n) for n in ("input_ids", "positions", "slot_mapping", "prev_index")
+)
+
+
+class PlanBuilder:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        page_size: int,
+        num_pages: int,
+        buckets: list[int],
+        vocab_size: int,
+        top_k_cap: int = DEFAULT_TOP_K_CAP,
+    ):
+        self.layout = StepLayout(max_num_seqs, max_pages_per_seq)
+        self.page_size, self.num_pages, self.buckets = page_size, num_pages, list(buckets)
+        self.vocab_size, self.top_k_cap = vocab_size, top_k_cap
+        rows = max_num_seqs + 1
+        self.padding_slot = max_num_seqs
+        self.page_table = np.zeros((rows, max_pages_per_seq), np.int32)  # [S + 1, MP]
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_p = np.ones(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.seeds = np.zeros(rows, np.int32)
+
+    def apply(self, events: list[BatchEvent]) -> None:
+        """Bring the persistent batch up to date with the scheduler's changes, in order."""
+        for ev in events:
+            if isinstance(ev, AddPages):
+                self._write_pages(ev.slot, ev.start, ev.pages)
+            elif isinstance(ev, Acquire):
+                s = ev.slot
+                self.page_table[s] = 0
+                self._write_pages(s, 0, ev.pages)
+                self.temperature[s], self.top_p[s] = ev.temperature, ev.top_p
+                self.seeds[s] = ev.seed
+                self.top_k[s] = normalize_top_k(ev.top_k, self.vocab_size)
+            elif isinstance(ev, Release):
+                # Zero the row so a stale page id can never be read through a later occupant.
+                self.page_table[ev.slot] = 0
+            else:
+                raise TypeError(f"unknown batch event {ev!r}")
+
+    def _write_pages(self, slot: int, start: int, pages: list[int]) -> None:
+        if not pages:
+            return
+        # JAX clips out-of-range indices silently, which would corrupt another request's KV.
+        if min(pages) <= 0 or max(pages) >= self.num_pages:
+            raise AssertionError(f"page ids {pages} outside [1, {self.num_pages})")
+        self.page_table[slot, start : start + len(pages)] = pages
+
+    def build(self, out: SchedulerOutput) -> StepPlan:
+        """The step's buffers for `out` (apply its events first), padded to a bucket."""
+        self.apply(out.events)
+        layout, ps = self.layout, self.page_size
+        s, nd, nrows = layout.max_num_seqs, out.num_decodes, out.num_rows
+        tokens = new_tokens(pick_bucket(self.buckets, out.num_tokens))
+        rows = layout.new_rows()
+        view = lambda name: layout.view(rows, name)  # noqa: E731
+
+        row_slots = np.full(s, self.padding_slot, np.int32)
+        row_slots[:nrows] = out.row_slots
+        page_table = view("page_table")
+        np.take(self.page_table, row_slots, axis=0, out=page_table)
+        start = np.zeros(s, np.int32)
+        start[:nd] = out.decode_positions
+        q_lens = np.zeros(s, np.int32)
+        q_lens[:nrows] = out.row_num_tokens
+        sample_index = view("sample_index")
+        sample_index[:nd] = out.decode_sample_index
+
+        # Decode rows, vectorized: one token each. Its id is the last known token, or, when the
+        # previous step's sample has not reached the host yet, a placeholder the device fills
+        # from that step's output (prev_index).
+        dec = out.decode_slots
+        pos = out.decode_positions
+        tokens[_INPUT_IDS, :nd] = out.decode_input_ids
+        tokens[_POSITIONS, :nd] = pos
+        tokens[_SLOT_MAPPING, :nd] = self.page_table[dec, pos // ps] * ps + pos % ps
+        tokens[_PREV_INDEX, :nd] = out.decode_prev_index
+        # Prefill chunks: few rows, many tokens each.
+        offset = nd
+        for i, row in enumerate(out.prefills, start=nd):
+            n = len(row.token_ids)
+            p = np.arange(row.start, row.start + n, dtype=np.int32)
+            tokens[_INPUT_IDS, offset : offset + n] = row.token_ids
+            tokens[_POSITIONS, offset : offset + n] = p
+            tokens[_SLOT_MAPPING, offset : offset + n] = (
+                self.page_table[row.slot, p // ps] * ps + p % ps
+            )
+            start[i] = row.start
+            sample_index[i] = row.sample_index
+            offset += n
+
+        view("kv_lens")[:] = start + q_lens
+        cu_q_lens = view("cu_q_lens")
+        np.cumsum(q_lens, out=cu_q_lens[1:])
+        view("logits_indices")[:] = np.maximum(cu_q_lens[1:] - 1, 0)
+        view("distribution")[:] = (nd, nrows)
+        temperature, top_p, top_k = view("temperature"), view("top_p"), view("top_k")
+        np.take(self.temperature, row_slots, out=temperature)
+        np.take(self.top_p, row_slots, out=top_p)
+        np.take(self.top_k, row_slots, out=top_k)
+        np.take(self.seeds, row_slots, out=view("seeds"))
+        mode = choose_mode(
+            temperature[:nrows], top_p[:nrows], top_k[:nrows], self.top_k_cap, self.vocab_size
+        )
+        return StepPlan(layout, tokens, rows, mode, out)

@@ -1,0 +1,88 @@
+"""What the scheduler decides for one step: logical rows, plus the persistent batch's changes.
+
+The scheduler knows requests, pages and progress; the plan builder knows the step's array layout.
+This is what passes between them (and back to `Scheduler.update` with the step's samples).
+Decode rows (one token each) come first, as numpy arrays over their slots; prefill chunks follow,
+a few rows with many tokens each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from nori_jax.core.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Acquire:
+    """A request took a slot: its sampling settings and its pages so far go into that row."""
+
+    slot: int
+    pages: list[int]
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AddPages:
+    slot: int
+    start: int  # index of the first new page in the request's page list
+    pages: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """The slot's request finished or was preempted: its row must never be read again."""
+
+    slot: int
+
+
+BatchEvent = Acquire | AddPages | Release
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRow:
+    slot: int
+    start: int  # position of the chunk's first token
+    token_ids: list[int]
+    sample_index: int  # output index sampled if the chunk reaches the end of the known tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's rows. Row i < num_decodes is decode row i; then one row per prefill chunk."""
+
+    decode_slots: np.ndarray  # int32[D], oldest request first
+    decode_positions: np.ndarray  # int32[D]: position of the row's token
+    decode_input_ids: np.ndarray  # int32[D]: 0 where the id is still on the device
+    decode_prev_index: np.ndarray  # int32[D]: row of the previous step holding the id, or -1
+    decode_sample_index: np.ndarray  # int32[D]
+    prefills: list[PrefillRow]
+    events: list[BatchEvent]  # to apply, in order, before building this step's arrays
+    # Host bookkeeping per row (decodes, then prefills), read back by Scheduler.update.
+    row_requests: list[Request]
+    row_slots: np.ndarray  # int32[N]
+    row_epochs: np.ndarray  # int64[N]: the slot's epoch when planned (a reused slot differs)
+    row_num_tokens: np.ndarray  # int32[N]
+    row_samples: np.ndarray  # bool[N]: does the row produce an output token?
+    num_tokens: int
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_slots)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.row_requests]
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return self.row_num_tokens.tolist()

@@ -1,0 +1,95 @@
+"""The schema of the step's input arrays, declared once: what the host packs, what the device reads.
+
+A step's metadata travels as two int32 host buffers, one transfer each:
+
+    tokens  int32[4, T]     per token of the bucket: input_ids, positions, slot_mapping, prev_index
+    rows    int32[R]        per row (S = max_num_seqs) and the page table, flat (offsets below)
+
+`rows` does not depend on the bucket, so the sampler programs (one per mode, not per bucket) read
+the same device buffer the forward pass does. Float fields travel as their int32 bit patterns.
+The executor unpacks both with static slices (`executor/step_inputs.py`); tests and the host read
+fields through `StepLayout.view`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "prev_index")
+# input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
+# padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
+# device (sampled by the previous step) the row of that step whose sample it is, else -1.
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: type  # np.int32 or np.float32
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Offsets of the per-row fields for a batch of `max_num_seqs` rows."""
+
+    max_num_seqs: int
+    max_pages_per_seq: int
+
+    @functools.cached_property
+    def row_fields(self) -> tuple[Field, ...]:
+        s, mp = self.max_num_seqs, self.max_pages_per_seq
+        specs = (
+            ("cu_q_lens", (s + 1,), np.int32),  # row i's tokens are [cu[i], cu[i+1])
+            ("kv_lens", (s,), np.int32),  # KV length after this step's tokens
+            ("logits_indices", (s,), np.int32),  # each row's last token
+            ("distribution", (2,), np.int32),  # (num_decode_rows, num_rows)
+            ("temperature", (s,), np.float32),  # 0 = greedy
+            ("top_p", (s,), np.float32),
+            ("top_k", (s,), np.int32),  # 0 = off
+            ("seeds", (s,), np.int32),
+            ("sample_index", (s,), np.int32),  # output index a row samples (its RNG stream)
+            ("page_table", (s, mp), np.int32),
+        )
+        fields, offset = [], 0
+        for name, shape, dtype in specs:
+            fields.append(Field(name, offset, shape, dtype))
+            offset += int(np.prod(shape))
+        return tuple(fields)
+
+    @functools.cached_property
+    def row_size(self) -> int:
+        last = self.row_fields[-1]
+        return last.offset + last.size
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Field]:
+        return {f.name: f for f in self.row_fields}
+
+    def field(self, name: str) -> Field:
+        return self._by_name[name]
+
+    def new_rows(self) -> np.ndarray:
+        return np.zeros(self.row_size, np.int32)
+
+    def view(self, rows: np.ndarray, name: str) -> np.ndarray:
+        """A writable numpy view of one field of a host `rows` buffer."""
+        f = self.field(name)
+        flat = rows[f.offset : f.offset + f.size]
+        if f.dtype is np.float32:
+            flat = flat.view(np.float32)
+        return flat.reshape(f.shape)
+
+
+def new_tokens(bucket: int) -> np.ndarray:
+    """A zeroed tokens buffer for a bucket; prev_index starts at -1 (every id known)."""
+    tokens = np.zeros((len(TOKEN_FIELDS), bucket), np.int32)
+    tokens[TOKEN_FIELDS.index("prev_index")] = -1
+    return tokens

@@ -1,0 +1,63 @@
+"""No host synchronization in the step: the compiled programs branch on no device data.
+
+On XLA:GPU a `conditional`, or a `while` whose trip count XLA cannot know, copies its predicate to
+the host and blocks. Every program the engine runs (each bucket's forward pass, each sampler mode)
+may hold neither, except inside the attention (named scope `paged_attention`), whose reference
+form loops over pages by design and whose kernel loops inside its own body.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nori_jax import LLM
+from nori_jax.models.llama import ATTENTION_SCOPE
+
+_CONTROL = re.compile(r"=\s.*?\b(conditional|while)\(")
+
+
+@pytest.fixture(scope="module")
+def programs():
+    llm = LLM(
+        "tiny-llama",
+        load_format="dummy",
+        dtype="float32",
+        page_size=16,
+        num_pages=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+    )
+    return {name: exe.as_text() for name, exe in llm.engine.runner.compiled_programs().items()}
+
+
+def control_flow(hlo: str) -> list[tuple[str, str]]:
+    """(opcode, instruction line) of every conditional and while in a compiled HLO module."""
+    return [(m.group(1), line) for line in hlo.splitlines() if (m := _CONTROL.search(line))]
+
+
+def test_every_bucket_and_sampler_mode_is_checked(programs):
+    assert {"forward 16", "forward 32"} <= set(programs)
+    assert {"sampler GREEDY", "sampler SAMPLE", "sampler FULL"} <= set(programs)
+
+
+def test_no_data_dependent_control_flow_outside_the_attention(programs):
+    for name, hlo in programs.items():
+        for opcode, line in control_flow(hlo):
+            if f"/{ATTENTION_SCOPE}/" in line:
+                continue
+            assert opcode == "while" and '"known_trip_count"' in line, (
+                f"{name}: {opcode} outside the attention would block on the device: {line[:300]}"
+            )
+
+
+def test_the_check_sees_a_conditional():
+    """The parser finds what it must reject (a module with a lax.cond)."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, x))
+    hlo = f.lower(jnp.ones(4)).compile().as_text()
+    assert [op for op, _ in control_flow(hlo)] == ["conditional"]
