@@ -22,6 +22,7 @@ from pathlib import Path
 
 
 def run_one(name: str, tree: Path, bench_args: list[str], out: Path, r: int, timeout: float):
+    out = out.resolve()
     result = out / f"{name}_{r}.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{tree.resolve()}:{env.get('PYTHONPATH', '')}"
@@ -31,7 +32,10 @@ def run_one(name: str, tree: Path, bench_args: list[str], out: Path, r: int, tim
     cmd += ["--result-json", str(result)]
     t0 = time.perf_counter()
     with (out / f"{name}_{r}.log").open("w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        # cwd is the tree: `python -m` puts the working directory ahead of PYTHONPATH.
+        proc = subprocess.run(
+            cmd, env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+        )
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not result.is_file():
         tail = (out / f"{name}_{r}.log").read_text()[-1500:]

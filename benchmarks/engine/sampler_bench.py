@@ -2,11 +2,10 @@
 
     python benchmarks/engine/sampler_bench.py [--rows 256,1024] [--vocab 49152,128256] [--json F]
 
-For each (rows, vocab): every sampler mode on random logits (GREEDY; SAMPLE with top_k=50 rows;
-FULL with top_p=0.95 rows), plus `lax.top_k` at several k and a full-vocabulary sort, timed
-with block_until_ready (median of --iters runs after warm-up). The sampler's design
-(sampling_modes.py) assumes the capped `lax.top_k` is much cheaper than the sort: this says by how
-much on the device at hand.
+For each (rows, vocab): the sampler programs on random logits (greedy; random without filters;
+top_p=0.95 on 16, 64, ... and all rows, each in its filter bucket), plus `lax.top_k` at several k
+and a full-vocabulary sort, timed with block_until_ready (median of --iters runs after warm-up).
+This is the evidence behind sampling_modes.py's choice of sorting only the filtering rows.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nori_jax.core.sampling_modes import DEFAULT_TOP_K_CAP, SamplerMode
+from nori_jax.core.sampling_modes import GREEDY, RANDOM, choose_program, filter_buckets
 from nori_jax.executor.sampler import sample
 
 
@@ -46,29 +45,32 @@ def main() -> None:
     for s in map(int, args.rows.split(",")):
         for v in map(int, args.vocab.split(",")):
             logits = jax.random.normal(jax.random.key(0), (s, v), jnp.float32) * 3
-            ones = jnp.ones(s, jnp.float32)
             seeds = jnp.arange(s, dtype=jnp.int32)
             idx = jnp.zeros(s, jnp.int32)
-            cases = {
-                "sampler GREEDY": (SamplerMode.GREEDY, 0.0, 1.0, 0),
-                "sampler SAMPLE (top_k=50)": (SamplerMode.SAMPLE, 0.8, 1.0, 50),
-                "sampler SAMPLE (no filter)": (SamplerMode.SAMPLE, 0.8, 1.0, 0),
-                "sampler FULL (top_p=0.95)": (SamplerMode.FULL, 0.8, 0.95, 0),
-            }
-            for what, (mode, t, top_p, top_k) in cases.items():
-                fn = jax.jit(functools.partial(sample, mode=mode))
+            cases = [("greedy", 0.0, 0), ("random, no filter", 0.8, 0)]
+            cases += [(f"top_p=0.95 on {n} rows", 0.8, n) for n in filter_buckets(s)]
+            for what, t, n_filtered in cases:
+                top_p = np.ones(s, np.float32)
+                top_p[:n_filtered] = 0.95
+                temperature = np.full(s, t, np.float32)
+                program, rows = choose_program(temperature, top_p, np.zeros(s, np.int32), s)
+                assert program in (GREEDY, RANDOM) or program.filter_rows == n_filtered
+                filter_rows = np.full(s, s, np.int32)
+                filter_rows[: len(rows)] = rows
+                fn = jax.jit(functools.partial(sample, program=program))
                 ms = timed(
                     fn,
                     logits,
-                    ones * t,
-                    ones * top_p,
-                    jnp.full(s, top_k, jnp.int32),
+                    jnp.asarray(temperature),
+                    jnp.asarray(top_p),
+                    jnp.zeros(s, jnp.int32),
                     seeds,
                     idx,
+                    jnp.asarray(filter_rows),
                     iters=args.iters,
                 )
                 results.append({"rows": s, "vocab": v, "what": what, "ms": ms})
-            for k in (k for k in (16, 64, DEFAULT_TOP_K_CAP, 1024) if k <= v):
+            for k in (k for k in (16, 64, 256, 1024) if k <= v):
                 fn = jax.jit(lambda x, k=k: jax.lax.top_k(x, k))
                 results.append(
                     {

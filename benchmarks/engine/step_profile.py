@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -45,26 +47,57 @@ def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) ->
             pending.discard(out.request_id)
 
 
+def _direct_transfer(runner) -> None:
+    """Replace the runner's launch with one that passes numpy buffers to both executables (the
+    rows buffer then crosses twice), to compare with one device_put of both."""
+
+    def launch(bucket, tokens, rows, program):
+        t0 = time.perf_counter()
+        logits, runner.kv_pages = runner._forwards[bucket](
+            runner._params, runner.kv_pages, runner._prev_tokens, tokens, rows
+        )
+        t1 = time.perf_counter()
+        next_tokens, logprobs = runner._samplers[program](logits, rows)
+        runner._prev_tokens = next_tokens
+        next_tokens.copy_to_host_async()
+        logprobs.copy_to_host_async()
+        runner.launch_times.forward += t1 - t0
+        runner.launch_times.sampler += time.perf_counter() - t1
+        return next_tokens, logprobs
+
+    runner._launch = launch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(parser)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--trace-dir", default="/tmp/nori_step_trace")
+    parser.add_argument(
+        "--trace-dir", default=None, help="where the trace goes (default: a fresh temp dir)"
+    )
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument(
+        "--direct-transfer",
+        action="store_true",
+        help="experiment: hand the numpy buffers to each executable (no device_put)",
+    )
     args = parser.parse_args()
 
     import jax
 
     engine = LLMEngine(engine_config_from_args(args))
+    if args.direct_transfer:
+        _direct_transfer(engine.runner)
     fill_decoding(engine, args.batch, args.context)
     for _ in range(5):  # settle: every row is a decode row from here on
         engine.step()
 
     st0 = engine.step_times
     before = (st0.steps, st0.schedule, st0.launch, st0.wait, st0.postprocess)
+    lt0 = dataclasses.replace(engine.runner.launch_times)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -75,14 +108,21 @@ def main() -> None:
         name: 1e3 * (getattr(st, name) - before[i + 1]) / n
         for i, name in enumerate(("schedule", "launch", "wait", "postprocess"))
     }
+    lt = engine.runner.launch_times
+    launch_parts = {
+        f.name: 1e3 * (getattr(lt, f.name) - getattr(lt0, f.name)) / n
+        for f in dataclasses.fields(lt)
+    }
 
-    with jax.profiler.trace(args.trace_dir):
+    # A fresh directory: device_kernels reads every trace under it, and earlier runs' would count.
+    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="nori_step_trace_")
+    with jax.profiler.trace(trace_dir):
         t1 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         engine.drain()
         traced_wall = (time.perf_counter() - t1) / args.steps
-    events = device_kernels(args.trace_dir)
+    events = device_kernels(trace_dir)
     by_name: dict[str, list[int]] = collections.defaultdict(list)
     for name, _, dur in events:
         by_name[name].append(dur)
@@ -94,6 +134,7 @@ def main() -> None:
         "steps": args.steps,
         "wall_ms_per_step": 1e3 * wall,
         "stage_ms_per_step": stages,
+        "launch_ms_per_step": launch_parts,
         "traced_wall_ms_per_step": 1e3 * traced_wall,
         "kernels_per_step": len(events) / steps_in_trace,
         "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps_in_trace,
@@ -110,7 +151,8 @@ def main() -> None:
     }
     print(
         f"batch {args.batch} x context {args.context}: {result['wall_ms_per_step']:.2f} ms/step "
-        f"wall ({', '.join(f'{k} {v:.2f}' for k, v in stages.items())}); traced "
+        f"wall ({', '.join(f'{k} {v:.2f}' for k, v in stages.items())}; launch = "
+        f"{', '.join(f'{k} {v:.2f}' for k, v in launch_parts.items())}); traced "
         f"{result['traced_wall_ms_per_step']:.2f} ms/step, {result['kernels_per_step']:.0f} "
         f"kernels/step, device busy {result['device_busy_ms_per_step']:.2f} ms/step"
     )

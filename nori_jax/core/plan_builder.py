@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nori_jax.core.sampling_modes import DEFAULT_TOP_K_CAP, choose_mode, normalize_top_k
+from nori_jax.core.sampling_modes import choose_program, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan, pick_bucket
@@ -29,11 +29,10 @@ class PlanBuilder:
         num_pages: int,
         buckets: list[int],
         vocab_size: int,
-        top_k_cap: int = DEFAULT_TOP_K_CAP,
     ):
         self.layout = StepLayout(max_num_seqs, max_pages_per_seq)
         self.page_size, self.num_pages, self.buckets = page_size, num_pages, list(buckets)
-        self.vocab_size, self.top_k_cap = vocab_size, top_k_cap
+        self.vocab_size = vocab_size
         rows = max_num_seqs + 1
         self.padding_slot = max_num_seqs
         self.page_table = np.zeros((rows, max_pages_per_seq), np.int32)  # [S + 1, MP]
@@ -121,7 +120,8 @@ class PlanBuilder:
         np.take(self.top_p, row_slots, out=top_p)
         np.take(self.top_k, row_slots, out=top_k)
         np.take(self.seeds, row_slots, out=view("seeds"))
-        mode = choose_mode(
-            temperature[:nrows], top_p[:nrows], top_k[:nrows], self.top_k_cap, self.vocab_size
-        )
-        return StepPlan(layout, tokens, rows, mode, out)
+        program, filtered = choose_program(temperature[:nrows], top_p[:nrows], top_k[:nrows], s)
+        filter_rows = view("filter_rows")
+        filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
+        filter_rows[: len(filtered)] = filtered
+        return StepPlan(layout, tokens, rows, program, out)

@@ -5,8 +5,10 @@ A step's metadata travels as two int32 host buffers, one transfer each:
     tokens  int32[4, T]     per token of the bucket: input_ids, positions, slot_mapping, prev_index
     rows    int32[R]        per row (S = max_num_seqs) and the page table, flat (offsets below)
 
-`rows` does not depend on the bucket, so the sampler programs (one per mode, not per bucket) read
+`rows` does not depend on the bucket, so the sampler programs (a few, not one per bucket) read
 the same device buffer the forward pass does. Float fields travel as their int32 bit patterns.
+Every field starts on a 256-byte boundary: XLA hands a slice of a parameter to a custom call as a
+sub-buffer, and the Mosaic GPU kernel refuses inputs that are not 256-byte aligned.
 The executor unpacks both with static slices (`executor/step_inputs.py`); tests and the host read
 fields through `StepLayout.view`.
 """
@@ -19,6 +21,7 @@ import functools
 import numpy as np
 
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "prev_index")
+FIELD_ALIGN = 64  # int32 elements: 256 bytes
 # input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
 # padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
 # device (sampled by the previous step) the row of that step whose sample it is, else -1.
@@ -56,12 +59,16 @@ class StepLayout:
             ("top_k", (s,), np.int32),  # 0 = off
             ("seeds", (s,), np.int32),
             ("sample_index", (s,), np.int32),  # output index a row samples (its RNG stream)
+            # Rows whose top-k / top-p filter the sampler computes (sampling_modes.py), then
+            # padding (= max_num_seqs, dropped).
+            ("filter_rows", (s,), np.int32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], 0
         for name, shape, dtype in specs:
             fields.append(Field(name, offset, shape, dtype))
-            offset += int(np.prod(shape))
+            size = int(np.prod(shape))
+            offset += -(-size // FIELD_ALIGN) * FIELD_ALIGN
         return tuple(fields)
 
     @functools.cached_property

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from nori_jax.core.sampling_modes import SamplerMode
+from nori_jax.core.sampling_modes import SamplerProgram
 from nori_jax.core.scheduler_output import SchedulerOutput
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 
@@ -41,7 +41,7 @@ class StepPlan:
     layout: StepLayout
     tokens: np.ndarray  # int32[4, T]
     rows: np.ndarray  # int32[layout.row_size]
-    sampler_mode: SamplerMode
+    sampler: SamplerProgram
     scheduled: SchedulerOutput
 
     @property
@@ -89,3 +89,4 @@ class StepPlan:
     top_k = property(lambda self: self.row_field("top_k"))
     seeds = property(lambda self: self.row_field("seeds"))
     sample_index = property(lambda self: self.row_field("sample_index"))
+    filter_rows = property(lambda self: self.row_field("filter_rows"))

@@ -1,8 +1,8 @@
-"""The device side: a jitted forward pass per token bucket and a sampler program per mode, all
+"""The device side: a jitted forward pass per token bucket and a few sampler programs, all
 compiled ahead of time.
 
     forward(params, kv_pages, prev_tokens, tokens, rows) -> (logits float32[S, V], kv_pages)
-    sample[mode](logits, rows) -> (next_tokens int32[S], logprobs float32[S])
+    sample[program](logits, rows) -> (next_tokens int32[S], logprobs float32[S])
 
 `params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
 graphdef and the tree structure are closed over), so a launch flattens no NNX state. `tokens`
@@ -12,14 +12,15 @@ logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`,
 device: decode rows whose input is the previous step's sample read it from there
 (`prev_index`), which lets the host plan step N+1 while step N runs.
 
-The sampler is its own program over the fixed [S, V] logits, so its modes (sampling_modes.py)
-cost a handful of small compiles rather than one more forward pass per bucket, and the step
-never branches on device data.
+The sampler is its own program over the fixed [S, V] logits, so its variants (sampling_modes.py)
+cost a handful of small compiles rather than more forward passes per bucket, and the step never
+branches on device data.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -32,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nori_jax.core.sampling_modes import DEFAULT_TOP_K_CAP, SamplerMode
+from nori_jax.core.sampling_modes import GREEDY, SamplerProgram, sampler_programs
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
@@ -43,6 +44,15 @@ from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LaunchTimes:
+    """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
+
+    transfer: float = 0.0  # device_put of the step's two buffers
+    forward: float = 0.0  # dispatch of the forward pass
+    sampler: float = 0.0  # dispatch of the sampler program and the async copy back
 
 
 def _forward(graphdef, treedef, layout, params, kv_pages, prev_tokens, tokens, rows):
@@ -61,7 +71,7 @@ def _forward(graphdef, treedef, layout, params, kv_pages, prev_tokens, tokens, r
     return model.compute_logits(hidden[row["logits_indices"]]), kv_pages  # [S, V]
 
 
-def _sample(layout, mode, top_k_cap, logits, rows):
+def _sample(layout, program, logits, rows):
     row = unpack_rows(layout, rows)
     return sample(
         logits,
@@ -70,8 +80,8 @@ def _sample(layout, mode, top_k_cap, logits, rows):
         row["top_k"],
         row["seeds"],
         row["sample_index"],
-        mode=mode,
-        top_k_cap=top_k_cap,
+        row["filter_rows"],
+        program=program,
     )
 
 
@@ -84,14 +94,12 @@ class ModelRunner:
         page_size: int,
         layout: StepLayout,
         buckets: list[int],
-        top_k_cap: int = DEFAULT_TOP_K_CAP,
     ):
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
         self.layout = layout
         self.buckets = list(buckets)
-        self.top_k_cap = top_k_cap
         cfg = loaded.config
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, loaded.dtype, mesh)
         self._params, treedef = jax.tree.flatten(loaded.state)
@@ -104,15 +112,16 @@ class ModelRunner:
             out_shardings=(self._replicated, [self._kv_sharding] * cfg.num_layers),
         )
         self._sample_fns = {
-            mode: jax.jit(
-                functools.partial(_sample, layout, mode, top_k_cap),
+            program: jax.jit(
+                functools.partial(_sample, layout, program),
                 out_shardings=(self._replicated, self._replicated),
             )
-            for mode in SamplerMode
+            for program in sampler_programs(layout.max_num_seqs)
         }
         self._forwards: dict[int, jax.stages.Compiled] = {}
-        self._samplers: dict[SamplerMode, jax.stages.Compiled] = {}
+        self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
+        self.launch_times = LaunchTimes()
         self._prev_tokens = jax.device_put(
             np.zeros(layout.max_num_seqs, np.int32), self._replicated
         )
@@ -121,8 +130,8 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
     def compile_all(self, on_compiled: Callable[[str, float], None] | None = None) -> None:
-        """Lower every bucket and sampler mode, then compile them in parallel (XLA releases the
-        GIL). `on_compiled(name, seconds)` is called as each program is ready."""
+        """Lower every bucket and sampler program, then compile them in parallel (XLA releases
+        the GIL). `on_compiled(name, seconds)` is called as each program is ready."""
         start = time.perf_counter()
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_abs = [as_abstract(x) for x in self._params]
@@ -146,7 +155,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             exe = lowered[key].compile()
             if on_compiled is not None:
-                on_compiled(f"{key[0]} {key[1]!s}", time.perf_counter() - t0)
+                name = key[1].name if key[0] == "sampler" else key[1]
+                on_compiled(f"{key[0]} {name}", time.perf_counter() - t0)
             return exe
 
         with concurrent.futures.ThreadPoolExecutor(
@@ -157,7 +167,7 @@ class ModelRunner:
             (self._forwards if kind == "forward" else self._samplers)[key] = exe
         self.compile_seconds = time.perf_counter() - start
         logger.info(
-            "compiled %d buckets %s and %d sampler modes in %.1fs",
+            "compiled %d buckets %s and %d sampler programs in %.1fs",
             len(self.buckets),
             self.buckets,
             len(self._samplers),
@@ -167,12 +177,12 @@ class ModelRunner:
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
         """Every compiled program by name ("forward 64", "sampler SAMPLE"), for inspection."""
         out = {f"forward {t}": exe for t, exe in self._forwards.items()}
-        out.update({f"sampler {m.name}": exe for m, exe in self._samplers.items()})
+        out.update({f"sampler {p.name}": exe for p, exe in self._samplers.items()})
         return out
 
     def warm_up(self) -> None:
-        """Run every compiled bucket and sampler mode once on a plan that touches only the null
-        page.
+        """Run every compiled bucket and sampler program once on a plan that touches only the
+        null page.
 
         First executions may still build programs (interpret-mode kernels on CPU trace their
         bodies on first use; some backends load or autotune lazily); doing it here keeps the
@@ -200,9 +210,10 @@ class ModelRunner:
             layout.view(rows, "temperature")[:] = 1.0
             layout.view(rows, "top_p")[:] = 0.9
             layout.view(rows, "top_k")[:] = 5
-            self.fetch(self._launch(t, tokens, rows, SamplerMode.GREEDY))
-        for mode in (SamplerMode.SAMPLE, SamplerMode.FULL):  # sampler programs need one bucket
-            self.fetch(self._launch(self.buckets[-1], tokens, rows, mode))
+            layout.view(rows, "filter_rows")[:] = np.arange(s)
+            self.fetch(self._launch(t, tokens, rows, GREEDY))
+        for program in self._samplers:  # a sampler program runs the same on any bucket
+            self.fetch(self._launch(self.buckets[-1], tokens, rows, program))
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
@@ -210,21 +221,28 @@ class ModelRunner:
         The device runs launched steps in order, so a step may read pages or tokens that the
         previous one is still writing.
         """
-        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler_mode)
+        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler)
 
-    def _launch(self, bucket: int, tokens: np.ndarray, rows: np.ndarray, mode):
+    def _launch(self, bucket: int, tokens: np.ndarray, rows: np.ndarray, program: SamplerProgram):
         forward = self._forwards.get(bucket)
         if forward is None:
             raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
+        t0 = time.perf_counter()
         tokens_d, rows_d = jax.device_put((tokens, rows), self._replicated)
+        t1 = time.perf_counter()
         logits, self.kv_pages = forward(
             self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
         )
-        next_tokens, logprobs = self._samplers[mode](logits, rows_d)
+        t2 = time.perf_counter()
+        next_tokens, logprobs = self._samplers[program](logits, rows_d)
         self._prev_tokens = next_tokens
         # Start the device-to-host copy now, so fetching later does not add a round trip.
         next_tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
+        lt = self.launch_times
+        lt.transfer += t1 - t0
+        lt.forward += t2 - t1
+        lt.sampler += time.perf_counter() - t2
         return next_tokens, logprobs
 
     @staticmethod
@@ -234,4 +252,4 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """Launch and wait: the synchronous step."""
-        return self.fetch(self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler_mode))
+        return self.fetch(self.launch(plan))

@@ -1,9 +1,8 @@
-"""The sampler against the exact distributions, per mode, and per-request determinism.
+"""The sampler against the exact distributions, per program, and per-request determinism.
 
 Distributions: many seeded draws of one row's settings (one seed per row of a batch) against the
 probabilities computed directly in numpy, with a chi-square test; tokens outside the top-k /
-top-p set must never appear. A small cap (6 of 12 tokens) sends some settings through the capped
-`lax.top_k` path and the others through the FULL program's sort.
+top-p set must never appear.
 """
 
 from __future__ import annotations
@@ -16,10 +15,17 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from nori_jax.core.sampling_modes import SamplerMode, choose_mode, normalize_top_k
+from nori_jax.core.sampling_modes import (
+    GREEDY,
+    RANDOM,
+    SamplerProgram,
+    choose_program,
+    normalize_top_k,
+    sampler_programs,
+)
 from nori_jax.executor.sampler import sample
 
-VOCAB, CAP, DRAWS = 12, 6, 6000
+VOCAB, DRAWS = 12, 6000
 LOGITS = np.asarray([2.0, 1.6, 1.5, 1.1, 0.9, 0.4, 0.3, 0.0, -0.2, -0.5, -1.0, -2.0], np.float32)
 
 
@@ -38,23 +44,25 @@ def expected_probs(temperature: float, top_k: int, top_p: float) -> np.ndarray:
     return out / out.sum()
 
 
-@functools.lru_cache(maxsize=None)
-def _sampler(mode: SamplerMode):
-    return jax.jit(functools.partial(sample, mode=mode, top_k_cap=CAP))
+@functools.cache
+def _sampler(program: SamplerProgram):
+    return jax.jit(functools.partial(sample, program=program))
 
 
-def draw(rows: dict[str, np.ndarray], mode: SamplerMode | None = None) -> np.ndarray:
+def draw(rows: dict[str, np.ndarray], program: SamplerProgram | None = None) -> np.ndarray:
     n = len(rows["temperature"])
     top_k = np.asarray([normalize_top_k(int(k), VOCAB) for k in rows["top_k"]], np.int32)
-    if mode is None:
-        mode = choose_mode(rows["temperature"], rows["top_p"], top_k, CAP, VOCAB)
-    tokens, _ = _sampler(mode)(
+    chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n)
+    filter_rows = np.full(n, n, np.int32)
+    filter_rows[: len(filtered)] = filtered
+    tokens, _ = _sampler(program or chosen)(
         jnp.asarray(np.broadcast_to(LOGITS, (n, VOCAB))),
         jnp.asarray(rows["temperature"], jnp.float32),
         jnp.asarray(rows["top_p"], jnp.float32),
         jnp.asarray(top_k),
         jnp.asarray(rows["seeds"], jnp.int32),
         jnp.asarray(rows["sample_index"], jnp.int32),
+        jnp.asarray(filter_rows),
     )
     return np.asarray(tokens)
 
@@ -70,19 +78,19 @@ def rows_of(n: int, temperature=1.0, top_k=0, top_p=1.0, seed0=0) -> dict[str, n
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p,mode",
+    "temperature,top_k,top_p",
     [
-        (1.0, 0, 1.0, SamplerMode.SAMPLE),  # no filter
-        (0.7, 4, 1.0, SamplerMode.SAMPLE),  # top-k inside the cap
-        (1.3, 5, 0.8, SamplerMode.SAMPLE),  # both, inside the cap
-        (1.0, 0, 0.7, SamplerMode.FULL),  # top-p alone: the full-vocabulary filter
-        (0.8, 9, 1.0, SamplerMode.FULL),  # top-k past the cap
-        (1.0, 8, 0.9, SamplerMode.FULL),  # both, past the cap
+        (1.0, 0, 1.0),  # no filter
+        (0.7, 4, 1.0),  # top-k
+        (1.0, 0, 0.7),  # top-p
+        (1.3, 5, 0.8),  # both
+        (0.8, 9, 0.999),  # top-p that keeps all of a top-k set
     ],
 )
-def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, mode):
+def test_distribution_matches_the_exact_computation(temperature, top_k, top_p):
     rows = rows_of(DRAWS, temperature, top_k, top_p)
-    assert choose_mode(rows["temperature"], rows["top_p"], rows["top_k"], CAP, VOCAB) == mode
+    program, _ = choose_program(rows["temperature"], rows["top_p"], rows["top_k"], DRAWS)
+    assert program.kind == ("random" if top_k == 0 and top_p == 1.0 else "filter")
     counts = np.bincount(draw(rows), minlength=VOCAB)
     p = expected_probs(temperature, top_k, top_p)
     assert counts[p == 0].sum() == 0, f"tokens outside the kept set were drawn: {counts}"
@@ -91,21 +99,22 @@ def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, m
     assert result.pvalue > 1e-4, (counts, np.round(p * DRAWS, 1), result)
 
 
-def test_a_row_draws_the_same_token_alone_and_in_any_batch_and_mode():
-    """Tokens depend on a request's own seed and settings, not on its neighbours or the mode
-    their settings force."""
-    mine = rows_of(64, temperature=0.9, top_k=4, top_p=0.95, seed0=100)
-    alone = draw(mine)
-    assert choose_mode(mine["temperature"], mine["top_p"], mine["top_k"], CAP, VOCAB) == (
-        SamplerMode.SAMPLE
-    )
-    neighbours = rows_of(64, temperature=1.0, top_k=0, top_p=0.5, seed0=7)  # forces FULL
-    mixed = {k: np.concatenate([neighbours[k], mine[k]]) for k in mine}
-    assert draw(mixed)[64:].tolist() == alone.tolist()
-    # A greedy row is the argmax in every mode.
-    greedy = rows_of(4, temperature=0.0, top_k=3, top_p=0.5)
-    for mode in SamplerMode:
-        assert (draw(greedy, mode) == int(np.argmax(LOGITS))).all()
+def test_a_row_draws_the_same_token_alone_and_in_any_batch_and_program():
+    """Tokens depend on a request's own seed and settings, not on its neighbours or the program
+    (and filter bucket) their settings choose."""
+    mine = rows_of(16, temperature=0.9, top_k=4, top_p=0.95, seed0=100)
+    plain = rows_of(16, temperature=1.1, seed0=300)
+    alone, plain_alone = draw(mine), draw(plain)
+    neighbours = rows_of(48, temperature=1.0, top_k=0, top_p=0.5, seed0=7)
+    greedy = rows_of(8, temperature=0.0, top_k=3, top_p=0.5)
+    mixed = {k: np.concatenate([neighbours[k], mine[k], greedy[k], plain[k]]) for k in mine}
+    got = draw(mixed)  # 64 filtering rows: a bigger bucket than `mine` alone took
+    assert got[48:64].tolist() == alone.tolist()
+    assert got[72:].tolist() == plain_alone.tolist()
+    assert (got[64:72] == int(np.argmax(LOGITS))).all()
+    # A greedy row is the argmax in every program.
+    for program in sampler_programs(8):
+        assert (draw(greedy, program) == int(np.argmax(LOGITS))).all()
 
 
 def test_seed_and_output_index_select_the_stream():
@@ -116,17 +125,23 @@ def test_seed_and_output_index_select_the_stream():
     assert draw(rows).tolist() != again.tolist()  # the next output index draws afresh
 
 
-def test_choose_mode_picks_the_cheapest_exact_program():
-    z = np.zeros(3, np.float32)
-    one = np.ones(3, np.float32)
-    assert choose_mode(z, one, np.zeros(3, np.int32), CAP, VOCAB) == SamplerMode.GREEDY
+def test_choose_program_picks_the_cheapest_exact_program():
+    z, one = np.zeros(3, np.float32), np.ones(3, np.float32)
+    none = np.zeros(3, np.int32)
+    assert choose_program(z, one * 0.5, none + 3, 64)[0] == GREEDY  # greedy rows never filter
     t = np.asarray([0.0, 1.0, 0.0], np.float32)
-    assert choose_mode(t, one, np.asarray([0, 4, 0]), CAP, VOCAB) == SamplerMode.SAMPLE
-    assert choose_mode(t, one, np.asarray([0, 7, 0]), CAP, VOCAB) == SamplerMode.FULL
-    assert choose_mode(t, one * 0.9, np.asarray([0, 0, 0]), CAP, VOCAB) == SamplerMode.FULL
-    assert choose_mode(t, one * 0.9, np.asarray([0, 0, 0]), VOCAB, VOCAB) == SamplerMode.SAMPLE
-    # A greedy row's wide filter does not matter.
-    assert choose_mode(t, np.asarray([0.5, 1.0, 1.0]), np.asarray([0, 3, 0]), CAP, VOCAB) == (
-        SamplerMode.SAMPLE
-    )
+    assert choose_program(t, one, none, 64)[0] == RANDOM
+    program, rows = choose_program(t, one, np.asarray([0, 4, 0]), 64)
+    assert program == SamplerProgram("filter", 16) and rows.tolist() == [1]
+    t = np.ones(40, np.float32)
+    program, rows = choose_program(t, np.full(40, 0.9, np.float32), np.zeros(40, np.int32), 256)
+    assert program == SamplerProgram("filter", 64) and len(rows) == 40
+    assert [p.name for p in sampler_programs(1024)] == [
+        "greedy",
+        "random",
+        "filter-16",
+        "filter-64",
+        "filter-256",
+        "filter-1024",
+    ]
     assert normalize_top_k(12, VOCAB) == 0 and normalize_top_k(2**40, VOCAB) == 0

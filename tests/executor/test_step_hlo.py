@@ -40,7 +40,7 @@ def control_flow(hlo: str) -> list[tuple[str, str]]:
 
 def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"forward 16", "forward 32"} <= set(programs)
-    assert {"sampler GREEDY", "sampler SAMPLE", "sampler FULL"} <= set(programs)
+    assert {"sampler greedy", "sampler random", "sampler filter-8"} <= set(programs)
 
 
 def test_no_data_dependent_control_flow_outside_the_attention(programs):
