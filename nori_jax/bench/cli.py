@@ -204,7 +204,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     try:
         return _bench_serve(args)
     except KeyboardInterrupt:
-        print("\nInterrupted (Ctrl-C) before any result", file=sys.stderr)
+        print("\nInterrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
 
 

@@ -150,6 +150,7 @@ async def _unless_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) 
     await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     if task.done():
+        task.result()  # a failure of the client itself (not of a request) is the worker's error
         return True
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from nori_jax.bench.workload import (
     workload_from_args,
 )
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from nori_jax import LLMEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,7 @@ def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Re
     return Requests(prompts, outs.tolist(), is_long.tolist())
 
 
-def run_offline(engine: Any, cfg: OfflineConfig, reqs: Requests) -> dict[str, Any]:
+def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[str, Any]:
     """Warm up, then run the measured requests on their schedule; the result, as JSON keys."""
     from nori_jax import SamplingParams
 

@@ -106,9 +106,11 @@ def run_workers(
     finally:
         for proc in procs:
             _stop(proc)
-    late = "interrupted" if interrupted else "client process did not finish in time"
+    late = "client process did not finish in time"
     return [
-        outcomes[wid] if wid in outcomes else _failed_shard(spec, errors.get(wid, late))
+        outcomes[wid]
+        if wid in outcomes
+        else _failed_shard(spec, "interrupted" if interrupted else errors.get(wid, late))
         for wid, spec in enumerate(specs)
     ], interrupted
 
