@@ -14,10 +14,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nori_jax.bench.config import ENDPOINTS, METRIC_NAMES, BenchConfig
 from nori_jax.bench.workload import DATASETS, HelpFormatter, add_workload_args, workload_from_args
+
+if TYPE_CHECKING:
+    from nori_jax.bench.sweep import SweepConfig
 
 BENCH_EXTRA = ("aiohttp", "tqdm", "matplotlib")
 INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
@@ -117,7 +120,7 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, Any]:
+def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SweepConfig | None]:
     """The run's BenchConfig and its SweepConfig (None for one run); ValueError on bad flags."""
     from nori_jax.bench.run import default_num_processes
     from nori_jax.bench.sweep import SweepConfig
@@ -135,7 +138,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, Any]:
     goodput = {}
     for text in args.goodput:
         name, value = _split(text, ":", "--goodput wants NAME:MS (e.g. ttft:500)")
-        goodput[name] = _floats(value, "--goodput")[0]
+        try:
+            goodput[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput wants NAME:MS (e.g. ttft:500), got {text!r}") from None
     percentiles = _floats(args.metric_percentiles, "--metric-percentiles")
     if args.sweep and 99.0 not in percentiles:
         percentiles += (99.0,)  # the knee is defined on P99 latency

@@ -128,7 +128,8 @@ async def run_shard(
         async def schedule(t0: float) -> None:
             async with asyncio.TaskGroup() as tg:
                 for req, result in zip(spec.requests, results, strict=True):
-                    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+                    if (delay := t0 + req.arrival_s - time.perf_counter()) > 0:
+                        await asyncio.sleep(delay)
                     result.dispatched_s = time.perf_counter() - t0
                     tg.create_task(one(req, result, t0, True))
 
@@ -175,7 +176,7 @@ async def _send(
     try:
         async with asyncio.timeout(spec.timeout_s):
             async with session.post(spec.url, data=body) as resp:
-                stream.status = r.http_status = resp.status
+                r.http_status = resp.status
                 if resp.status != 200:
                     stream.fail(error_from_body(resp.status, await resp.read()))
                 else:
@@ -205,7 +206,6 @@ class SseStream:
 
     def __init__(self, chat: bool, sent: float) -> None:
         self.chat, self.sent = chat, sent
-        self.status: int | None = None
         self.buf = b""
         self.times: list[float] = []  # perf_counter of each text chunk
         self.text: list[str] = []

@@ -157,6 +157,7 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     "bad",
     [
         ["--goodput", "ttft"],
+        ["--goodput", "ttft:"],
         ["--goodput", "latency:5"],
         ["--sweep", "1,x"],
         ["--prompt-format", "token-ids"],  # needs a tokenizer; nothing listens to name one
