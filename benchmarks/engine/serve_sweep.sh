@@ -29,6 +29,13 @@ python3 -m nori_jax.bench serve --base-url "http://127.0.0.1:$PORT" --prompt-for
   --ignore-eos --num-prompts "$N" --warmup-requests 8 --sweep "$RATES" \
   --plot "$OUT/sweep.png" --result-json "$OUT/sweep.json" --result-csv "$OUT/requests.csv" \
   --disable-tqdm ${BENCH_EXTRA:-} 2>&1 | tee "$OUT/bench.log"
+python3 - "$OUT/sweep.json" <<'PY'  # is the client keeping up? (docs/bench.md, client health)
+import json, sys
+for r in json.load(open(sys.argv[1]))["runs"]:
+    print(f"{r['request_rate']:>6} req/s: {r['client_processes']} client processes, busiest "
+          f"{r['client_cpu_util_max']:.0%} CPU, loop lag P99 {r['client_loop_lag_p99_ms']:.1f} ms, "
+          f"send lag P99 {r['client_send_lag_p99_ms']:.1f} ms")
+PY
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"
 kill -TERM $PID
 wait $PID
