@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-from nori_jax.bench.config import LognormalLengths
-from nori_jax.bench.dataset import sample_lengths
+from nori_jax.bench.workload import LognormalLengths
 from nori_jax.model_config import load_preset
 
 
@@ -52,7 +51,7 @@ def main() -> None:
             continue
     model = model.to(device).eval()
     rng = np.random.default_rng(args.seed)
-    ins = sample_lengths(LognormalLengths(6.2, 0.8, 1, args.input_max), args.num_prompts, rng)
+    ins = LognormalLengths(6.2, 0.8, 1, args.input_max).sample(args.num_prompts, rng)
     prompts = [rng.integers(10, cfg["vocab_size"] - 10, int(k)).tolist() for k in ins]
     gen = GenerationConfig(
         max_new_tokens=args.output_len,

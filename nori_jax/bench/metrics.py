@@ -1,4 +1,4 @@
-"""Run metrics, defined as `vllm bench serve` defines them so numbers compare across tools.
+"""Run metrics under `vllm bench serve`'s key names and definitions, and the client's health.
 
 - TTFT: send -> first chunk carrying text, per successful request (queueing included).
 - TPOT: (E2E - TTFT) / (output_tokens - 1), per request with more than one output token.
@@ -9,50 +9,33 @@
   request has TPOT 0 for this purpose.
 Mean, median and std are over the values above; percentiles use linear interpolation (numpy).
 Empty sets report 0, as vLLM does, rather than NaN that would break JSON consumers.
+
+Client health, the evidence that the client is not the bottleneck: send lag (requests leaving
+after their scheduled time, checked at finite rates), event-loop lag (a busy loop reads chunks
+late, which inflates TTFT and ITL) and CPU saturation of a client process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from nori_jax.bench.stream_request import RequestResult
+from nori_jax.bench.client import RequestResult, ShardOutcome
+
+SEND_LAG_WARN_MS = 10.0
+LOOP_LAG_WARN_MS = 10.0
+# Timing error of a quarter of a typical token gap is already a visible distortion of ITL/TPOT.
+LOOP_LAG_WARN_ITL_FRACTION = 0.25
+LOOP_LAG_FLOOR_MS = 1.0  # below this, scheduler jitter of a healthy loop would raise alarms
+CPU_UTIL_WARN = 0.9
 
 
-@dataclasses.dataclass(frozen=True)
-class Summary:
-    """Statistics of one metric, in milliseconds."""
-
-    mean: float
-    median: float
-    std: float
-    percentiles: tuple[tuple[float, float], ...]  # (p, value)
-
-    def at(self, p: float) -> float:
-        return dict(self.percentiles)[p]
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchmarkMetrics:
-    completed: int
-    failed: int
-    total_input: int
-    total_output: int
-    duration_s: float
-    request_throughput: float
-    request_goodput: float | None  # None without --goodput
-    output_throughput: float
-    total_token_throughput: float
-    max_output_tokens_per_s: float
-    max_concurrent_requests: int
-    ttft: Summary
-    tpot: Summary
-    itl: Summary
-    e2el: Summary
-    output_lens: tuple[int, ...]  # per request, 0 for failures (vLLM's `output_lens`)
+def percentile_word(p: float) -> str:
+    """99.0 -> '99', 99.9 -> '99.9': the spelling of vLLM's `p99_ttft_ms` keys."""
+    return str(int(p)) if int(p) == p else str(p)
 
 
 def tpot_s(r: RequestResult) -> float | None:
@@ -61,80 +44,63 @@ def tpot_s(r: RequestResult) -> float | None:
     return (r.latency_s - r.ttft_s) / (r.output_tokens - 1)
 
 
-def summarize(values_s: Sequence[float], percentiles: Sequence[float]) -> Summary:
-    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-    if ms.size == 0:
-        ms = np.zeros(1)
-    return Summary(
-        mean=float(ms.mean()),
-        median=float(np.median(ms)),
-        std=float(ms.std()),
-        percentiles=tuple((float(p), float(np.percentile(ms, p))) for p in percentiles),
-    )
-
-
 def compute_metrics(
     results: Sequence[RequestResult],
     input_lens: Sequence[int],
     duration_s: float,
     percentiles: Sequence[float],
     goodput_slos_ms: Mapping[str, float],
-) -> BenchmarkMetrics:
-    """`results` and `input_lens` are aligned, one entry per request of the run."""
+) -> dict[str, Any]:
+    """vLLM's result keys; `results` and `input_lens` are aligned, one per request of the run."""
     ok = [r for r in results if r.success]
-    ttfts = [r.ttft_s for r in ok]
-    tpots = [t for r in ok if (t := tpot_s(r)) is not None]
-    itls = [gap for r in ok for gap in r.itl_s]
-    e2els = [r.latency_s for r in ok]
-    total_input = sum(n for r, n in zip(results, input_lens, strict=True) if r.success)
-    output_lens = tuple(r.output_tokens if r.success else 0 for r in results)
-    total_output = sum(output_lens)
+    output_lens = [r.output_tokens if r.success else 0 for r in results]
+    total_in = sum(n for r, n in zip(results, input_lens, strict=True) if r.success)
+    total_out = sum(output_lens)
     duration_s = max(duration_s, 1e-9)
-    goodput = None
-    if goodput_slos_ms:
-        goodput = sum(_is_good(r, goodput_slos_ms) for r in ok) / duration_s
-    return BenchmarkMetrics(
-        completed=len(ok),
-        failed=len(results) - len(ok),
-        total_input=total_input,
-        total_output=total_output,
-        duration_s=duration_s,
-        request_throughput=len(ok) / duration_s,
-        request_goodput=goodput,
-        output_throughput=total_output / duration_s,
-        total_token_throughput=(total_input + total_output) / duration_s,
-        max_output_tokens_per_s=_peak_output_rate(ok),
-        max_concurrent_requests=_peak_concurrency(ok),
-        ttft=summarize(ttfts, percentiles),
-        tpot=summarize(tpots, percentiles),
-        itl=summarize(itls, percentiles),
-        e2el=summarize(e2els, percentiles),
-        output_lens=output_lens,
-    )
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s,
+        "request_goodput": (
+            sum(_is_good(r, goodput_slos_ms) for r in ok) / duration_s if goodput_slos_ms else None
+        ),
+        "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+        "max_output_tokens_per_s": _peak_output_rate(ok),
+        "max_concurrent_requests": _peak_concurrency(ok),
+        "output_lens": output_lens,
+    }
+    values = {
+        "ttft": [r.ttft_s for r in ok],
+        "tpot": [t for r in ok if (t := tpot_s(r)) is not None],
+        "itl": [gap for r in ok for gap in r.itl_s],
+        "e2el": [r.latency_s for r in ok],
+    }
+    for name, vals in values.items():
+        ms = np.asarray(vals, dtype=np.float64) * 1e3 if vals else np.zeros(1)
+        m[f"mean_{name}_ms"] = float(ms.mean())
+        m[f"median_{name}_ms"] = float(np.median(ms))
+        m[f"std_{name}_ms"] = float(ms.std())
+        for p in percentiles:
+            m[f"p{percentile_word(p)}_{name}_ms"] = float(np.percentile(ms, p))
+    return m
 
 
 def _is_good(r: RequestResult, slos_ms: Mapping[str, float]) -> bool:
-    values_ms = {
-        "ttft": r.ttft_s * 1e3,
-        "tpot": (tpot_s(r) or 0.0) * 1e3,
-        "e2el": r.latency_s * 1e3,
-    }
-    return all(values_ms[name] <= slo for name, slo in slos_ms.items())
+    values_ms = {"ttft": r.ttft_s, "tpot": tpot_s(r) or 0.0, "e2el": r.latency_s}
+    return all(values_ms[name] * 1e3 <= slo for name, slo in slos_ms.items())
 
 
 def _peak_output_rate(ok: Sequence[RequestResult]) -> float:
-    """Most output tokens in any one-second bin of the run clock.
-
-    A chunk may carry several tokens (servers batch small deltas), so each request's chunks share
-    its output token count equally rather than counting one token per chunk.
-    """
+    """Most output tokens in any one-second bin of the run clock. A chunk may carry several
+    tokens, so each request's chunks share its output token count equally."""
     if not ok:
         return 0.0
-    times, weights = [], []
-    for r in ok:
-        chunk_times = r.sent_s + r.ttft_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])
-        times.append(chunk_times)
-        weights.append(np.full(len(chunk_times), r.output_tokens / len(chunk_times)))
+    times = [r.sent_s + r.ttft_s + np.concatenate([[0.0], np.cumsum(r.itl_s)]) for r in ok]
+    weights = [np.full(len(t), r.output_tokens / len(t)) for r, t in zip(ok, times, strict=True)]
     t = np.concatenate(times)
     bins = np.floor(t - t.min()).astype(np.int64)
     return float(np.bincount(bins, weights=np.concatenate(weights)).max())
@@ -142,12 +108,49 @@ def _peak_output_rate(ok: Sequence[RequestResult]) -> float:
 
 def _peak_concurrency(ok: Sequence[RequestResult]) -> int:
     """Most requests in flight at once, over half-open [send, last token) intervals."""
-    events = sorted(
-        [(r.sent_s, 1) for r in ok if math.isfinite(r.sent_s)]
-        + [(r.sent_s + r.latency_s, -1) for r in ok if math.isfinite(r.sent_s)]
-    )  # at equal times -1 sorts first: an interval that ends frees its slot before one starts
-    peak = cur = 0
-    for _, delta in events:
-        cur += delta
-        peak = max(peak, cur)
-    return peak
+    sent = [r for r in ok if math.isfinite(r.sent_s)]
+    events = sorted([(r.sent_s, 1) for r in sent] + [(r.sent_s + r.latency_s, -1) for r in sent])
+    # at equal times -1 sorts first: an interval that ends frees its slot before one starts
+    return int(max(np.cumsum([d for _, d in events]), default=0))
+
+
+def client_health(
+    outcomes: Sequence[ShardOutcome], finite_rate: bool, median_itl_ms: float
+) -> tuple[dict[str, Any], list[str]]:
+    """The `client_*` result keys and a warning for each symptom, with its numbers."""
+    send_lags = np.array(
+        [r.dispatched_s - r.scheduled_s for o in outcomes for r in o.results]
+    )  # NaN for requests never dispatched
+    send_lags = send_lags[np.isfinite(send_lags)]
+    loop_lags = np.array([lag for o in outcomes for lag in o.loop_lags_s])
+    p99 = lambda a: float(np.percentile(a, 99) * 1e3) if a.size else 0.0  # noqa: E731
+    health = {
+        "client_processes": len(outcomes),
+        "client_send_lag_p99_ms": p99(send_lags),
+        "client_loop_lag_p99_ms": p99(loop_lags),
+        "client_cpu_util_max": max((o.cpu_util for o in outcomes), default=0.0),
+    }
+    advice = (
+        "the client may be the bottleneck: give it more processes (--num-client-processes) "
+        "or a machine with idle cores"
+    )
+    warnings = []
+    if finite_rate and health["client_send_lag_p99_ms"] > SEND_LAG_WARN_MS:
+        warnings.append(
+            f"requests left the client late: P99 send lag {health['client_send_lag_p99_ms']:.1f}"
+            f" ms (max {send_lags.max() * 1e3:.1f} ms) behind the schedule; {advice}"
+        )
+    limit = LOOP_LAG_WARN_MS
+    if median_itl_ms > 0:
+        limit = max(min(limit, LOOP_LAG_WARN_ITL_FRACTION * median_itl_ms), LOOP_LAG_FLOOR_MS)
+    if health["client_loop_lag_p99_ms"] > limit:
+        warnings.append(
+            f"client event loop lagging: P99 {health['client_loop_lag_p99_ms']:.1f} ms (limit "
+            f"{limit:.1f} ms, median ITL {median_itl_ms:.1f} ms), so chunk timestamps are late; "
+            f"{advice}"
+        )
+    if health["client_cpu_util_max"] > CPU_UTIL_WARN:
+        warnings.append(
+            f"a client process used {health['client_cpu_util_max']:.0%} of a CPU core; {advice}"
+        )
+    return health, warnings

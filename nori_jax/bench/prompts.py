@@ -1,60 +1,114 @@
-"""Prompts with a chosen number of input tokens, counted the way the server will count them.
+"""The requests of a `bench serve` run: prompts of a chosen number of tokens, counted as the server
+will count them.
 
-With a tokenizer: text is random ordinary vocabulary, re-encoded and trimmed/extended until the
-server-side count is exact. That count is `encode(text)` with special tokens for /v1/completions
-(the post-processor's BOS included, as servers tokenize completions prompts), and
-`encode(chat_template(user: text))` without them for /v1/chat/completions (the template writes BOS
-itself). Token-id prompts (/v1/completions only) are exact by construction: the server receives the
-list as is. Without a tokenizer, prompts are common English words, about one token each, and the
-count is only an estimate that the run checks against the server's `usage.prompt_tokens`.
+With a tokenizer, text is random ordinary vocabulary, re-encoded and trimmed or extended until the
+server-side count is exact: `encode(text)` with special tokens for /v1/completions (the
+post-processor's BOS included, as servers tokenize completions prompts), and
+`encode(chat_template(user: text))` without them for /v1/chat/completions (the template writes
+BOS itself). Token-id prompts (/v1/completions only) are exact by construction. Without a
+tokenizer, prompts are common English words, about one token each: an estimate that the run
+replaces with the server's `usage.prompt_tokens`.
+
+The tokenizer is `--tokenizer`, or else the one the server's `/v1/models` card names: a local
+HF directory or GGUF file, this engine's shape presets (byte-level) and embedded model, or a model
+in the local Hugging Face cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from nori_jax.bench.config import EndpointKind
+from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.tokenizer import Tokenizer
 
-# Sampling a slice of a 150k vocabulary is plenty for randomness and keeps start-up under a second.
+# A slice of a 150k vocabulary is plenty of randomness and keeps start-up under a second.
 _POOL_SAMPLE = 20_000
-# Adjustment rounds before trying token swaps at the end; one round suffices for byte-level BPE
-# because space-led word tokens re-encode independently of their neighbours.
-_MAX_ADJUST_ROUNDS = 16
+_MAX_ADJUST_ROUNDS = 16  # one suffices for byte-level BPE: space-led words re-encode alone
 _MAX_SWAPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Prompt:
-    prompt: str | list[int]  # text (completions prompt or chat user message) or token ids
-    num_tokens: int  # exact server-side count when `exact`, else an estimate
+class BenchRequest:
+    index: int  # negative for warm-up requests
+    prompt: str | list[int]  # completions prompt text or token ids, or the chat user message
+    prompt_len: int  # the server's count when `exact`, else the client's estimate
+    exact: bool
+    output_len: int  # max_tokens
+
+
+class Prompt(NamedTuple):
+    prompt: str | list[int]
+    num_tokens: int
     exact: bool
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a Hugging Face directory (or its tokenizer.json), or of a GGUF file."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.suffix == ".gguf":
-        # the engine's own reader: the metadata only, tensors stay on disk
         from nori_jax.weights.gguf_file import read_gguf_file
         from nori_jax.weights.gguf_tokenizer import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(read_gguf_file(path).metadata, path)
-    if path.is_file() and path.name == "tokenizer.json":
+        return tokenizer_from_gguf(read_gguf_file(path).metadata, path)  # metadata only
+    if path.name == "tokenizer.json":
         path = path.parent
     return Tokenizer.from_hf_dir(path)
 
 
-class TokenizerPrompts:
-    """Builds exact-length prompts from one tokenizer for one endpoint."""
+def served_tokenizer(card: dict[str, Any]) -> tuple[Tokenizer, str] | None:
+    """The tokenizer of the model a server's /v1/models card names, with where it came from."""
+    from nori_jax.model_config import list_presets, load_preset
 
-    def __init__(self, tokenizer: Tokenizer, endpoint: EndpointKind) -> None:
-        self.tokenizer = tokenizer
-        self.endpoint = endpoint
-        self.pool = _ordinary_token_pool(tokenizer)  # [V'] int64
+    ours = card.get("owned_by") == "nori-jax"
+    for name in dict.fromkeys(str(n) for n in (card.get("root"), card.get("id")) if n):
+        path = Path(name).expanduser()
+        if (path.suffix == ".gguf" and path.is_file()) or (path / "tokenizer.json").is_file():
+            return load_tokenizer(path), str(path)
+        if ours and name in list_presets():
+            from nori_jax.dummy_tokenizer import byte_tokenizer
+
+            tok = byte_tokenizer(int(load_preset(name)["vocab_size"]))
+            return tok, f"preset {name} (byte-level)"
+        if ours and name == _embedded_model_name():
+            from nori_jax.weights.default_model import default_model_path
+
+            path = default_model_path()
+            return load_tokenizer(path), str(path)
+        snapshot = _hf_cache_snapshot(name)
+        if snapshot is not None:
+            return load_tokenizer(snapshot), str(snapshot)
+    return None
+
+
+def _embedded_model_name() -> str:
+    from serve.cli import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """A downloaded snapshot of a Hugging Face model that has a tokenizer.json (no network)."""
+    if repo_id.count("/") != 1:
+        return None
+    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    hub = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
+    snapshots = hub / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+class TokenizerPrompts:
+    """Builds exact-length prompts from one tokenizer for one endpoint ('completions', 'chat')."""
+
+    def __init__(self, tokenizer: Tokenizer, endpoint: str) -> None:
+        self.tokenizer, self.endpoint = tokenizer, endpoint
+        self.pool = _ordinary_token_pool(tokenizer)
         if endpoint == "chat" and tokenizer.chat_template is None:
             raise ValueError("/v1/chat/completions needs a tokenizer with a chat template")
         # Specials the completions post-processor puts around any text (BOS, rarely EOS); a
@@ -63,70 +117,57 @@ class TokenizerPrompts:
         plain = tokenizer.encode("a", add_special_tokens=False)
         at = next(i for i in range(len(with_sp)) if with_sp[i : i + len(plain)] == plain)
         self._prefix, self._suffix = with_sp[:at], with_sp[at + len(plain) :]
-        self.min_tokens = self.count("")
+        self.min_tokens = self.count([""])[0]
 
-    def count(self, text: str) -> int:
-        return self.count_batch([text])[0]
-
-    def count_batch(self, texts: list[str]) -> list[int]:
-        """Server-side token counts; one parallel encode for the whole batch."""
+    def count(self, texts: list[str]) -> list[int]:
+        """Server-side token counts, in one parallel encode."""
         if self.endpoint == "chat":
             render = self.tokenizer.apply_chat_template
             texts = [render([{"role": "user", "content": t}]) for t in texts]
         specials = self.endpoint == "completions"
-        encoded = self.tokenizer.backend.encode_batch(texts, add_special_tokens=specials)
-        return [len(e.ids) for e in encoded]
-
-    def text(self, num_tokens: int, rng: np.random.Generator) -> Prompt:
-        """Text whose server-side count is `num_tokens` (or the nearest reachable count)."""
-        return self.texts([num_tokens], rng)[0]
+        return [
+            len(e.ids)
+            for e in self.tokenizer.backend.encode_batch(texts, add_special_tokens=specials)
+        ]
 
     def texts(self, num_tokens: list[int], rng: np.random.Generator) -> list[Prompt]:
-        """One prompt per target count. The first render of every prompt is batched (decode and
-        encode run in parallel in the tokenizer's Rust core); nearly all are exact after it."""
+        """One prompt per target count; the first render of all of them is one batched decode
+        and encode (the tokenizer's Rust core runs them in parallel), and nearly all are exact."""
         targets = [max(n, self.min_tokens + 1) for n in num_tokens]
-        ids = [list(rng.choice(self.pool, size=t - self.min_tokens)) for t in targets]
-        decoded = self.tokenizer.backend.decode_batch(
-            [[int(t) for t in x] for x in ids], skip_special_tokens=True
-        )
-        counts = self.count_batch(decoded)
+        ids = [[int(t) for t in rng.choice(self.pool, size=n - self.min_tokens)] for n in targets]
+        texts = self.tokenizer.backend.decode_batch(ids, skip_special_tokens=True)
         return [
-            Prompt(text, count, exact=True) if count == target else self._adjust(x, target, rng)
-            for x, text, count, target in zip(ids, decoded, counts, targets, strict=True)
+            Prompt(text, n, True) if got == n else self._adjust(x, n, rng)
+            for x, text, got, n in zip(ids, texts, self.count(texts), targets, strict=True)
         ]
 
     def _adjust(self, ids: list[int], target: int, rng: np.random.Generator) -> Prompt:
-        """Trim or extend until the count is exact: a token merged across a word boundary."""
+        """Trim or extend until the count is exact (a token merged across a word boundary)."""
         text, count = self._render(ids)
         for _ in range(_MAX_ADJUST_ROUNDS):
-            if count == target:
-                return Prompt(text, count, exact=True)
+            if count == target or (count > target and len(ids) == 1):
+                break
             if count < target:
-                ids.extend(rng.choice(self.pool, size=target - count))
-            elif len(ids) > 1:
-                ids = ids[: max(1, len(ids) - (count - target))]
+                ids.extend(int(t) for t in rng.choice(self.pool, size=target - count))
             else:
-                break
+                ids = ids[: max(1, len(ids) - (count - target))]
             text, count = self._render(ids)
-        # Merges across a word boundary can make the count oscillate; swapping the last token
-        # for another word breaks the tie. The count returned is always the true one.
-        for _ in range(_MAX_SWAPS):
+        for _ in range(_MAX_SWAPS):  # counts that oscillate: another last word breaks the tie
             if count == target:
                 break
-            ids[-1] = rng.choice(self.pool)
+            ids[-1] = int(rng.choice(self.pool))
             text, count = self._render(ids)
-        return Prompt(text, count, exact=True)
+        return Prompt(text, count, True)  # the true count, even if no swap reached the target
 
     def token_ids(self, num_tokens: int, rng: np.random.Generator) -> Prompt:
-        """A token-id prompt of exactly `num_tokens` ids (at least the special tokens)."""
+        """Exactly `num_tokens` ids (at least the special tokens), BOS first where text has it."""
         n_random = max(num_tokens - len(self._prefix) - len(self._suffix), 0)
-        body = [int(t) for t in rng.choice(self.pool, size=n_random)]
-        ids = self._prefix + body + self._suffix
-        return Prompt(ids, len(ids), exact=True)
+        ids = self._prefix + [int(t) for t in rng.choice(self.pool, size=n_random)] + self._suffix
+        return Prompt(ids, len(ids), True)
 
     def _render(self, ids: list[int]) -> tuple[str, int]:
-        text = self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=True)
-        return text, self.count(text)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text, self.count([text])[0]
 
 
 def _ordinary_token_pool(tokenizer: Tokenizer) -> np.ndarray:
@@ -138,17 +179,14 @@ def _ordinary_token_pool(tokenizer: Tokenizer) -> np.ndarray:
         ids = np.sort(np.random.default_rng(0).choice(ids, _POOL_SAMPLE, replace=False))
     texts = backend.decode_batch([[int(i)] for i in ids], skip_special_tokens=True)
     round_trip = backend.encode_batch(texts, add_special_tokens=False)
-    alpha: list[int] = []
-    spaced: list[int] = []  # " word" tokens: byte-level BPE re-encodes them independently
-    for tid, text, enc in zip(ids, texts, round_trip, strict=True):
-        word = text.strip()
-        if not word.isalpha() or enc.ids != [int(tid)]:
-            continue
-        alpha.append(int(tid))
-        if text.startswith(" ") and text[1:] == word:
-            spaced.append(int(tid))
+    alpha, spaced = [], []  # spaced: " word" tokens, which byte-level BPE re-encodes alone
+    for tid, text, enc in zip(ids.tolist(), texts, round_trip, strict=True):
+        if text.strip().isalpha() and enc.ids == [tid]:
+            alpha.append(tid)
+            if text.startswith(" ") and text[1:] == text.strip():
+                spaced.append(tid)
     for pool in (spaced, alpha):
-        if len(pool) >= 64:
+        if len(pool) >= 32:  # a byte-level vocabulary has its 52 letters
             return np.array(pool, dtype=np.int64)
     if len(ids) == 0:
         raise ValueError("the tokenizer has no ordinary tokens to build prompts from")
@@ -169,17 +207,78 @@ _WORDS = (
 ).split()
 
 
-class WordPrompts:
-    """No tokenizer: a run of common words, one estimated token each (plus one for a BOS)."""
+def word_prompts(num_tokens: list[int], rng: np.random.Generator) -> list[Prompt]:
+    """No tokenizer: common words, one estimated token each (plus one for a BOS)."""
+    return [
+        Prompt(" ".join(_WORDS[i] for i in rng.choice(len(_WORDS), size=max(n - 1, 1))), n, False)
+        for n in num_tokens
+    ]
 
-    endpoint: EndpointKind
 
-    def __init__(self, endpoint: EndpointKind) -> None:
-        self.endpoint = endpoint
+def build_requests(
+    w: WorkloadConfig,
+    prompts: TokenizerPrompts | None,
+    token_ids: bool,
+    num: int,
+    rng: np.random.Generator,
+    first_index: int = 0,
+    content_rng: np.random.Generator | None = None,
+) -> list[BenchRequest]:
+    """`num` requests; the rng alone decides lengths and tokens, so a seed fixes the workload.
 
-    def text(self, num_tokens: int, rng: np.random.Generator) -> Prompt:
-        words = rng.choice(len(_WORDS), size=max(num_tokens - 1, 1))
-        return Prompt(" ".join(_WORDS[i] for i in words), num_tokens, exact=False)
+    content_rng, when given, draws the prompts' tokens instead: the same lengths with other
+    content (a sweep's later rates, so a prefix-caching server cannot reuse earlier prompts).
+    """
+    if w.dataset == "jsonl":
+        assert w.path is not None  # WorkloadConfig checks it
+        return _jsonl_requests(Path(w.path), w.output_len, prompts, token_ids, num, first_index)
+    input_lens, output_lens = w.lengths(num, rng)
+    rng = content_rng or rng
+    if token_ids:
+        assert prompts is not None  # BenchConfig checks it
+        built = [prompts.token_ids(n, rng) for n in input_lens]
+    else:
+        built = prompts.texts(input_lens, rng) if prompts else word_prompts(input_lens, rng)
+    return [
+        BenchRequest(first_index + i, p.prompt, p.num_tokens, p.exact, n_out)
+        for i, (p, n_out) in enumerate(zip(built, output_lens, strict=True))
+    ]
 
-    def texts(self, num_tokens: list[int], rng: np.random.Generator) -> list[Prompt]:
-        return [self.text(n, rng) for n in num_tokens]
+
+def _jsonl_requests(
+    path: Path,
+    default_output_len: int,
+    prompts: TokenizerPrompts | None,
+    token_ids: bool,
+    num: int,
+    first_index: int,
+) -> list[BenchRequest]:
+    """One request per line, {"prompt": str | [int], "output_len": int?}; cycled if short."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"no requests in {str(path)!r}")
+    requests = []
+    for i in range(num):
+        lineno = i % len(lines) + 1
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(lines[lineno - 1])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not ids:
+            raise ValueError(f"{where}: needs a non-empty 'prompt' (text or token ids)")
+        out = int(row.get("output_len", row.get("max_tokens", default_output_len)))
+        if out < 1:
+            raise ValueError(f"{where}: output_len must be >= 1, got {out}")
+        if isinstance(prompt, list):  # (a chat request refuses it when its body is built)
+            count, exact = len(prompt), True
+        elif prompts is not None:
+            count, exact = prompts.count([prompt])[0], True
+            if token_ids:
+                prompt = prompts.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            count, exact = len(prompt.split()) + 1, False  # the server's usage corrects it
+        requests.append(BenchRequest(first_index + i, prompt, count, exact, out))
+    return requests

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from nori_jax.bench.config import BenchConfig
-from nori_jax.bench.metrics import Summary, tpot_s
-from nori_jax.bench.runner import RunResult, Workload
+from nori_jax.bench.config import METRIC_NAMES, BenchConfig
+from nori_jax.bench.metrics import percentile_word, tpot_s
+from nori_jax.bench.run import RunResult, Workload
 
 _WIDTH = 50
 _HEADERS = {
@@ -30,95 +30,77 @@ _HEADERS = {
 }
 
 
-def percentile_word(p: float) -> str:
-    """99.0 -> '99', 99.9 -> '99.9': the spelling of vLLM's `p99_ttft_ms` keys."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
 def load_header(cfg: BenchConfig, rate: float) -> str:
-    shape = "Poisson process" if cfg.load.burstiness == 1.0 else "Gamma distribution"
+    shape = "Poisson process" if cfg.workload.burstiness == 1.0 else "Gamma distribution"
     return (
         f"Traffic request rate: {rate}\n"
-        f"Burstiness factor: {cfg.load.burstiness} ({shape})\n"
-        f"Maximum request concurrency: {cfg.load.max_concurrency}"
+        f"Burstiness factor: {cfg.workload.burstiness} ({shape})\n"
+        f"Maximum request concurrency: {cfg.max_concurrency}"
     )
 
 
 def print_run(cfg: BenchConfig, run: RunResult, out: TextIO) -> None:
     m = run.metrics
 
-    def row(label: str, value: float | int | str, fmt: str = "") -> None:
-        print(f"{label:<40} {value:<10{fmt}}", file=out)
+    def row(label: str, key: str, fmt: str = ".2f") -> None:
+        print(f"{label:<40} {m[key]:<10{fmt}}", file=out)
 
     print(" Serving Benchmark Result ".center(_WIDTH, "="), file=out)
-    row("Successful requests:", m.completed)
-    row("Failed requests:", m.failed)
-    if cfg.load.max_concurrency is not None:
-        row("Maximum request concurrency:", cfg.load.max_concurrency)
+    row("Successful requests:", "completed", "")
+    row("Failed requests:", "failed", "")
+    if cfg.max_concurrency is not None:
+        print(f"{'Maximum request concurrency:':<40} {cfg.max_concurrency:<10}", file=out)
     if math.isfinite(run.request_rate):
-        row("Request rate configured (RPS):", run.request_rate, ".2f")
-    row("Benchmark duration (s):", m.duration_s, ".2f")
-    row("Total input tokens:", m.total_input)
-    row("Total generated tokens:", m.total_output)
-    row("Request throughput (req/s):", m.request_throughput, ".2f")
-    if m.request_goodput is not None:
-        row("Request goodput (req/s):", m.request_goodput, ".2f")
-    row("Output token throughput (tok/s):", m.output_throughput, ".2f")
-    row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f")
-    row("Peak concurrent requests:", m.max_concurrent_requests, ".2f")
-    row("Total token throughput (tok/s):", m.total_token_throughput, ".2f")
-    for name in cfg.report.percentile_metrics:
+        print(f"{'Request rate configured (RPS):':<40} {run.request_rate:<10.2f}", file=out)
+    row("Benchmark duration (s):", "duration")
+    row("Total input tokens:", "total_input_tokens", "")
+    row("Total generated tokens:", "total_output_tokens", "")
+    row("Request throughput (req/s):", "request_throughput")
+    if m["request_goodput"] is not None:
+        row("Request goodput (req/s):", "request_goodput")
+    row("Output token throughput (tok/s):", "output_throughput")
+    row("Peak output token throughput (tok/s):", "max_output_tokens_per_s")
+    row("Peak concurrent requests:", "max_concurrent_requests")
+    row("Total token throughput (tok/s):", "total_token_throughput")
+    for name in cfg.percentile_metrics:
         short, header = _HEADERS[name]
-        s: Summary = getattr(m, name)
         print(header.center(_WIDTH, "-"), file=out)
-        row(f"Mean {short} (ms):", s.mean, ".2f")
-        row(f"Median {short} (ms):", s.median, ".2f")
-        for p, value in s.percentiles:
-            row(f"P{percentile_word(p)} {short} (ms):", value, ".2f")
+        row(f"Mean {short} (ms):", f"mean_{name}_ms")
+        row(f"Median {short} (ms):", f"median_{name}_ms")
+        for p in cfg.metric_percentiles:
+            row(f"P{percentile_word(p)} {short} (ms):", f"p{percentile_word(p)}_{name}_ms")
     print("=" * _WIDTH, file=out)
     reasons = collections.Counter(r.error for r in run.results if not r.success)
     if reasons:
-        print(f"Failed requests by reason ({m.failed}):", file=out)
+        print(f"Failed requests by reason ({m['failed']}):", file=out)
         for reason, count in reasons.most_common(10):
             print(f"  {count:>6}  {reason}", file=out)
     for warning in run.warnings:
         print(f"WARNING: {warning}", file=out)
+    if run.interrupted:
+        print(
+            f"Interrupted (Ctrl-C): partial results, {m['completed']} of {len(run.results)} "
+            "requests completed",
+            file=out,
+        )
 
 
-def result_dict(cfg: BenchConfig, workload: Workload, run: RunResult) -> dict[str, Any]:
-    m, rs = run.metrics, run.results
-    result: dict[str, Any] = {
+def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]:
+    rs = run.results
+    latency = tuple(f"_{name}_ms" for name in METRIC_NAMES)
+    wanted = tuple(f"_{name}_ms" for name in cfg.percentile_metrics)
+    return {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "endpoint_type": "openai-chat" if cfg.client.endpoint_kind == "chat" else "openai",
+        "endpoint_type": "openai-chat" if cfg.chat else "openai",
         "label": cfg.label,
-        "model_id": workload.model,
-        "tokenizer_id": cfg.tokenizer_path,
+        "model_id": w.model,
+        "tokenizer_id": w.tokenizer,
         "num_prompts": len(rs),
         "request_rate": run.request_rate if math.isfinite(run.request_rate) else "inf",
-        "burstiness": cfg.load.burstiness,
-        "max_concurrency": cfg.load.max_concurrency,
-        "duration": m.duration_s,
-        "completed": m.completed,
-        "failed": m.failed,
-        "total_input_tokens": m.total_input,
-        "total_output_tokens": m.total_output,
-        "request_throughput": m.request_throughput,
-        "request_goodput": m.request_goodput,
-        "output_throughput": m.output_throughput,
-        "total_token_throughput": m.total_token_throughput,
-        "max_output_tokens_per_s": m.max_output_tokens_per_s,
-        "max_concurrent_requests": m.max_concurrent_requests,
-    }
-    for name in cfg.report.percentile_metrics:
-        s: Summary = getattr(m, name)
-        result[f"mean_{name}_ms"] = s.mean
-        result[f"median_{name}_ms"] = s.median
-        result[f"std_{name}_ms"] = s.std
-        for p, value in s.percentiles:
-            result[f"p{percentile_word(p)}_{name}_ms"] = value
-    result |= {
+        "burstiness": cfg.workload.burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        **{k: v for k, v in run.metrics.items() if not k.endswith(latency) or k.endswith(wanted)},
         "input_lens": run.input_lens,
-        "output_lens": list(m.output_lens),
         "ttfts": [r.ttft_s for r in rs],
         "itls": [r.itl_s for r in rs],
         "latencies": [r.latency_s for r in rs],
@@ -127,19 +109,16 @@ def result_dict(cfg: BenchConfig, workload: Workload, run: RunResult) -> dict[st
         "errors": [r.error for r in rs],
         "generated_texts": [r.generated_text for r in rs],
         # additions: what makes a number reproducible and trustworthy
-        "endpoint": cfg.client.endpoint,
-        "dataset": cfg.dataset.kind,
-        "prompt_format": cfg.dataset.prompt_format,
-        "ignore_eos": cfg.client.ignore_eos,
-        "seed": cfg.seed,
-        "goodput_slos_ms": dict(cfg.report.goodput_slos_ms),
-        "client_processes": run.health.num_processes,
-        "client_send_lag_p99_ms": run.health.send_lag_p99_ms,
-        "client_loop_lag_p99_ms": run.health.loop_lag_p99_ms,
-        "client_cpu_util_max": run.health.cpu_util_max,
+        "endpoint": cfg.endpoint,
+        "dataset": cfg.workload.dataset,
+        "prompt_format": cfg.prompt_format,
+        "ignore_eos": cfg.ignore_eos,
+        "seed": cfg.workload.seed,
+        "goodput_slos_ms": dict(cfg.goodput_slos_ms),
+        **run.health,
         "warnings": run.warnings,
+        "interrupted": run.interrupted,
     }
-    return result
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -154,21 +133,22 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
-def write_csv(path: str | Path, workload: Workload, runs: Sequence[RunResult]) -> None:
+def write_csv(path: str | Path, w: Workload, runs: Sequence[RunResult]) -> None:
     """One row per request of every run, failures included with their reason."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for run in runs:
-            for req, r, n_in in zip(workload.requests, run.results, run.input_lens, strict=True):
-                tpot = tpot_s(r)
+            for req, r, n_in in zip(w.requests, run.results, run.input_lens, strict=True):
+                tpot, chunks = tpot_s(r), len(r.itl_s) + 1 if r.ttft_s > 0 else 0
                 writer.writerow([
                     run.request_rate, r.index, int(r.success), r.error, r.http_status or "",
                     _fmt(r.scheduled_s), _fmt(r.sent_s), _ms(r.dispatched_s - r.scheduled_s),
-                    _ms(r.sent_s - r.dispatched_s), n_in, _opt(r.server_prompt_tokens),
+                    _ms(r.sent_s - r.dispatched_s), n_in,
+                    "" if r.server_prompt_tokens is None else r.server_prompt_tokens,
                     req.output_len, r.output_tokens,
-                    "usage" if r.output_tokens_from_usage else "chunks", r.num_chunks,
-                    _ms(r.ttft_s) if r.success else "", _ms(tpot) if tpot is not None else "",
+                    "usage" if r.output_tokens_from_usage else "chunks", chunks,
+                    _ms(r.ttft_s) if r.success else "", "" if tpot is None else _ms(tpot),
                     _ms(sum(r.itl_s) / len(r.itl_s)) if r.itl_s else "",
                     _ms(max(r.itl_s)) if r.itl_s else "", _ms(r.latency_s),
                     r.finish_reason or "",
@@ -177,20 +157,18 @@ def write_csv(path: str | Path, workload: Workload, runs: Sequence[RunResult]) -
 
 def sweep_table(runs: Sequence[RunResult]) -> str:
     """One line per rate: what the knee is read from."""
-    from nori_jax.bench.sweep import sweep_point
-
-    points = [sweep_point(r) for r in runs]
     head = (
         f"{'rate':>8} {'req/s':>8} {'total tok/s':>12} {'TTFT P50':>9} {'TTFT P99':>9} "
         f"{'TPOT P50':>9} {'TPOT P99':>9} {'failed':>6}"
     )
     lines = [" Rate sweep ".center(len(head), "="), head]
-    for pt, run in zip(points, runs, strict=True):
+    for run in runs:
         m = run.metrics
         lines.append(
-            f"{pt.rate:>8g} {m.request_throughput:>8.2f} {pt.throughput:>12.1f} "
-            f"{m.ttft.median:>9.1f} {pt.p99_ttft_ms:>9.1f} {m.tpot.median:>9.1f} "
-            f"{pt.p99_tpot_ms:>9.1f} {m.failed:>6d}"
+            f"{run.request_rate:>8g} {m['request_throughput']:>8.2f} "
+            f"{m['total_token_throughput']:>12.1f} {m['median_ttft_ms']:>9.1f} "
+            f"{m['p99_ttft_ms']:>9.1f} {m['median_tpot_ms']:>9.1f} {m['p99_tpot_ms']:>9.1f} "
+            f"{m['failed']:>6d}"
         )
     return "\n".join(lines)
 
@@ -205,7 +183,3 @@ def _fmt(x: float) -> str:
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:.3f}" if math.isfinite(x) else ""
-
-
-def _opt(x: int | None) -> str | int:
-    return "" if x is None else x

@@ -14,10 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import time
-import types
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -36,6 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "role_chunk": True,  # chat: an empty assistant-role delta right away, as vLLM sends
     "max_output": None,  # stop after this many tokens whatever max_tokens says
     "tokenizer_dir": None,  # count text prompts with this HF tokenizer (exact usage)
+    "model_root": None,  # the `root` of the /v1/models card (vLLM's: the model's path)
 }
 
 state: dict[str, Any] = {
@@ -53,10 +51,6 @@ async def control(request: Request) -> dict[str, Any]:
     behaviour = dict(DEFAULTS) | await request.json()
     state.update(behaviour=behaviour, count=0, prompt_tokens=[], sent=[], tok=None)
     if behaviour["tokenizer_dir"]:
-        if "nori_jax" not in sys.modules:  # a bare package: the engine's __init__ imports JAX
-            pkg = types.ModuleType("nori_jax")
-            pkg.__path__ = [str(Path(behaviour["repo_root"]) / "nori_jax")]
-            sys.modules["nori_jax"] = pkg
         from nori_jax.tokenizer import Tokenizer
 
         state["tok"] = Tokenizer.from_hf_dir(behaviour["tokenizer_dir"])
@@ -70,7 +64,10 @@ async def stats() -> dict[str, Any]:
 
 @app.get("/v1/models")
 async def models() -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+    card = {"id": "fake-model", "object": "model", "owned_by": "fake"}
+    if state["behaviour"]["model_root"]:
+        card["root"] = state["behaviour"]["model_root"]
+    return {"object": "list", "data": [card]}
 
 
 def _count_prompt(body: dict[str, Any], chat: bool) -> int:

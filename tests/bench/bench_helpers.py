@@ -7,6 +7,7 @@ directory uses.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,8 +34,10 @@ _WORDS = (
 class FakeServer:
     def __init__(self) -> None:
         script = Path(__file__).with_name("bench_fake_server.py")
+        path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))}
         self.proc = subprocess.Popen(
-            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT
+            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
         )
         assert self.proc.stdout is not None
         self.base_url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
@@ -57,7 +60,6 @@ class FakeServer:
                 httpx.post(self.base_url + route, json=body, timeout=30).raise_for_status()
 
     def set(self, **behaviour: Any) -> None:
-        behaviour.setdefault("repo_root", str(REPO_ROOT))
         httpx.post(self.base_url + "/_control", json=behaviour, timeout=10).raise_for_status()
 
     def stats(self) -> dict[str, Any]:
@@ -98,30 +100,18 @@ def train_tokenizer(tok: tokenizers.Tokenizer, vocab_size: int, alphabet: list[s
     )
 
 
-def bench_config(server: FakeServer, **kw: Any) -> Any:
-    """A small BenchConfig against the fake server; keyword groups override its parts."""
-    from nori_jax.bench.config import (
-        BenchConfig,
-        ClientConfig,
-        DatasetConfig,
-        LoadConfig,
-        ReportConfig,
-    )
+def bench_config(server: FakeServer, workload: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """A small BenchConfig against the fake server; `workload` overrides WorkloadConfig fields."""
+    from nori_jax.bench.config import BenchConfig
+    from nori_jax.bench.workload import WorkloadConfig
 
-    client = {"base_url": server.base_url, "model": "fake-model", "request_timeout_s": 30.0}
-    dataset = {"kind": "fixed", "num_prompts": 20, "input_len": 32, "output_len": 8}
-    return BenchConfig(
-        client=ClientConfig(**(client | kw.pop("client", {}))),
-        dataset=DatasetConfig(**(dataset | kw.pop("dataset", {}))),
-        load=LoadConfig(**kw.pop("load", {})),
-        report=ReportConfig(**kw.pop("report", {})),
-        show_progress=False,
-        **kw,
-    )
+    w = {"dataset": "fixed", "num_prompts": 20, "input_len": 32, "output_len": 8}
+    base = {"model": "fake-model", "request_timeout_s": 30.0}
+    return BenchConfig(server.base_url, WorkloadConfig(**(w | (workload or {}))), **(base | kw))
 
 
-def run_bench(server: FakeServer, **kw: Any) -> Any:
-    from nori_jax.bench.runner import prepare_workload, run_once
+def run_bench(server: FakeServer, workload: dict[str, Any] | None = None, **kw: Any) -> Any:
+    from nori_jax.bench.run import prepare_workload, run_once
 
-    cfg = bench_config(server, **kw)
-    return run_once(cfg, prepare_workload(cfg))
+    cfg = bench_config(server, workload, **kw)
+    return run_once(cfg, prepare_workload(cfg), cfg.workload.request_rate, lambda n: None)

@@ -1,20 +1,27 @@
-"""Metric arithmetic, vLLM's result keys and printed block, the CSV, and the CLI end to end."""
+"""Metric arithmetic, vLLM's result keys and printed block, the CSV, and the CLI end to end:
+single runs, sweeps with their plot, bad flags, help lines, a missing extra, Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from bench_helpers import FakeServer, bench_config, run_bench
+from bench_helpers import REPO_ROOT, FakeServer, bench_config, run_bench
 
-from nori_jax.bench.cli import main
+from nori_jax.bench import cli
+from nori_jax.bench.client import RequestResult
 from nori_jax.bench.metrics import compute_metrics
 from nori_jax.bench.report import CSV_COLUMNS, print_run, result_dict
-from nori_jax.bench.runner import prepare_workload
-from nori_jax.bench.stream_request import RequestResult
+from nori_jax.bench.run import prepare_workload, run_once
 
 # `vllm bench serve --save-result` keys (vllm/benchmarks/serve.py) that ours must carry as-is
 VLLM_KEYS = {
@@ -33,7 +40,7 @@ VLLM_KEYS = {
 
 def _ok(index: int, ttft: float, itls: list[float], out: int, sent: float = 0.0) -> RequestResult:
     return RequestResult(
-        index, 0.0, 0.0, sent, success=True, ttft_s=ttft, latency_s=ttft + sum(itls),
+        index, 0.0, 0.0, sent, success=True, error="", ttft_s=ttft, latency_s=ttft + sum(itls),
         itl_s=itls, output_tokens=out, output_tokens_from_usage=True,
     )  # fmt: skip
 
@@ -46,33 +53,35 @@ def test_metric_definitions_follow_vllm() -> None:
         RequestResult(3, 0.0, 0.0, 0.0, success=False, error="HTTP 500"),
     ]
     m = compute_metrics(results, [10, 20, 30, 40], 2.0, (50.0, 99.0), {"ttft": 200, "tpot": 25})
-    assert (m.completed, m.failed) == (3, 1)
-    assert m.total_input == 60 and m.total_output == 6 and m.output_lens == (3, 2, 1, 0)
-    assert m.request_throughput == 1.5 and m.output_throughput == 3.0
-    assert m.total_token_throughput == 33.0
-    assert m.ttft.mean == pytest.approx(150.0) and m.ttft.median == pytest.approx(100.0)
-    assert m.tpot.mean == pytest.approx(20.0)
-    assert m.itl.mean == pytest.approx(20.0) and m.itl.median == pytest.approx(20.0)
-    assert m.e2el.at(50.0) == pytest.approx(140.0)
-    assert m.request_goodput == pytest.approx(1.0)  # requests 0 and 2 meet both SLOs
-    assert m.max_concurrent_requests == 2  # [0, .14) and [.05, .37) overlap; [.5, .55) alone
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert m["total_input_tokens"] == 60 and m["total_output_tokens"] == 6
+    assert m["output_lens"] == [3, 2, 1, 0]
+    assert m["request_throughput"] == 1.5 and m["output_throughput"] == 3.0
+    assert m["total_token_throughput"] == 33.0
+    assert m["mean_ttft_ms"] == pytest.approx(150.0) and m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["mean_tpot_ms"] == pytest.approx(20.0)
+    assert m["mean_itl_ms"] == pytest.approx(20.0) and m["median_itl_ms"] == pytest.approx(20.0)
+    assert m["p50_e2el_ms"] == pytest.approx(140.0)
+    assert m["request_goodput"] == pytest.approx(1.0)  # requests 0 and 2 meet both SLOs
+    assert m["max_concurrent_requests"] == 2  # [0, .14) and [.05, .37) overlap; [.5, .55) alone
+    assert m["max_output_tokens_per_s"] == pytest.approx(6.0)  # all six tokens in second 0
 
 
 def test_empty_metrics_report_zero_not_nan() -> None:
-    m = compute_metrics([RequestResult(0, 0.0, success=False, error="x")], [5], 1.0, (99.0,), {})
-    assert m.ttft.mean == 0.0 and m.itl.at(99.0) == 0.0 and m.request_goodput is None
+    m = compute_metrics([RequestResult(0, 0.0, error="x")], [5], 1.0, (99.0,), {})
+    assert m["mean_ttft_ms"] == 0.0 and m["p99_itl_ms"] == 0.0 and m["request_goodput"] is None
 
 
 def test_result_json_has_vllm_keys_and_the_block_prints(server: FakeServer) -> None:
     cfg = bench_config(
         server,
-        report={"metric_percentiles": (50.0, 99.0, 99.9), "goodput_slos_ms": {"ttft": 1000.0}},
-        load={"max_concurrency": 4, "request_rate": 200.0},
+        {"request_rate": 200.0},
+        metric_percentiles=(50.0, 99.0, 99.9),
+        goodput_slos_ms={"ttft": 1000.0},
+        max_concurrency=4,
     )
     workload = prepare_workload(cfg)
-    from nori_jax.bench.runner import run_once
-
-    run = run_once(cfg, workload)
+    run = run_once(cfg, workload, 200.0, lambda n: None)
     result = result_dict(cfg, workload, run)
     assert VLLM_KEYS <= result.keys()
     assert {"p50_ttft_ms", "p99.9_itl_ms"} <= result.keys()
@@ -102,7 +111,7 @@ def test_cli_single_run_writes_json_and_csv_with_failures(
 ) -> None:
     server.set(fail_every=4)
     rj, rc = tmp_path / "r.json", tmp_path / "r.csv"
-    code = main([
+    code = cli.main([
         "serve", "--base-url", server.base_url, "--dataset", "fixed", "--num-prompts", "12",
         "--input-len", "20", "--output-len", "5", "--request-rate", "100", "--seed", "7",
         "--goodput", "ttft:500", "tpot:50", "--result-json", str(rj), "--result-csv", str(rc),
@@ -114,6 +123,7 @@ def test_cli_single_run_writes_json_and_csv_with_failures(
     result = json.loads(rj.read_text())
     assert result["model_id"] == "fake-model"  # discovered from /v1/models
     assert result["completed"] == 9 and result["failed"] == 3 and result["ignore_eos"] is True
+    assert result["seed"] == 7 and result["interrupted"] is False
     rows = list(csv.DictReader(rc.open()))
     assert list(rows[0]) == list(CSV_COLUMNS) and len(rows) == 12
     failed = [r for r in rows if r["success"] == "0"]
@@ -127,7 +137,7 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rj = tmp_path / "sweep.json"
-    code = main([
+    code = cli.main([
         "serve", "--base-url", server.base_url, "--model", "fake-model", "--dataset", "fixed",
         "--num-prompts", "10", "--input-len", "8", "--output-len", "4", "--sweep", "50,100",
         "--result-json", str(rj), "--result-csv", str(tmp_path / "s.csv"), "--disable-tqdm",
@@ -139,8 +149,7 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     result = json.loads(rj.read_text())
     assert result["request_rates"] == [50.0, 100.0] and len(result["runs"]) == 2
     assert "knee_request_rate" in result and VLLM_KEYS <= result["runs"][0].keys()
-    png = rj.with_suffix(".png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rj.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(csv.DictReader((tmp_path / "s.csv").open()))) == 20
 
 
@@ -148,23 +157,96 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     "bad",
     [
         ["--goodput", "ttft"],
+        ["--goodput", "ttft:"],
         ["--goodput", "latency:5"],
         ["--sweep", "1,x"],
-        ["--prompt-format", "token-ids"],  # needs a tokenizer
+        ["--prompt-format", "token-ids"],  # needs a tokenizer; nothing listens to name one
         ["--request-rate", "0"],
         ["--extra-body", "[1]"],
+        ["--num-client-processes", "many"],
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(
     bad: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--disable-tqdm"]
-    assert main(base + bad) == 2
+    assert cli.main(base + bad) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_missing_bench_extra_is_named_with_its_install_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "BENCH_EXTRA", ("tqdm", "nori_jax_no_such_module"))
+    assert cli.main(["serve", "--model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert "missing: nori_jax_no_such_module" in err and "pip install 'nori-jax[bench]'" in err
+
+
+def _own_actions(p: argparse.ArgumentParser, skip: set[str]) -> list[argparse.Action]:
+    return [
+        a
+        for a in p._actions
+        if a.option_strings and a.dest != "help" and not skip & set(a.option_strings)
+    ]
+
+
+def test_every_bench_flag_has_a_help_line_with_its_default() -> None:
+    from nori_jax.bench.offline import add_bench_offline_parser
+    from nori_jax.engine_args import add_engine_args
+
+    root = argparse.ArgumentParser()
+    sub = root.add_subparsers()
+    serve = cli.add_bench_serve_parser(sub)
+    add_bench_offline_parser(sub)
+    offline = sub.choices["offline"]
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine)  # the engine's flags are documented with the engine
+    engine_flags = {s for a in engine._actions for s in a.option_strings}
+    for parser in (serve, offline):
+        formatter = parser._get_formatter()
+        actions = _own_actions(parser, engine_flags)
+        assert len(actions) > 15
+        for action in actions:
+            text = formatter._expand_help(action) if action.help else ""
+            assert "default" in text, (action.option_strings, text)
+
+
+def test_ctrl_c_stops_cleanly_and_reports_what_completed(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    server.set(itl_s=0.05)  # 10 tokens: half a second per request, 10 requests a second
+    rj = tmp_path / "partial.json"
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "nori_jax.bench", "serve", "--base-url", server.base_url,
+            "--dataset", "fixed", "--num-prompts", "60", "--input-len", "8", "--output-len",
+            "10", "--request-rate", "10", "--num-client-processes", "2", "--disable-tqdm",
+            "--result-json", str(rj),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(server.stats()["sent"]) < 3:  # some requests have finished
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == cli.INTERRUPTED
+    assert "Traceback" not in err and "Serving Benchmark Result" in out
+    result = json.loads(rj.read_text())
+    assert result["interrupted"] is True and 3 <= result["completed"] < 60
+    assert "Interrupted (Ctrl-C): partial results" in out
+    reasons = {e for e in result["errors"] if e}
+    assert reasons <= {"interrupted before it was sent", "interrupted before it finished"}
 
 
 def test_server_reported_prompt_counts_replace_estimates(server: FakeServer) -> None:
     """Without a tokenizer, input totals use the server's usage.prompt_tokens."""
-    run = run_bench(server, dataset={"input_len": 50})
+    run = run_bench(server, {"input_len": 50})
     assert run.input_lens == [r.server_prompt_tokens for r in run.results]
     assert any("estimates" in w for w in run.warnings)

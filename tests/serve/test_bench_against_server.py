@@ -1,5 +1,6 @@
-"""`nori-jax bench serve` against the real server (tiny preset): one short run, exact input
-lengths through the server's own vocabulary, every request accounted for in /metrics."""
+"""`nori-jax bench serve` against the real server (tiny preset), as the README runs it: no
+--tokenizer (the server's model card names its preset, whose byte-level vocabulary the client
+rebuilds), text prompts of exactly the drawn lengths, every request accounted for in /metrics."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Server, running_server
 
 from nori_jax.bench.cli import main as bench_main
-from nori_jax.dummy_tokenizer import byte_tokenizer
 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server() as s:
+    with running_server({"model_name": "tiny-llama"}) as s:  # as `serve --config tiny-cpu`
         yield s
 
 
@@ -28,43 +28,21 @@ def _success_total(url: str) -> float:
     raise AssertionError("nori:request_success missing")
 
 
-def test_short_bench_run_against_the_real_server(server: Server, tmp_path) -> None:
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    vocab = server.llm_engine.model.config.vocab_size
-    byte_tokenizer(vocab).backend.save(str(tok_dir / "tokenizer.json"))
+def test_short_bench_run_against_the_real_server(server: Server, tmp_path, capsys):
     before = _success_total(server.url)
     out = tmp_path / "r.json"
-    rc = bench_main(
-        [
-            "serve",
-            "--base-url",
-            server.url,
-            "--tokenizer",
-            str(tok_dir),
-            "--prompt-format",
-            "token-ids",
-            "--ignore-eos",
-            "--num-prompts",
-            "12",
-            "--request-rate",
-            "50",
-            "--input-max",
-            "120",
-            "--output-max",
-            "24",
-            "--seed",
-            "3",
-            "--result-json",
-            str(out),
-            "--disable-tqdm",
-            "--num-client-processes",
-            "1",
-        ]
-    )
+    rc = bench_main([
+        "serve", "--base-url", server.url, "--ignore-eos",
+        "--num-prompts", "12", "--request-rate", "50", "--input-max", "120",
+        "--output-max", "24", "--seed", "3", "--result-json", str(out), "--disable-tqdm",
+        "--num-client-processes", "1",
+    ])  # fmt: skip
     assert rc == 0
+    assert "tokenizer: preset tiny-llama (byte-level)" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["completed"] == 12 and r["failed"] == 0
+    assert r["tokenizer_id"] == "preset tiny-llama (byte-level)"
+    assert not [w for w in r["warnings"] if "prompt lengths" in w or "estimates" in w]
     assert r["total_input_tokens"] == sum(r["input_lens"])
     assert r["total_output_tokens"] == sum(r["output_lens"]) > 0
     assert r["mean_ttft_ms"] > 0 and r["request_throughput"] > 0
