@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -26,11 +27,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nori_jax.core.outputs import RequestOutput
-from nori_jax.engine import LLMEngine
 from nori_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nori_jax.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     future: concurrent.futures.Future[None]
+    stream_outputs: bool = True
 
 
 class RequestStream:
@@ -162,6 +166,19 @@ class AsyncEngine:
         return self._thread is not None
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self):
+        """The engine's metrics (read without stopping it; gauges as of the last step)."""
+        return self.engine.metrics
+
+    @property
     def is_healthy(self) -> bool:
         """True while the loop runs and takes new requests."""
         t = self._thread
@@ -221,31 +238,33 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        stream: bool = True,
     ) -> RequestStream:
         """Queue a request; returns once the engine has accepted it.
 
         Raises ValueError (bad input), QueueFullError (waiting queue full), EngineStoppedError.
-        `timeout_s` bounds the whole request, queueing included.
+        `timeout_s` bounds the whole request, queueing included. Without `stream` the stream
+        yields only the finished output.
         """
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        stream = RequestStream(request_id or f"req-{uuid.uuid4().hex}", self, deadline)
-        stream._timeout_s = timeout_s
+        out_stream = RequestStream(request_id or f"req-{uuid.uuid4().hex}", self, deadline)
+        out_stream._timeout_s = timeout_s
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError(self._refusal())
-            self._commands.put(_Add(stream, prompt, params, arrival, future))
+            self._commands.put(_Add(out_stream, prompt, params, arrival, future, stream))
         self._wake.set()
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            stream.abort()  # accepted or not: an abort of an unknown id is a no-op
+            out_stream.abort()  # accepted or not: an abort of an unknown id is a no-op
             raise
-        return stream
+        return out_stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
@@ -269,7 +288,7 @@ class AsyncEngine:
 
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics; gauges are as of the last step (read without stopping it)."""
-        return self.engine.metrics.as_dict()
+        return self.metrics.as_dict()
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -314,7 +333,13 @@ class AsyncEngine:
         if not cmd.future.set_running_or_notify_cancel():
             return  # the caller gave up before the engine got to it
         try:
-            self.engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+            self.engine.add_request(
+                cmd.stream.request_id,
+                cmd.prompt,
+                cmd.params,
+                cmd.arrival_time,
+                stream=cmd.stream_outputs,
+            )
         except Exception as e:  # bad input, full queue: the caller's error, never the loop's
             cmd.future.set_exception(e)
             return
@@ -322,17 +347,7 @@ class AsyncEngine:
         cmd.future.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each event loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(stream._loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+        deliver(self._streams, outputs)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
@@ -355,8 +370,33 @@ class AsyncEngine:
             if isinstance(cmd, _Add) and not cmd.future.done():
                 cmd.future.set_exception(make_error())
         streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            _call_soon(stream._loop, stream._put, make_error())
+        fail_streams(streams, make_error)
+
+
+def deliver(
+    streams: dict[str, RequestStream],
+    outputs: list[RequestOutput],
+    lock: threading.Lock | None = None,
+) -> None:
+    """Hand a step's outputs to their streams: one wake-up of each event loop per step. A
+    stream's entry goes with its finished output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    with lock or contextlib.nullcontext():
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            by_loop.setdefault(stream._loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        _call_soon(loop, _put_all, items)
+
+
+def fail_streams(streams: list[RequestStream], make_error: Callable[[], BaseException]) -> None:
+    """End each stream with a fresh error."""
+    for stream in streams:
+        _call_soon(stream._loop, stream._put, make_error())
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:

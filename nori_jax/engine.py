@@ -9,6 +9,7 @@ process of its own (engine_core_process.py) and the frontend in the API server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -29,8 +30,10 @@ from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
 from nori_jax.metrics import EngineMetrics
+from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
-from nori_jax.weights.loader import load_model
+from nori_jax.tokenizer import Tokenizer
+from nori_jax.weights.loader import LoadedModel, load_model
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -66,92 +69,127 @@ class CountedRunner:
             return self.runner.fetch(handle)
 
 
+@dataclasses.dataclass
+class EngineParts:
+    """An engine core on a model, built and compiled: what both LLMEngine and the engine-core
+    process run."""
+
+    config: EngineConfig
+    core: EngineCore
+    model: LoadedModel
+    runner: ModelRunner
+    scheduler_config: SchedulerConfig
+    max_model_len: int
+    load_seconds: float
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.model.tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        tok = self.model.tokenizer
+        return list(tok.eos_token_ids if tok else self.model.config.eos_token_ids)
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Load the model, size the KV pool, compile and warm every program, wire the core."""
+    compilation_cache.enable(config.compilation_cache_dir)
+    mesh = make_mesh(config.mesh)
+    attention_backend = resolve_attention_backend(config.attention_backend)
+    start = time.perf_counter()
+    model = load_model(
+        config.model,
+        dtype=config.dtype,
+        load_format=config.load_format,
+        mesh=mesh,
+        attention_backend=attention_backend,
+        seed=config.seed,
+        tokenizer=config.tokenizer,
+        param_cache=config.param_cache,
+    )
+    load_seconds = time.perf_counter() - start
+    mcfg = model.config
+    config.mesh.check_model(mcfg)
+    max_model_len = _max_model_len(config, mcfg)
+    num_pages = config.num_pages or num_pages_for_memory(
+        mcfg,
+        config.page_size,
+        model.dtype,
+        mesh,
+        config.gpu_memory_utilization,
+        config.cpu_kv_cache_gib,
+    )
+    scfg = SchedulerConfig(
+        max_model_len=max_model_len,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        long_prefill_threshold=config.long_prefill_threshold,
+        long_prefill_token_share=config.long_prefill_token_share,
+        kv_headroom=config.kv_headroom,
+        max_num_waiting=config.max_num_waiting,
+    )
+    allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+    scheduler = Scheduler(scfg, allocator)
+    builder = PlanBuilder(
+        scfg.max_num_seqs,
+        scfg.max_pages_per_seq,
+        scfg.page_size,
+        num_pages,
+        scheduler.buckets,
+        mcfg.vocab_size,
+    )
+    runner = ModelRunner(
+        model, mesh, num_pages, config.page_size, builder.layout, scheduler.buckets
+    )
+    runner.compile_all()
+    runner.warm_up()
+    core = EngineCore(
+        scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
+    )
+    logger.info(
+        "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
+        model.source,
+        getattr(model.dtype, "__name__", model.dtype),
+        num_pages,
+        config.page_size,
+        scheduler.buckets,
+        attention_backend,
+    )
+    return EngineParts(config, core, model, runner, scfg, max_model_len, load_seconds)
+
+
+def _max_model_len(config: EngineConfig, mcfg) -> int:
+    limit = mcfg.max_position_embeddings
+    if mcfg.sliding_window:  # attention has no sliding window: stay inside it
+        limit = min(limit, mcfg.sliding_window)
+    want = config.max_model_len
+    if want is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if want > limit:
+        raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
+    return want
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        parts = build_engine(config)
         self.config = config
-        compilation_cache.enable(config.compilation_cache_dir)
-        self.mesh = make_mesh(config.mesh)
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
-        start = time.perf_counter()
-        self.model = load_model(
-            config.model,
-            dtype=config.dtype,
-            load_format=config.load_format,
-            mesh=self.mesh,
-            attention_backend=self.attention_backend,
-            seed=config.seed,
-            tokenizer=config.tokenizer,
-            param_cache=config.param_cache,
-        )
-        self.load_seconds = time.perf_counter() - start
-        mcfg = self.model.config
-        config.mesh.check_model(mcfg)
-        self.tokenizer = self.model.tokenizer
-        self.max_model_len = self._max_model_len()
-        num_pages = config.num_pages or num_pages_for_memory(
-            mcfg,
-            config.page_size,
-            self.model.dtype,
-            self.mesh,
-            config.gpu_memory_utilization,
-            config.cpu_kv_cache_gib,
-        )
-        self.scheduler_config = SchedulerConfig(
-            max_model_len=self.max_model_len,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            long_prefill_threshold=config.long_prefill_threshold,
-            long_prefill_token_share=config.long_prefill_token_share,
-            kv_headroom=config.kv_headroom,
-            max_num_waiting=config.max_num_waiting,
-        )
-        scfg = self.scheduler_config
-        allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
-        scheduler = Scheduler(scfg, allocator)
-        builder = PlanBuilder(
-            scfg.max_num_seqs,
-            scfg.max_pages_per_seq,
-            scfg.page_size,
-            num_pages,
-            scheduler.buckets,
-            mcfg.vocab_size,
-        )
-        self.runner = ModelRunner(
-            self.model, self.mesh, num_pages, config.page_size, builder.layout, scheduler.buckets
-        )
-        self.runner.compile_all()
-        self.runner.warm_up()
-        self.core = EngineCore(
-            scheduler, builder, CountedRunner(self.runner), async_scheduling=config.async_scheduling
-        )
+        self.parts = parts
+        self.core = parts.core
+        self.model = parts.model
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.scheduler_config = parts.scheduler_config
+        self.load_seconds = parts.load_seconds
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
-        self._eos = list(self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids)
-        logger.info(
-            "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
-            self.model.source,
-            getattr(self.model.dtype, "__name__", self.model.dtype),
-            num_pages,
-            config.page_size,
-            scheduler.buckets,
-            self.attention_backend,
-        )
-
-    def _max_model_len(self) -> int:
-        mcfg = self.model.config
-        limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:  # attention has no sliding window: stay inside it
-            limit = min(limit, mcfg.sliding_window)
-        want = self.config.max_model_len
-        if want is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN)
-        if want > limit:
-            raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
-        return want
+        self._eos = parts.eos_token_ids
 
     # ---- parts ------------------------------------------------------------------------------
 
@@ -176,34 +214,9 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """Validate a prompt and return (token ids, text or None)."""
-        token_ids, text = self._encode(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                f"room to generate"
-            )
-        return token_ids, text
-
-    def _encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt), prompt
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, (int, np.integer)) for t in prompt
-        ):
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not prompt:
-            raise ValueError("prompt is empty (no token ids)")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return [int(t) for t in prompt], None
+        return encode_prompt(
+            self.tokenizer, prompt, self.model.config.vocab_size, self.max_model_len
+        )
 
     def add_request(
         self,

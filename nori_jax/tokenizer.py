@@ -123,6 +123,21 @@ class Tokenizer:
             self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
         )
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything that makes this tokenizer, as plain data (another process rebuilds it with
+        `from_state`)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state["backend"] = self.backend.to_str()
+        state["eos_token_ids"] = list(self.eos_token_ids)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Tokenizer:
+        state = dict(state)
+        state["backend"] = tokenizers.Tokenizer.from_str(state["backend"])
+        state["eos_token_ids"] = tuple(state["eos_token_ids"])
+        return cls(**state)
+
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)

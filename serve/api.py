@@ -1,6 +1,7 @@
 """The FastAPI app: routes, auth, error handlers, and the engine thread's life inside the server's.
 
-    app = create_app(AsyncEngine(LLMEngine(config)), ServerSettings(model_name="m"))
+    app = create_app(EngineCoreClient(config), ServerSettings(model_name="m"))
+    # or AsyncEngine(LLMEngine(config)): the same engine stepped by a thread of this process
 
 Start-up starts the engine thread (the engine is compiled before the app exists, so the server
 never listens before it can serve). Shutdown refuses new requests, lets those in flight finish
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from nori_jax.async_engine import AsyncEngine
+from nori_jax.engine_client import EngineClient
 from serve import chat, completions, generate
 from serve.context import ServeContext, get_context
 from serve.errors import ApiError, install_error_handlers
@@ -58,7 +59,7 @@ async def health(request: Request) -> Response:
 @open_routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     """The engine's own registry: the numbers `LLM.get_metrics()` returns."""
-    registry = get_context(request).engine.engine.metrics.registry
+    registry = get_context(request).engine.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -78,7 +79,7 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     ctx = ServeContext.build(engine, settings)
 
     @contextlib.asynccontextmanager

@@ -72,6 +72,12 @@ def add_serve_parser(sub) -> None:
         help="on SIGTERM/SIGINT, let requests in flight finish for up to this long",
     )
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine in a thread of the server's process instead of its own process "
+        "(one GIL for HTTP and the step loop; for debugging)",
+    )
     # Without --config the server loads configs/engine/default.yaml (the embedded model, batch
     # shapes sized for interactive use on a CPU or one GPU); flags override either.
     p.set_defaults(func=run_serve, config=DEFAULT_PRESET)
@@ -103,8 +109,6 @@ def _bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nori_jax.async_engine import AsyncEngine
-    from nori_jax.engine import LLMEngine
     from serve.api import create_app
     from serve.settings import ServerSettings
 
@@ -128,8 +132,17 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     sock = _bind(args.host, args.port)
-    engine = LLMEngine(config)  # loads the weights and compiles every bucket
-    app = create_app(AsyncEngine(engine), settings)
+    if args.engine_in_process:
+        from nori_jax.async_engine import AsyncEngine
+        from nori_jax.engine import LLMEngine
+
+        engine = AsyncEngine(LLMEngine(config))  # loads the weights and compiles every bucket
+    else:
+        from nori_jax.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(config)  # starts the engine-core process; returns when ready
+        logger.info("engine core running in process %d", engine.pid)
+    app = create_app(engine, settings)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -8,8 +8,9 @@ import time
 
 from fastapi import Request
 
-from nori_jax.async_engine import AsyncEngine, RequestStream
+from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
+from nori_jax.engine_client import EngineClient
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from serve.errors import api_error_from
@@ -19,19 +20,19 @@ from serve.streaming import result_unless_disconnected
 
 @dataclasses.dataclass
 class ServeContext:
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     tokenizer: Tokenizer | None  # the engine's, with settings.chat_template applied
     max_model_len: int
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def build(cls, engine: AsyncEngine, settings: ServerSettings) -> ServeContext:
-        tok = engine.engine.tokenizer
+    def build(cls, engine: EngineClient, settings: ServerSettings) -> ServeContext:
+        tok = engine.tokenizer
         if tok is not None and settings.chat_template is not None:
             # A copy: the engine's own tokenizer stays as loaded.
             tok = dataclasses.replace(tok, chat_template=settings.chat_template)
-        return cls(engine, settings, tok, engine.engine.max_model_len)
+        return cls(engine, settings, tok, engine.max_model_len)
 
     async def submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str

@@ -125,6 +125,11 @@ class EngineCore:
         req = self.scheduler.finish_request(request_id, reason)
         return None if req is None else finished_request(req)
 
+    @property
+    def has_in_flight(self) -> bool:
+        """A launched step has not been fetched yet (see `drain`)."""
+        return self._in_flight is not None
+
     def has_unfinished(self) -> bool:
         # A step still in flight once every request has finished holds only rows of finished
         # requests (planned before their end was known): its samples are discarded unseen.

@@ -19,6 +19,7 @@ import uvicorn
 
 from nori_jax.async_engine import AsyncEngine
 from nori_jax.engine import LLMEngine
+from nori_jax.engine_client import EngineClient
 from nori_jax.engine_config import EngineConfig
 from serve.api import create_app
 from serve.settings import ServerSettings
@@ -34,7 +35,7 @@ CHAT_TEMPLATE = (
 @dataclasses.dataclass
 class Server:
     url: str
-    engine: AsyncEngine
+    engine: EngineClient
     uvicorn: uvicorn.Server
     thread: threading.Thread
 
@@ -65,9 +66,13 @@ def engine_config(**overrides: Any) -> EngineConfig:
 
 @contextlib.contextmanager
 def running_server(
-    settings: dict[str, Any] | None = None, **engine_overrides: Any
+    settings: dict[str, Any] | None = None,
+    engine: EngineClient | None = None,
+    **engine_overrides: Any,
 ) -> Iterator[Server]:
-    engine = AsyncEngine(LLMEngine(engine_config(**engine_overrides)))
+    """A server over `engine`, by default the tiny-cpu engine stepped by a thread here."""
+    if engine is None:
+        engine = AsyncEngine(LLMEngine(engine_config(**engine_overrides)))
     app = create_app(
         engine,
         ServerSettings(

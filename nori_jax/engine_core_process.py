@@ -1,0 +1,176 @@
+"""The engine core in a process of its own: the step loop and nothing else.
+
+Serving runs the engine core apart from the API server (vLLM v1's EngineCore shape), so HTTP,
+tokenization, detokenization, stop strings and SSE never take the GIL from the step loop. The two
+talk over ZeroMQ (PUSH/PULL on IPC sockets) with msgspec msgpack messages:
+
+    client -> core   AddRequests | AbortRequests | Shutdown
+    core -> client   Ready (once, with the engine's facts and its tokenizer) | Failed |
+                     StepMessage (per step: the step's outputs, plus which adds were accepted)
+
+Between two steps the core drains every message waiting, so adds and aborts arrive in batches;
+when it has nothing to run it blocks on its socket. The client side is core_client.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from nori_jax.core.engine_core import EngineCoreRequest
+from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
+from nori_jax.core.scheduler import QueueFullError
+from nori_jax.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    reason: str = "abort"  # "abort" (the client went away) or "stop" (a stop string)
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Rejection(msgspec.Struct, array_like=True):
+    request_id: str
+    kind: str  # "queue_full" | "invalid"
+    message: str
+
+
+class EngineInfo(msgspec.Struct):
+    model_source: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer: dict[str, Any] | None  # Tokenizer.to_state()
+    load_seconds: float
+    compile_seconds: float
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: EngineInfo
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    reason: str
+
+
+class StepMessage(msgspec.Struct, tag=True, array_like=True, gc=False):
+    outputs: EngineCoreOutputs
+    accepted: list[str]
+    rejected: list[Rejection]
+
+
+ClientMessage = AddRequests | AbortRequests | Shutdown
+CoreMessage = Ready | Failed | StepMessage
+
+
+def main() -> None:
+    """`python -m nori_jax.engine_core_process INPUT_ADDR OUTPUT_ADDR LOG_LEVEL`, with the pickled
+    EngineConfig on stdin: a fresh interpreter, so nothing of the parent's main module runs."""
+    input_addr, output_addr, log_level = sys.argv[1:4]
+    config = pickle.load(sys.stdin.buffer)
+    run_engine_core(config, input_addr, output_addr, log_level)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str):
+    """Build the engine, announce it, and run the loop until told to stop."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
+        force=True,
+    )
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    encode = msgspec.msgpack.Encoder().encode
+    try:
+        from nori_jax.engine import build_engine
+
+        parts = build_engine(config)
+        tok = parts.tokenizer
+        info = EngineInfo(
+            parts.model.source,
+            parts.max_model_len,
+            parts.model.config.vocab_size,
+            parts.eos_token_ids,
+            tok.to_state() if tok is not None else None,
+            parts.load_seconds,
+            parts.runner.compile_seconds,
+        )
+        outputs.send(encode(Ready(info)))
+        _serve(parts.core, inputs, outputs, encode)
+    except BaseException as e:  # noqa: BLE001 - the client must hear why the core ended
+        logger.exception("engine core died")
+        reason = f"{type(e).__name__}: {e}"
+        try:
+            outputs.send(encode(Failed(reason)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        traceback.print_exc(file=sys.stderr)
+        sys.exit(1)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        ctx.term()
+
+
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
+    decode = msgspec.msgpack.Decoder(ClientMessage).decode
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        busy = core.has_unfinished() or core.has_in_flight
+        accepted: list[str] = []
+        rejected: list[Rejection] = []
+        aborted: list[FinishedRequest] = []
+        if poller.poll(0 if busy else None):
+            while True:
+                try:
+                    msg = decode(inputs.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, AddRequests):
+                    for r in msg.requests:
+                        try:
+                            core.add_request(r)
+                            accepted.append(r.request_id)
+                        except QueueFullError as e:
+                            rejected.append(Rejection(r.request_id, "queue_full", str(e)))
+                        except ValueError as e:
+                            rejected.append(Rejection(r.request_id, "invalid", str(e)))
+                else:
+                    for rid in msg.request_ids:
+                        finished = core.abort(rid, msg.reason)
+                        if finished is not None:
+                            aborted.append(finished)
+        if core.has_unfinished():
+            out = core.step()
+        elif core.has_in_flight:
+            out = core.drain()  # going idle: deliver the step still on the device
+        else:
+            out = EngineCoreOutputs.empty()
+        out.finished.extend(aborted)
+        if out.request_ids or out.finished or accepted or rejected or out.stats is not None:
+            outputs.send(encode(StepMessage(out, accepted, rejected)), copy=False)
+
+
+if __name__ == "__main__":
+    main()
