@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call: the host-path figures of docs/benchmarks.md (offline 135M and 1B shapes, a
+# served sweep beside the offline run, the step profile at 64 and 1,024 sequences).
+#   OUT=/tmp/hp benchmarks/engine/host_path_suite.sh
+# Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh).
+set -u
+OUT=${OUT:-/tmp/host_path}
+export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
+SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
+mkdir -p "$OUT"
+here=$(dirname "$0")
+quiet() { grep -v "^W1\|^I0000\|INFO"; }
+echo "=== offline smollm2-135m, 2000 requests ($(date +%T))"
+timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput $SHAPES \
+  --num-prompts 2000 --result-json "$OUT/offline_135m.json" 2>&1 | quiet | tail -22
+echo "=== served sweep smollm2-135m, ${N:-1000} requests per rate ($(date +%T))"
+OUT="$OUT/serve" N=${N:-1000} RATES=${RATES:-48,96,144} EXTRA="$SHAPES" \
+  timeout 330 "$here/serve_sweep.sh" 2>&1 | tail -12
+echo "=== offline llama3.2-1b, 1000 requests ($(date +%T))"
+timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput --model llama3.2-1b \
+  $SHAPES --num-prompts 1000 --result-json "$OUT/offline_1b.json" 2>&1 | quiet | tail -22
+for b in 64 1024; do
+  echo "=== step profile, $b sequences x context 1024 ($(date +%T))"
+  timeout 120 python3 "$here/step_profile.py" --config h200-throughput $SHAPES --context 1024 \
+    --steps 30 --batch $b --json "$OUT/profile_$b.json" 2>&1 | quiet | tail -7
+done
+echo "=== done ($(date +%T))"
