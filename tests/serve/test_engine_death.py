@@ -24,14 +24,14 @@ def test_engine_death_fails_every_request_in_flight(server: Server, slow_steps) 
 
     def whole(name: str, path: str, extra: dict) -> None:
         with client(server) as c:
-            results[name] = c.post(path, json=body | extra)
+            results[name] = c.post(path, json=_without_none(body | extra))
 
     def streamed(name: str, path: str, extra: dict) -> None:
         with client(server) as c:
-            with c.stream("POST", path, json=body | extra | {"stream": True}) as r:
+            with c.stream("POST", path, json=_without_none(body | extra | {"stream": True})) as r:
                 results[name] = (r.status_code, [line for line in r.iter_lines() if line])
 
-    chat = {"messages": [{"role": "user", "content": "doomed"}], "max_tokens": 150}
+    chat = {"prompt": None, "messages": [{"role": "user", "content": "doomed"}], "max_tokens": 150}
     jobs = [
         threading.Thread(target=whole, args=("completion", "/v1/completions", {})),
         threading.Thread(target=whole, args=("chat", "/v1/chat/completions", chat)),
@@ -76,3 +76,7 @@ def test_engine_death_fails_every_request_in_flight(server: Server, slow_steps) 
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "after", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     assert server.engine.num_in_flight == 0
+
+
+def _without_none(body: dict) -> dict:
+    return {k: v for k, v in body.items() if v is not None}
