@@ -202,7 +202,11 @@ def _add(core, raw: msgspec.Raw) -> tuple[str | None, Rejection | None]:
         return rid, Rejection(rid, "queue_full", str(e))
     except ParameterError as e:
         return rid, Rejection(rid, "invalid", str(e), e.param)
-    except (ValueError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:  # SamplingParams' own checks raise while decoding
+        cause = e.__cause__
+        param = cause.param if isinstance(cause, ParameterError) else None
+        return rid, Rejection(rid, "invalid", str(cause or e), param)
+    except ValueError as e:
         return rid, Rejection(rid, "invalid", str(e))
     except Exception as e:  # noqa: BLE001 - this request's fault or not, it fails alone
         logger.exception("request %s could not be added", rid)
