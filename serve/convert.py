@@ -35,12 +35,8 @@ def check_model(ctx: ServeContext, model: str | None) -> None:
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject what we parse but do not implement, unless it holds its neutral value."""
-    if req.n not in (None, 1):
-        raise bad_request(f"n={req.n}: only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", name)
+    """Reject what we parse but do not implement (n, best_of, the penalties and top_logprobs are
+    bounded to their neutral value in protocol.py)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
 
@@ -49,8 +45,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    if req.best_of not in (None, 1):
-        raise bad_request(f"best_of={req.best_of}: only 1 is supported", "best_of")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompt = req.prompt
@@ -64,10 +58,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 def check_chat(ctx: ServeContext, req: ChatCompletionRequest) -> None:
     if req.tools:
         raise bad_request("tools are not supported", "tools")
-    if req.top_logprobs:
-        raise bad_request(
-            "top_logprobs is not supported (only the sampled token's logprob)", "top_logprobs"
-        )
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer, so it cannot chat", "messages")
     if ctx.tokenizer.chat_template is None:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 
 class ErrorDetail(BaseModel):
@@ -19,6 +20,116 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class StageMetrics(BaseModel):
+    """The `metrics` extension field: the request's stage timings in seconds."""
+
+    queue_time: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    time_to_first_token: float | None
+    e2e_latency: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: StageMetrics
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[Any]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: StageMetrics
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    metrics: StageMetrics
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    reason: str | None = None
+
+
+_ANSWERS = {  # path -> the model of its 200 JSON body
+    "/v1/completions": CompletionResponse,
+    "/v1/chat/completions": ChatCompletionResponse,
+    "/generate": GenerateResponse,
+    "/v1/models": ModelList,
+    "/health": Health,
+}
 
 
 _STATUS = {
@@ -54,19 +165,21 @@ def _build(app: FastAPI) -> dict[str, Any]:
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    components["ErrorDetail"] = ErrorDetail.model_json_schema()
-    components["ErrorResponse"] = {
-        "type": "object",
-        "properties": {"error": {"$ref": "#/components/schemas/ErrorDetail"}},
-        "required": ["error"],
-    }
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    _, defs = models_json_schema(
+        [(m, "serialization") for m in (ErrorResponse, *_ANSWERS.values())],
+        ref_template="#/components/schemas/{model}",
+    )
+    components.update(defs["$defs"])
+    error = _json_ref("ErrorResponse")
     for path, ops in spec["paths"].items():
         for op in ops.values():
             responses = op["responses"]
             responses.pop("422", None)
+            if path in _ANSWERS:
+                responses["200"]["content"] |= _json_ref(_ANSWERS[path].__name__)
             if path == "/health":
-                codes = ["503"]
+                codes = []
+                responses["503"] = {"description": _STATUS["503"], "content": _json_ref("Health")}
             elif path in ("/metrics", "/openapi.json"):
                 codes = []
             elif path in _GENERATION:
@@ -81,3 +194,7 @@ def _build(app: FastAPI) -> dict[str, Any]:
         "text/plain": {"schema": {"type": "string"}}
     }
     return spec
+
+
+def _json_ref(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}

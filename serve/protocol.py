@@ -4,9 +4,9 @@ Strict, as the OpenAI API defines its types: no coercion (`"4"` is not a number,
 boolean, `1e10` not an integer), no NaN or infinity, numbers within what the engine's arrays hold.
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
 never gets silently different behaviour; `user` is accepted because it changes no output. Fields
-we parse but implement only at their neutral value (penalties, logit_bias, echo, best_of, tools)
-are checked in convert.py. Sampling fields are nullable because some clients send null for
-"default".
+implemented only at their neutral value say so in their range (`n` 1, penalties 0, ...), so
+/openapi.json describes what is accepted; logit_bias, echo, suffix and tools are checked in
+convert.py. Sampling fields are nullable because some clients send null for "default".
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ Temperature = Annotated[float, Field(ge=0.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
+One = Annotated[int, Field(ge=1, le=1)]  # n, best_of: one sequence per request
+Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
 
 
 class _Body(BaseModel):
@@ -45,15 +47,15 @@ class SamplingFields(_Body):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    n: int | None = 1
+    n: One | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: Stop = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Zero | None = None
+    frequency_penalty: Zero | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the caller's own records: no effect on output
     # vLLM extensions
@@ -69,7 +71,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: One | None = None
     suffix: str | None = None
 
 
@@ -91,7 +93,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None  # None: up to the model length
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # the sampled token only
     tools: list[dict[str, Any]] | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
