@@ -52,9 +52,6 @@ class KVLayout:
     # Axis of `shape` that tensor parallelism shards (kv heads).
     KV_HEAD_AXIS = 1
 
-    def bytes_per_page(self, dtype) -> int:
-        return self.num_kv_heads * 2 * self.page_size * self.head_dim * jnp.dtype(dtype).itemsize
-
 
 def _check_write_inputs(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     if kv_pages.ndim != 5 or kv_pages.shape[2] != 2:
