@@ -96,18 +96,24 @@ class TuningConfig:
         if isinstance(self.prefill_kv_splits, bool) or self.prefill_kv_splits not in range(1, 9):
             raise ValueError(f"{self.prefill_kv_splits=} must be an int in [1, 8]")
 
-    def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
-        """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, the
-        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM, the
-        ones tiles of mma_row_sums, the log-sum-exp staging of split prefill tiles)."""
+    def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
+        """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
+        `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
+        A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
+        staging of split prefill tiles, and with fp8 pages each compute warpgroup's dequantized
+        block)."""
         item = jnp.dtype(dtype).itemsize
-        kv = 2 * self.num_stages * self.block_kv * head_dim * item
+        kv_item = jnp.dtype(kv_dtype or dtype).itemsize
+        fp8 = kv_item == 1
+        mma_item = 2 if fp8 and item < 4 else item  # fp8 pages: float16 operands
+        kv = 2 * self.num_stages * self.block_kv * head_dim * kv_item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
-        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
-        ones = self.compute_wgs * ROWS * self.block_kv * item if self.mma_row_sums else 0
+        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * mma_item if a_in_smem else 0
+        ones = self.compute_wgs * ROWS * self.block_kv * mma_item if self.mma_row_sums else 0
         lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
-        return kv + q + split + a_ops + ones + lse
+        dq = self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 else 0
+        return kv + q + split + a_ops + ones + lse + dq
 
     @property
     def compute_registers(self) -> int:
@@ -119,7 +125,14 @@ class TuningConfig:
         return 40 if self.compute_wgs == 2 else 32
 
     def check_fits(
-        self, head_dim: int, page_size: int, dtype, *, on_chip: bool = True, a_in_smem: bool = False
+        self,
+        head_dim: int,
+        page_size: int,
+        dtype,
+        *,
+        on_chip: bool = True,
+        a_in_smem: bool = False,
+        kv_dtype=None,
     ) -> None:
         """ValueError unless pages tile into blocks, the compute warpgroups' registers hold the
         head_dim, and (on_chip: a real GPU) SMEM suffices."""
@@ -130,7 +143,7 @@ class TuningConfig:
                 f"compute_wgs=3 holds head_dim <= 64 and block_kv <= 128 in its registers, not "
                 f"{head_dim=}, {self.block_kv=}"
             )
-        need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem)
+        need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem, kv_dtype=kv_dtype)
         if on_chip and need > SMEM_BYTES - SMEM_SLACK:
             raise ValueError(f"{self} needs {need} bytes of SMEM for {head_dim=}, {dtype=}")
 
@@ -284,9 +297,11 @@ def default_tuning(
     num_ctas: int = 132,
     num_tokens: int = 0,
     num_q_heads: int | None = None,
+    kv_dtype=None,
 ) -> TuningConfig:
     """The schedule of a bucket from its static shapes: the first candidate KV block (BLOCKS,
-    _candidates) that, with the RULES applied, fits a Hopper CTA's shared memory."""
+    _candidates) that, with the RULES applied, fits a Hopper CTA's shared memory. kv_dtype: the
+    pages' dtype when it is not `dtype` (fp8 pages take the same rules, measured with bf16)."""
     b = Bucket(num_seqs, num_kv_heads, head_dim, page_size, pages_per_seq, num_tokens,
                num_q_heads, num_ctas)  # fmt: skip
     budget = SMEM_BYTES - SMEM_SLACK
@@ -296,6 +311,6 @@ def default_tuning(
             if rule.test(b, splits):
                 fields.update(rule.fields)
         cfg = TuningConfig(num_ctas=num_ctas, **fields)
-        if cfg.smem_bytes(head_dim, dtype) <= budget:
+        if cfg.smem_bytes(head_dim, dtype, kv_dtype=kv_dtype) <= budget:
             return cfg
     return TuningConfig(64, 2, 1, num_ctas, decode_wgs=2, pingpong=True, producer_warps=4)

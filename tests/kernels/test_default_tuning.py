@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.ragged_paged_attention.pallas_attention import (
+    FP8_HEAD_DIMS,
     GPU_DTYPES,
     SUPPORTED_HEAD_DIMS,
 )
@@ -25,12 +26,15 @@ SUPPORTED_BUCKETS = itertools.product(
     (16, 256, 2048, 8192),  # token buckets: decode-heavy to prefill-heavy
     (512, 8192),  # longest context
     GPU_DTYPES,
+    (None, jnp.float8_e4m3fn, jnp.float8_e5m2),  # pages: q's dtype, or fp8
 )
 
 
 def test_every_supported_bucket_gets_a_configuration_that_fits():
     picked = set()
-    for hd, ps, seqs, hkv, group, tokens, ctx, dtype in SUPPORTED_BUCKETS:
+    for hd, ps, seqs, hkv, group, tokens, ctx, dtype, kv_dtype in SUPPORTED_BUCKETS:
+        if kv_dtype is not None and hd not in FP8_HEAD_DIMS:
+            continue
         tn = default_tuning(
             num_seqs=seqs,
             num_kv_heads=hkv,
@@ -40,9 +44,11 @@ def test_every_supported_bucket_gets_a_configuration_that_fits():
             dtype=dtype,
             num_tokens=tokens,
             num_q_heads=hkv * group,
+            kv_dtype=kv_dtype,
         )
         assert isinstance(tn, TuningConfig)  # validated in __post_init__
-        tn.check_fits(hd, ps, dtype)  # ValueError: SMEM, registers or block/page tiling
+        # ValueError: SMEM (with fp8 pages, the dequantized tiles too), registers, page tiling.
+        tn.check_fits(hd, ps, dtype, kv_dtype=kv_dtype)
         picked.add(tn)
     assert len(picked) > 10  # the grid reaches many forms, not one fallback
 

@@ -19,7 +19,12 @@ import pytest
 from covering import pairwise, uncovered_pairs
 from kernel_cases import make_step
 
-from pallas_kernels.kv_layout import write_kv_reference
+from pallas_kernels.kv_layout import (
+    calibrate_kv_scales,
+    dequantize_kv,
+    quantize_kv,
+    write_kv_reference,
+)
 from pallas_kernels.ragged_paged_attention import api, schedule
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -69,6 +74,7 @@ FACTORS = {
     "compute_wgs": (2, 3),
     "mma_row_sums": (False, True),
     "num_ctas": (2, 3),
+    "pages": ("same", jnp.float8_e4m3fn, jnp.float8_e5m2),  # the page dtype: q's, or fp8
 }
 # (parameter, parameter, pair allowed): what the kernel supports, and values that change nothing
 # in a step kind (no decode items in a prefill step, no prefill tiles in a decode step).
@@ -79,6 +85,7 @@ CONSTRAINTS = [
     ("kind", "decode_wgs", lambda kind, w: kind != "prefill" or w == 1),
     ("kind", "pingpong", lambda kind, pp: kind != "decode" or not pp),
     ("group", "kv_heads", lambda g, h: g < 64 or h == 1),  # 64 q heads per kv head: one is enough
+    ("pages", "head_dim", lambda p, d: p == "same" or d >= 32),  # fp8 rows of 16 bytes: no tiling
 ]
 
 
@@ -108,9 +115,10 @@ def _case_id(c) -> str:
         "mrs" * tn.mma_row_sums,
         f"ctas{tn.num_ctas}",
     ]
+    pages = "" if c["pages"] == "same" else f"-{jnp.dtype(c['pages']).name}"
     return (
         f"ps{c['page_size']}-g{c['group']}x{c['kv_heads']}-d{c['head_dim']}-"
-        f"{jnp.dtype(c['dtype']).name}-{c['kind']}-cap{c['soft_cap']}-"
+        f"{jnp.dtype(c['dtype']).name}{pages}-{c['kind']}-cap{c['soft_cap']}-"
         + "-".join(filter(None, flags))
     )
 
@@ -118,6 +126,7 @@ def _case_id(c) -> str:
 def test_cases_cover_every_allowed_pair():
     assert not uncovered_pairs(CASES, FACTORS, allowed)
     assert len(CASES) < 40  # the point of the design: far fewer cases than the product
+    assert {c["pages"] for c in CASES} == set(FACTORS["pages"])
 
 
 def _check(out, ref, dtype):
@@ -126,6 +135,15 @@ def _check(out, ref, dtype):
     assert np.all(np.isfinite(out))
     err = np.abs(out - ref).max() / np.abs(ref).max()
     assert err < TOLERANCE[jnp.dtype(dtype)], err
+
+
+def fp8_pages(step, dtype):
+    """The step's arguments with its pages quantized to `dtype` (e4m3 / e5m2), and their scales:
+    calibrated on K and V scaled apart (K x 3, V x 0.5), so that k_scale != v_scale != 1."""
+    kv = step.kv_pages.astype(jnp.float32) * jnp.asarray([3.0, 0.5])[:, None, None]
+    scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
+    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
+    return (step.q, pages, *step.args[2:]), scales
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -143,6 +161,8 @@ def test_kernel_matches_reference(case):
         dtype=dtype,
     )
     args, kw = step.args, dict(sm_scale=d**-0.5, soft_cap=case["soft_cap"])
+    if case["pages"] != "same":
+        args, kw["kv_scales"] = fp8_pages(step, case["pages"])
     out = ragged_paged_attention_pallas(*args, **kw, tuning=_tuning(case))
     ref = ragged_paged_attention_reference(*args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -199,8 +219,10 @@ def test_split_prefill_tiles_match_reference(case):
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
-def test_attention_step_writes_kv_exactly_and_attends():
-    """backend="pallas": the written pages equal write_kv_reference bit for bit, then attention."""
+@pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_attention_step_writes_kv_exactly_and_attends(pages):
+    """backend="pallas": the written pages equal write_kv_reference bit for bit (fp8 pages:
+    quantized with the step's scales), then attention."""
     ps, hq, hkv, d = 16, 4, 2, 64
     step = make_step(
         7,
@@ -212,6 +234,8 @@ def test_attention_step_writes_kv_exactly_and_attends():
         head_dim=d,
         dtype=jnp.bfloat16,
     )
+    kv_pages = step.kv_pages.astype(pages)
+    scales = jnp.asarray([0.05, 0.02], jnp.float32) if pages != jnp.bfloat16 else None
     t = step.q.shape[0]
     rng = np.random.default_rng(1)
     k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
@@ -224,12 +248,12 @@ def test_attention_step_writes_kv_exactly_and_attends():
             pos = lens[s] - (cu[s + 1] - cu[s]) + i
             slots[tok] = table[s, pos // ps] * ps + pos % ps
     slots = jnp.asarray(slots)
-    kw = dict(sm_scale=d**-0.5, soft_cap=None)
-    out, pages = api.attention_step(
+    kw = dict(sm_scale=d**-0.5, soft_cap=None, kv_scales=scales)
+    out, written = api.attention_step(
         step.q,
         k,
         v,
-        step.kv_pages,
+        kv_pages,
         slots,
         step.kv_lens,
         step.page_table,
@@ -238,10 +262,36 @@ def test_attention_step_writes_kv_exactly_and_attends():
         backend="pallas",
         **kw,
     )
-    expected_pages = write_kv_reference(step.kv_pages, k, v, slots)
-    np.testing.assert_array_equal(np.asarray(pages), np.asarray(expected_pages))
+    expected_pages = write_kv_reference(kv_pages, k, v, slots, scales)
+    assert written.dtype == pages
+    np.testing.assert_array_equal(
+        np.asarray(written.astype(jnp.float32)), np.asarray(expected_pages.astype(jnp.float32))
+    )
     ref = ragged_paged_attention_reference(step.q, expected_pages, *step.args[2:], **kw)
     _check(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_reference_reads_fp8_pages_as_their_dequantized_values(dtype):
+    """The reference on fp8 pages and scales equals a float32 computation on the dequantized
+    values (float32 pages, no scales): the kernel cases above compare against it."""
+    step = make_step(
+        2,
+        decode_kv_lens=[1, 33, 64],
+        prefill=[(20, 50), (5, 5)],
+        page_size=16,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=jnp.float32,
+    )
+    args, scales = fp8_pages(step, dtype)
+    deq = jnp.stack([dequantize_kv(args[1][:, :, i], scales[i]) for i in (0, 1)], axis=2)
+    kw = dict(sm_scale=0.2, soft_cap=None)
+    got = ragged_paged_attention_reference(*args, **kw, kv_scales=scales)
+    want = ragged_paged_attention_reference(step.q, deq, *step.args[2:], **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(want - ragged_paged_attention_reference(*step.args, **kw)).max()) > 1e-3
 
 
 def test_empty_step_is_all_zero():
@@ -300,6 +350,18 @@ def _bad(**changes):
         (dict(distribution=jnp.zeros((3,), jnp.int32)), "distribution"),
         (dict(sm_scale=0.0), "sm_scale"),
         (dict(soft_cap=-1.0), "soft_cap"),
+        (dict(kv_scales=jnp.ones(2, jnp.float32)), "fp8 pages only"),
+        (
+            dict(
+                q=jnp.zeros((4, 4, 16), jnp.bfloat16),
+                kv_pages=jnp.zeros((4, 2, 2, 16, 16), jnp.float8_e4m3fn),
+            ),
+            "head_dim=16 must be one of",
+        ),
+        (
+            dict(kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float8_e5m2), kv_scales=jnp.ones(3)),
+            "kv_scales.shape",
+        ),
     ],
 )
 def test_bad_inputs_raise_value_error(changes, match):
