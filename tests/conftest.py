@@ -11,12 +11,9 @@ import pytest
 # whose host callbacks block on the kernel's barriers. Those callbacks run on XLA's CPU thread
 # pool, one thread per core by default: on a 2-core machine two warpgroups waiting on a barrier
 # held both threads, the warpgroups they waited for never ran, and the kernel tests hung for good
-# (no CPU used; pytest-timeout cannot interrupt the wait). XLA sizes the pool from NPROC when set.
-# Programs run on the calling thread, which keeps the pool out of the way where XLA allows.
+# (no CPU used; pytest-timeout's signal method cannot interrupt the wait). XLA sizes the pool from
+# NPROC when it is set; it must be set before JAX starts its CPU client.
 os.environ.setdefault("NPROC", "16")
-import jax  # noqa: E402  (after NPROC: XLA reads it when the CPU client starts)
-
-jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
