@@ -6,6 +6,9 @@ M); rows are (token, q head of the GQA group) pairs of one sequence and one kv h
 fills `group` rows of a tile; a prefill warpgroup packs `tokens_per_wg = 64 // group` tokens. K/V
 stream through `num_stages` SMEM buffers of `block_kv` tokens, one bulk copy per page for K and one
 for V.
+
+`default_tuning` picks a TuningConfig per compiled bucket from a table: BLOCKS (KV block shapes
+per head_dim class) and RULES (which fields a bucket gets), each row with the measurement behind it.
 """
 
 from __future__ import annotations
