@@ -139,7 +139,3 @@ class SamplingParams:
                 "stop_token_ids",
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
             )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
