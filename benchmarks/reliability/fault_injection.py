@@ -177,10 +177,10 @@ async def sigterm_under_load(args, http, proc) -> dict:
     await asyncio.sleep(args.phase_s)
     sent_at = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
-    await running
-    counts = await load.finish()
     code = await asyncio.to_thread(proc.wait, 120)
     exited = time.perf_counter() - sent_at
+    await running  # the load goes on after the exit: refused connections
+    counts = await load.finish()
     # After the signal: finished, or a JSON 503 (or a refused connection once it exits).
     expected = {"ok", "error:engine_unavailable", "transport:ClientConnectorError"}
     return {
