@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await generation.serve(ChatCompletion(get_context(request), body), request)
+    return await generation.handle(ChatCompletion(get_context(request), body), request)
 
 
 class ChatCompletion(generation.GenerationRoute):

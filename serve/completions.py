@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return await generation.serve(Completion(get_context(request), body), request)
+    return await generation.handle(Completion(get_context(request), body), request)
 
 
 class Completion(generation.GenerationRoute):

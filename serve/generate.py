@@ -31,7 +31,7 @@ router = APIRouter()
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    return await generation.serve(Generate(get_context(request), body), request)
+    return await generation.handle(Generate(get_context(request), body), request)
 
 
 class Generate(generation.GenerationRoute):

@@ -66,7 +66,7 @@ class GenerationRoute(abc.ABC):
         return convert.sampling_params(self.body, budget, self.logprobs())
 
 
-async def serve(route: GenerationRoute, request: Request) -> Response:
+async def handle(route: GenerationRoute, request: Request) -> Response:
     ctx, body = route.ctx, route.body
     convert.check_model(ctx, getattr(body, "model", None))
     route.check()
