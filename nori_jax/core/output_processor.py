@@ -88,12 +88,19 @@ class OutputProcessor:
             s = streams.get(rid)
             if s is None or s.stopped:
                 continue  # not ours, or tokens sampled after a stop string
-            try:
-                self._add_token(s, tok, finished.get(rid), lp)
-            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-                self._fail(s, e, ended)
-                continue
-            if s.detok is not None or s.stream:
+            s.token_ids.append(tok)
+            if s.logprobs is not None:
+                s.logprobs.append(lp.get(rid, 0.0))
+            if s.detok is not None:
+                f = finished.get(rid)
+                try:
+                    if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
+                        s.held += s.detok.add(tok)
+                except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                    self._fail(s, e, ended)
+                    continue
+                touched[rid] = s
+            elif s.stream:
                 touched[rid] = s
         outputs = []
         for s in touched.values():
@@ -119,14 +126,6 @@ class OutputProcessor:
             if out is not None:
                 outputs.append(out)
         return outputs, ended
-
-    def _add_token(self, s: _Stream, tok: int, f: FinishedRequest | None, lp) -> None:
-        s.token_ids.append(tok)
-        if s.logprobs is not None:
-            s.logprobs.append(lp.get(s.request_id, 0.0))
-        if s.detok is not None:
-            if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
-                s.held += s.detok.add(tok)
 
     @staticmethod
     def _fail(s: _Stream, e: Exception, ended: dict[str, str]) -> None:
