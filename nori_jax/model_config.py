@@ -7,7 +7,6 @@ GQA and MQA; tied or untied embeddings. Presets in `configs/models/*.yaml` use t
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +68,6 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
@@ -115,10 +107,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf_dict(json.loads(Path(path).read_text()))
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:

@@ -61,7 +61,3 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must hold token ids >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -65,7 +65,7 @@ class Request:
     last_row: int = -1  # the request's row in the last plan it sampled in
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_registered_pages: int = 0  # leading full pages already published to the prefix cache
-    page_hashes: list[int] = dataclasses.field(default_factory=list)  # hash chain of full pages
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hash chain of full pages
     num_preemptions: int = 0
     is_long: bool = False
     slot: int | None = None  # row in the scheduler's BatchSlots while running
