@@ -149,6 +149,7 @@ class Calibration:
             "engine": dataclasses.asdict(self.engine),
             "device_seconds": self.costs.device.to_dict(),
             "host_seconds": {s: getattr(self.costs, s).to_dict() for s in HOST_STAGES},
+            "launch_wait": self.costs.launch_wait,
             "feature_max": dict(self.feature_max),
             "quality": dict(self.quality),
         }
@@ -178,6 +179,7 @@ class Calibration:
                     for s in HOST_STAGES
                     if s in host
                 },
+                launch_wait=float(d.get("launch_wait", 0.0)),
             )
             kv = d.get("kv_transfer")
             return cls(
@@ -213,8 +215,19 @@ def save_calibration(cal: Calibration, path: str | Path, header: str = "") -> Pa
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
-    p.write_text(comment + yaml.safe_dump(cal.to_dict(), sort_keys=False, width=100))
+    p.write_text(comment + yaml.safe_dump(_rounded(cal.to_dict()), sort_keys=False, width=100))
     return p
+
+
+def _rounded(x: Any, digits: int = 5) -> Any:
+    """Floats to `digits` significant digits: a readable file, far finer than timing noise."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_rounded(v, digits) for v in x]
+    return x
 
 
 def list_calibrations(directory: str | Path = CALIBRATION_DIR) -> list[Calibration]:

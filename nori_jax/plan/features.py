@@ -3,8 +3,8 @@
 The device time of a step grows with: the padded token bucket (every matmul runs over it), the KV
 its decode rows read, the (query, key) pairs of its prefill chunks (causal attention over the
 chunk and the context before it) and its number of rows. The host's work grows with rows and
-tokens. Everything here is read from the StepPlan the plan builder produced, so the simulator and
-the calibration see the same numbers the device was given.
+tokens. Both the simulator and the calibration take them from the StepPlan the plan builder
+produced (its scheduler rows; a test checks they equal what its packed buffers tell the device).
 """
 
 from __future__ import annotations
@@ -36,19 +36,39 @@ class StepFeatures:
 
 
 def step_features(plan: StepPlan) -> StepFeatures:
+    """From the scheduler's rows (what the buffers are built from; cheaper than reading them)."""
+    out = plan.scheduled
+    nd = out.num_decodes
+    q = np.fromiter((len(r.token_ids) for r in out.prefills), np.int64, len(out.prefills))
+    kv = np.fromiter((r.start for r in out.prefills), np.int64, len(out.prefills)) + q
+    return StepFeatures(
+        bucket=plan.bucket,
+        num_tokens=out.num_tokens,
+        num_rows=out.num_rows,
+        num_decodes=nd,
+        prefill_tokens=int(q.sum()),
+        decode_kv_tokens=int(out.decode_positions.sum()) + nd,  # kv_len = position + 1
+        prefill_pairs=_causal_pairs(q, kv),
+    )
+
+
+def step_features_from_buffers(plan: StepPlan) -> StepFeatures:
+    """The same numbers read from the packed buffers the device is given."""
     rows = plan.num_rows
     num_decodes = int(plan.distribution[0])
     q = np.diff(plan.cu_q_lens[: rows + 1]).astype(np.int64)
     kv = plan.kv_lens[:rows].astype(np.int64)
-    qc, kvc = q[num_decodes:], kv[num_decodes:]
-    # Query i of a chunk ending at kv_len sees (kv_len - q + i + 1) keys: q*kv - q*(q-1)/2 in all.
-    pairs = int((qc * kvc - qc * (qc - 1) // 2).sum())
     return StepFeatures(
         bucket=plan.bucket,
-        num_tokens=plan.num_tokens,
+        num_tokens=int(plan.cu_q_lens[rows]),
         num_rows=rows,
         num_decodes=num_decodes,
-        prefill_tokens=int(qc.sum()),
+        prefill_tokens=int(q[num_decodes:].sum()),
         decode_kv_tokens=int(kv[:num_decodes].sum()),
-        prefill_pairs=pairs,
+        prefill_pairs=_causal_pairs(q[num_decodes:], kv[num_decodes:]),
     )
+
+
+def _causal_pairs(q: np.ndarray, kv: np.ndarray) -> int:
+    # Query i of a chunk ending at kv_len sees (kv_len - q + i + 1) keys: q*kv - q*(q-1)/2 in all.
+    return int((q * kv - q * (q - 1) // 2).sum())

@@ -3,10 +3,11 @@
 `simulate` runs `EngineCore` (the same Scheduler, PageAllocator and PlanBuilder the engine runs:
 continuous batching, chunked prefill, prefix caching, preemption, admission) with an executor
 that computes nothing: `launch` advances a virtual clock by the host's cost of scheduling and
-launching the step and puts the step on a virtual device that runs steps in order, each for the
-step model's device time; `fetch` waits for the device in virtual time and adds the
-post-processing cost. With overlapped scheduling (the engine's default) the core launches step
-N+1 before fetching step N, so host and device overlap exactly as the loop orders them.
+launching the step (and by the share `launch_wait` of the device's remaining work on the step
+before, which the launch waits out) and puts the step on a virtual device that runs steps in
+order, each for the step model's device time; `fetch` waits for the device in virtual time and
+adds the post-processing cost. With overlapped scheduling (the engine's default) the core
+launches step N+1 before fetching step N, so host and device overlap as the loop orders them.
 
 The loop is the engine-core process's (`engine_core_process._serve`): requests that have arrived
 by the clock are added between steps, an idle core jumps to the next arrival, and a core with
@@ -171,10 +172,13 @@ class SimExecutor:
         return self.launch_features(step_features(plan))
 
     def launch_features(self, f: StepFeatures) -> tuple[float, StepFeatures]:
-        c = self.clock
-        host = self.costs.host_before_launch(f)
-        c.now += host
-        c.host_busy += host
+        c, costs = self.clock, self.costs
+        schedule, launch = costs.schedule.predict(f), costs.launch.predict(f)
+        c.now += schedule
+        if costs.launch_wait:
+            c.now += costs.launch_wait * max(0.0, c.device_free - c.now)
+        c.now += launch
+        c.host_busy += schedule + launch
         device = self.costs.device.predict(f)
         c.device_free = max(c.now, c.device_free) + device
         c.device_busy += device

@@ -128,6 +128,12 @@ class StepCosts:
     schedule: LinearModel = LinearModel.zero()
     launch: LinearModel = LinearModel.zero()
     postprocess: LinearModel = LinearModel.zero()
+    # Share of the previous step's remaining device time that a launch waits out before its
+    # dispatch (0: host and device overlap fully, as overlapped scheduling intends; 1: every
+    # dispatch starts when the device is idle). Fitted by calibrate's overlapped check: on the
+    # H200 a step took close to host + device time at 1,024 sequences (docs/benchmarks.md).
+    launch_wait: float = 0.0
 
-    def host_before_launch(self, f: StepFeatures) -> float:
-        return self.schedule.predict(f) + self.launch.predict(f)
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.launch_wait <= 1.0:
+            raise ValueError(f"launch_wait={self.launch_wait} must be in [0, 1]")
