@@ -62,7 +62,7 @@ _LONG = 1 << 30  # max_tokens of requests that decode until aborted
 
 @dataclasses.dataclass(frozen=True)
 class ProfileGrid:
-    batches: tuple[int, ...] = (1, 16, 64, 256)
+    batches: tuple[int, ...] = (1, 16, 64, 256, 1024)  # those above max_num_seqs are skipped
     contexts: tuple[int, ...] = (256, 1024, 4096)
     prefill_lens: tuple[int, ...] = (128, 1024, 4096, 8000)
     mixed_batch: int = 32  # decoders running beside the prefill prompts (0: no mixed phase)
@@ -391,7 +391,10 @@ def calibrate(
 
 
 def write(cal: Calibration, out: str | Path | None = None) -> Path:
-    path = Path(out) if out else CALIBRATION_DIR / cal.key.filename
+    """To `out` (a file, or a directory for the key's file name), else configs/calibration/."""
+    path = Path(out) if out else CALIBRATION_DIR
+    if path.is_dir() or str(out or "").endswith("/") or not out:
+        path = path / cal.key.filename
     header = (
         f"Step-time model of {cal.key.describe()}.\n"
         f"Recorded by: {cal.source}.\n"

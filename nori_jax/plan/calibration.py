@@ -215,18 +215,18 @@ def save_calibration(cal: Calibration, path: str | Path, header: str = "") -> Pa
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
-    p.write_text(comment + yaml.safe_dump(_rounded(cal.to_dict()), sort_keys=False, width=100))
+    p.write_text(comment + yaml.safe_dump(rounded(cal.to_dict()), sort_keys=False, width=100))
     return p
 
 
-def _rounded(x: Any, digits: int = 5) -> Any:
+def rounded(x: Any, digits: int = 5) -> Any:
     """Floats to `digits` significant digits: a readable file, far finer than timing noise."""
     if isinstance(x, float):
         return float(f"{x:.{digits}g}")
     if isinstance(x, dict):
-        return {k: _rounded(v, digits) for k, v in x.items()}
+        return {k: rounded(v, digits) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_rounded(v, digits) for v in x]
+        return [rounded(v, digits) for v in x]
     return x
 
 

@@ -138,12 +138,16 @@ def _add_calibrate(sub: Any) -> None:
     )
     add_engine_args(p)
     g = p.add_argument_group("profiles")
-    g.add_argument("--batches", default="1,16,64,256", help="decode batch sizes")
+    g.add_argument(
+        "--batches", default="1,16,64,256,1024", help="decode batch sizes (up to max_num_seqs)"
+    )
     g.add_argument("--contexts", default="256,1024,4096", help="decode context lengths")
     g.add_argument("--prefill-lens", default="128,1024,4096,8000", help="prompts prefilled")
     g.add_argument("--mixed-batch", type=int, default=32, help="decoders beside the prompts")
     g.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
-    g.add_argument("--out", help="YAML to write (default: configs/calibration/<key>.yaml)")
+    g.add_argument(
+        "--out", help="YAML file or directory/ to write (default: configs/calibration/<key>.yaml)"
+    )
     p.set_defaults(func=_calibrate)
 
 

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 from fake_runner import make_request, make_scheduler, run_to_completion
 from plan_helpers import COSTS, DEVICE, synthetic_calibration
 
+from nori_jax.bench.offline import OfflineConfig
+from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.plan.calibration import (
+    CALIBRATION_DIR,
     CalibrationQuery,
     find_calibration,
     find_calibrations,
     load_calibration,
+    rounded,
     save_calibration,
 )
 from nori_jax.plan.features import StepFeatures, step_features, step_features_from_buffers
+from nori_jax.plan.planner import Planner, PlanSettings
 from nori_jax.plan.step_model import DEVICE_TERMS, LinearModel
 
 
@@ -142,3 +150,21 @@ def test_bad_calibration_files_name_what_is_wrong(tmp_path):
         load_calibration(p)
     with pytest.raises(ValueError, match="not found"):
         load_calibration(tmp_path / "nope.yaml")
+
+
+def test_the_shipped_h200_file_is_what_its_derivation_script_computes():
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "derive", root / "benchmarks/plan/derive_h200_calibration.py"
+    )
+    derive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(derive)
+    cal = derive.derive()
+    shipped = load_calibration(CALIBRATION_DIR / cal.key.filename)
+    assert shipped.derived and "derived from docs/benchmarks.md" in shipped.source
+    assert shipped.to_dict() == rounded(cal.to_dict())
+    # Its replay of the two published step profiles is within 10% of their wall times.
+    for c in shipped.check:
+        assert c["predicted_ms"] == pytest.approx(c["measured_ms"], rel=0.1)
+    w = WorkloadConfig(dataset="fixed", num_prompts=2, input_len=8, output_len=2)
+    assert "is derived" in Planner(shipped, PlanSettings(OfflineConfig(w))).warnings[0]
