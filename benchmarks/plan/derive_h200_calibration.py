@@ -24,8 +24,8 @@ from nori_jax.plan.calibration import (
     save_calibration,
 )
 from nori_jax.plan.features import StepFeatures
-from nori_jax.plan.simulator import loop_seconds
 from nori_jax.plan.step_model import DEVICE_TERMS, HOST_TERMS, LinearModel, StepCosts
+from nori_jax.plan.virtual_device import loop_seconds
 
 LAYERS, KV_HEADS, HEAD_DIM, BF16 = 30, 3, 64, 2  # configs/models/smollm2-135m.yaml
 # "Host costs" table, the rows of the bdc6e5f call (2026-12-01; h200-throughput, 1,024

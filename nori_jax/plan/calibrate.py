@@ -45,7 +45,6 @@ from nori_jax.plan.calibration import (
     save_calibration,
 )
 from nori_jax.plan.features import StepFeatures, step_features
-from nori_jax.plan.simulator import loop_seconds
 from nori_jax.plan.step_model import (
     DEVICE_TERMS,
     HOST_STAGES,
@@ -54,6 +53,7 @@ from nori_jax.plan.step_model import (
     StepCosts,
     fit_quality,
 )
+from nori_jax.plan.virtual_device import loop_seconds
 from nori_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ from nori_jax.core.paging import ROOT_HASH, page_hash
 from nori_jax.plan.calibration import KVTransfer
 from nori_jax.plan.simulator import (
     NO_FRONTEND,
-    OUTPUT_TOKEN,
     Frontend,
     SimEngine,
     SimRequest,
@@ -31,6 +30,7 @@ from nori_jax.plan.simulator import (
     simulate,
 )
 from nori_jax.plan.step_model import StepCosts
+from nori_jax.plan.virtual_device import OUTPUT_TOKEN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,13 @@
 
 `simulate` runs `EngineCore` (the same Scheduler, PageAllocator and PlanBuilder the engine runs:
 continuous batching, chunked prefill, prefix caching, preemption, admission) with an executor
-that computes nothing: `launch` advances a virtual clock by the host's cost of scheduling and
-launching the step (and by the share `launch_wait` of the device's remaining work on the step
-before, which the launch waits out) and puts the step on a virtual device that runs steps in
-order, each for the step model's device time; `fetch` waits for the device in virtual time and
-adds the post-processing cost. With overlapped scheduling (the engine's default) the core
-launches step N+1 before fetching step N, so host and device overlap as the loop orders them.
+that computes nothing (`virtual_device.py`): `launch` advances a virtual clock by the host's cost
+of scheduling and launching the step (and by the share `launch_wait` of the device's remaining
+work on the step before, which the launch waits out) and puts the step on a virtual device that
+runs steps in order, each for the step model's device time; `fetch` waits for the device in
+virtual time and adds the post-processing cost. With overlapped scheduling (the engine's default)
+the core launches step N+1 before fetching step N, so host and device overlap as the loop orders
+them.
 
 The loop is the engine-core process's (`engine_core_process._serve`): requests that have arrived
 by the clock are added between steps, an idle core jumps to the next arrival, and a core with
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,12 +38,11 @@ from nori_jax.core.paging import PageAllocator
 from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import QueueFullError, Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
-from nori_jax.core.step_plan import StepPlan
-from nori_jax.plan.features import StepFeatures, step_features
+from nori_jax.plan.features import StepFeatures
 from nori_jax.plan.step_model import StepCosts
+from nori_jax.plan.virtual_device import SimClock, SimExecutor
 from nori_jax.sampling_params import SamplingParams
 
-OUTPUT_TOKEN = 7  # every simulated sample; no EOS is configured, so only lengths end requests
 QUEUE_FULL = "queue full (the server's 429)"
 
 
@@ -105,7 +105,7 @@ class SimStats:
     times: list[float] = dataclasses.field(default_factory=list)
     in_core: list[int] = dataclasses.field(default_factory=list)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | int]:
         span = max(self.simulated_s, 1e-12)
         return {
             "steps": self.steps,
@@ -133,86 +133,6 @@ class SimResult:
         default_factory=list
     )
     features: list[StepFeatures] = dataclasses.field(default_factory=list)
-
-
-class SimClock:
-    def __init__(self) -> None:
-        self.now = 0.0  # the host's time
-        self.device_free = 0.0  # when the device finishes the last launched step
-        self.device_busy = 0.0
-        self.host_busy = 0.0
-
-
-class SimExecutor:
-    """An Executor (core/engine_core.py) that runs steps in virtual time."""
-
-    num_recompiles = 0
-
-    def __init__(
-        self,
-        costs: StepCosts,
-        clock: SimClock,
-        max_num_seqs: int,
-        feature_max: Mapping[str, float] | None = None,
-        record: bool = False,
-    ):
-        self.costs, self.clock = costs, clock
-        self.tokens = np.full(max_num_seqs, OUTPUT_TOKEN, np.int32)
-        self.logprobs = np.zeros(max_num_seqs, np.float32)
-        # 10% past the largest profiled value is still "calibrated": a profile grid is coarse.
-        self.limits = {k: 1.1 * v for k, v in (feature_max or {}).items()}
-        self.beyond = 0
-        self.record = record
-        self.decisions: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
-        self.features: list[StepFeatures] = []
-
-    def launch(self, plan: StepPlan) -> tuple[float, StepFeatures]:
-        if self.record:
-            self.decisions.append((tuple(plan.request_ids), tuple(plan.num_scheduled_tokens)))
-        return self.launch_features(step_features(plan))
-
-    def launch_features(self, f: StepFeatures) -> tuple[float, StepFeatures]:
-        c, costs = self.clock, self.costs
-        schedule, launch = costs.schedule.predict(f), costs.launch.predict(f)
-        c.now += schedule
-        if costs.launch_wait:
-            c.now += costs.launch_wait * max(0.0, c.device_free - c.now)
-        c.now += launch
-        c.host_busy += schedule + launch
-        device = self.costs.device.predict(f)
-        c.device_free = max(c.now, c.device_free) + device
-        c.device_busy += device
-        if any(getattr(f, k) > v for k, v in self.limits.items()):
-            self.beyond += 1
-        if self.record:
-            self.features.append(f)
-        return c.device_free, f
-
-    def fetch(self, handle: tuple[float, StepFeatures]) -> tuple[np.ndarray, np.ndarray]:
-        done, f = handle
-        c = self.clock
-        c.now = max(c.now, done)
-        post = self.costs.postprocess.predict(f)
-        c.now += post
-        c.host_busy += post
-        return self.tokens, self.logprobs
-
-
-def loop_seconds(costs: StepCosts, features: Sequence[StepFeatures], overlapped: bool) -> float:
-    """Host time of engine iterations that launch these steps back to back, as the simulator
-    counts it: with `overlapped`, iteration k launches step k and then fetches step k - 1."""
-    clock = SimClock()
-    ex = SimExecutor(costs, clock, 1)
-    pending = None
-    for f in features:
-        handle = ex.launch_features(f)
-        if not overlapped:
-            ex.fetch(handle)
-            continue
-        if pending is not None:
-            ex.fetch(pending)
-        pending = handle
-    return clock.now
 
 
 def build_core(engine: SimEngine, executor) -> EngineCore:
@@ -246,7 +166,7 @@ def simulate(
     frontend: Frontend = NO_FRONTEND,
     feature_max: Mapping[str, float] | None = None,
     record_steps: bool = False,
-    prepare=None,
+    prepare: Callable[[EngineCore, int, SimRequest], None] | None = None,
 ) -> SimResult:
     """Serve `requests` (arrival times non-decreasing) on the simulated engine.
 
