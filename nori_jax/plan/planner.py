@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from nori_jax.bench.config import GOODPUT_NAMES
 from nori_jax.bench.offline import OfflineConfig
 from nori_jax.bench.run import RunResult
 from nori_jax.plan.calibration import Calibration, KVTransfer
@@ -37,6 +38,9 @@ class PlanSettings:
         for p in self.percentiles:
             if not 0 < p < 100:
                 raise ValueError(f"percentiles must be in (0, 100), got {p}")
+        for name, ms in self.goodput_slos_ms.items():
+            if name not in GOODPUT_NAMES or not ms >= 0:
+                raise ValueError(f"goodput wants NAME:MS with NAME in {GOODPUT_NAMES}, got {name}")
 
 
 @dataclasses.dataclass

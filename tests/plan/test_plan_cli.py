@@ -99,3 +99,16 @@ def test_the_plan_package_imports_no_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("0 "), out.stdout + out.stderr
+
+
+def test_bad_flags_are_clear_errors(cal_file, capsys):
+    base = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD]
+    assert main([*base, "--goodput", "itl:5"]) == 2
+    assert "goodput wants NAME:MS" in capsys.readouterr().err
+    assert main([*base, "--page-size", "48"]) == 2
+    assert "page_size=48 must be a power of two" in capsys.readouterr().err
+    assert main(["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--sweep", "4,x"]) == 2
+    assert "--sweep wants comma-separated numbers" in capsys.readouterr().err
+    size = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
+    assert main([*size, "--slo", "ttft"]) == 2
+    assert "--slo wants NAME:MS" in capsys.readouterr().err
