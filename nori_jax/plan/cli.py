@@ -189,7 +189,10 @@ def _add_size(sub: Any) -> None:
     )
     g.add_argument("--slo-percentile", type=float, default=99.0, help="percentile the SLOs bound")
     g.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour (default: no cost)")
-    g.add_argument("--search-start-rate", type=float, default=1.0, help="first rate tried")
+    g.add_argument("--search-start-rate", type=float, default=1.0, help="the ramp's first rate")
+    g.add_argument("--sweep-max-steps", type=int, default=12, help="most doublings of the ramp")
+    g.add_argument("--knee-min-gain", type=float, default=0.5)
+    g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
     p.set_defaults(func=_size)
 
 
@@ -538,27 +541,35 @@ def _size(args: argparse.Namespace) -> int:
 
 
 def _size_inner(args: argparse.Namespace) -> int:
+    from nori_jax.bench.sweep import SweepConfig
     from nori_jax.plan.planner import Planner
-    from nori_jax.plan.sizing import Slo, max_rate_within, size
+    from nori_jax.plan.sizing import Slo, capacity, size
 
     slo = Slo(_bounds(args.slo, "--slo"), args.slo_percentile)
+    sweep = SweepConfig(
+        start_rate=args.search_start_rate,
+        max_steps=args.sweep_max_steps,
+        min_gain=args.knee_min_gain,
+        min_latency_rise=args.knee_min_latency_rise,
+    )
     settings = _settings(args, extra_percentiles=(slo.percentile,))
     rows = []
     for cal in _calibrations(args, many=True):
         planner = Planner(cal, settings)
         _header(planner)
-        best = max_rate_within(
-            slo, lambda r, p=planner: p.run_at(r).run, start_rate=args.search_start_rate
-        )
+        best = capacity(slo, lambda r, p=planner: p.run_at(r).run, sweep)
         sizing = size(
             args.target_rate, best.rate, planner.gpus, planner.tokens_per_request,
             args.gpu_hour_price,
         )  # fmt: skip
         at_share = planner.run_at(sizing.rate_per_replica).run.metrics
         rows.append((cal, planner, best, sizing, at_share))
+        knee = f"knee {best.knee.rate:.3g} req/s" if best.knee else "no knee on the ramp"
+        limit = "SLOs" if best.limited_by == "slo" else "knee"
         print(
-            f"  one replica ({planner.gpus} GPU{'s' if planner.gpus > 1 else ''}) holds the SLOs "
-            f"up to {best.rate:.3g} req/s (broken at {best.broken_at:.3g}; {best.runs} runs)"
+            f"  one replica ({planner.gpus} GPU{'s' if planner.gpus > 1 else ''}): capacity "
+            f"{best.rate:.3g} req/s, limited by the {limit} (past it at {best.broken_at:.3g}; "
+            f"{knee}; {best.runs} runs)"
         )
     pw = slo.key
     print(" Sizing ".center(100, "="))
@@ -594,6 +605,8 @@ def _size_inner(args: argparse.Namespace) -> int:
                     {
                         "calibration": _calibration_dict(cal),
                         "max_rate_per_replica": best.rate,
+                        "limited_by": best.limited_by,
+                        "knee_request_rate": best.knee.rate if best.knee else None,
                         "broken_at": _finite(best.broken_at),
                         **dataclasses.asdict(s),
                         "metrics_at_share": {k: v for k, v in m.items() if k != "output_lens"},

@@ -10,12 +10,13 @@ from plan_helpers import synthetic_calibration, with_costs
 
 from nori_jax.bench.offline import OfflineConfig
 from nori_jax.bench.run import RunResult
+from nori_jax.bench.sweep import SweepConfig
 from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.plan.calibration import KVTransfer
 from nori_jax.plan.disaggregation import Side, simulate_disaggregated
 from nori_jax.plan.planner import Planner, PlanSettings
 from nori_jax.plan.simulator import Frontend, SimRequest, simulate
-from nori_jax.plan.sizing import Slo, max_rate_within, size
+from nori_jax.plan.sizing import Slo, capacity, size
 from nori_jax.plan.step_model import DEVICE_TERMS, LinearModel
 from nori_jax.plan.whatif import WhatIf, sim_engine
 
@@ -122,22 +123,45 @@ def test_disaggregation_without_a_transfer_cost_is_a_clear_error():
         Planner(cal, PlanSettings(OfflineConfig(w), disaggregate=(1, 1)))
 
 
-def _fake_run(rate: float, knee: float) -> RunResult:
-    """P99 TTFT 100 ms below the knee, growing fast past it."""
-    ttft = 100.0 if rate <= knee else 100.0 + 1e3 * (rate - knee)
-    metrics = {"failed": 0, "p99_ttft_ms": ttft, "p99_tpot_ms": 10.0}
+def _fake_run(rate: float, saturation: float) -> RunResult:
+    """Throughput follows the offer up to `saturation` req/s; past it P99 TTFT climbs."""
+    ttft = 100.0 if rate <= saturation else 100.0 + 1e3 * (rate - saturation)
+    metrics = {
+        "completed": 100,
+        "failed": 0,
+        "total_token_throughput": 1e3 * min(rate, saturation),
+        "p99_ttft_ms": ttft,
+        "p99_tpot_ms": 10.0 + 0.1 * min(rate, saturation),
+    }
     return RunResult(rate, metrics, [], [], {}, [])
 
 
-def test_max_rate_search_brackets_the_slo_edge():
-    slo = Slo({"ttft": 200.0, "tpot": 20.0})
-    edge = 37.3 + 0.1  # TTFT reaches 200 ms at 37.4 req/s
-    found = max_rate_within(slo, lambda r: _fake_run(r, 37.3), start_rate=1.0, rel_tol=0.01)
-    assert found.rate <= edge <= found.broken_at <= found.rate * 1.01
-    down = max_rate_within(slo, lambda r: _fake_run(r, 0.3), start_rate=8.0)
-    assert down.rate <= 0.4 <= down.broken_at
+def test_capacity_is_the_knee_when_the_slos_hold_there():
+    found = capacity(Slo({"ttft": 1e4}), lambda r: _fake_run(r, 37.3), SweepConfig(start_rate=1.0))
+    assert found.limited_by == "knee" and found.knee.rate == 32.0
+    # Narrowed from the ramp's 32 to where a 10% step stops scaling: 37.3 / 1.05 = 35.5.
+    assert 37.3 / 1.05 / 1.05 <= found.rate <= 37.3 / 1.05 <= found.broken_at
+    assert found.broken_at <= found.rate * 1.05
+
+
+def test_capacity_is_below_the_knee_when_the_slos_bind():
+    # TPOT P99 = 10 + 0.1 * rate: 14 ms at 40 req/s, so a 13 ms bound binds at 30 req/s.
+    found = capacity(Slo({"tpot": 13.0}), lambda r: _fake_run(r, 50.0), SweepConfig(start_rate=1.0))
+    assert found.limited_by == "slo"
+    assert found.rate <= 30.0 <= found.broken_at <= found.rate * 1.05
+
+
+def test_capacity_restarts_a_ramp_that_began_past_the_knee():
+    found = capacity(Slo({"ttft": 1e4}), lambda r: _fake_run(r, 3.0), SweepConfig(start_rate=50.0))
+    # Restarted at 50/16 = 3.125 req/s, still past the knee, then at 3.125/16: the ramp now
+    # climbs to 3.125, where the rule puts the knee, and the narrowing to 3 / 1.05.
+    assert found.knee.rate == 3.125
+    assert 3.0 / 1.05 / 1.05 <= found.rate <= 3.0 / 1.05
+
+
+def test_unreachable_slos_are_a_clear_error():
     with pytest.raises(ValueError, match="SLOs are out of reach"):
-        max_rate_within(Slo({"tpot": 5.0}), lambda r: _fake_run(r, 10.0))
+        capacity(Slo({"tpot": 5.0}), lambda r: _fake_run(r, 10.0), SweepConfig(start_rate=1.0))
 
 
 def test_sizing_arithmetic():
