@@ -166,7 +166,12 @@ def _add_sweep(sub: Any) -> None:
     _add_common(p)
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", help="R1,R2,... or auto (default: the measured rates, else auto)")
-    g.add_argument("--sweep-start-rate", type=float, default=1.0, help="first rate of auto")
+    g.add_argument(
+        "--sweep-start-rate",
+        type=float,
+        help="first rate of auto (default: an eighth of the rate served with every request "
+        "queued at once)",
+    )
     g.add_argument("--sweep-max-steps", type=int, default=12, help="most runs of auto")
     g.add_argument("--knee-min-gain", type=float, default=0.5)
     g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
@@ -189,7 +194,12 @@ def _add_size(sub: Any) -> None:
     )
     g.add_argument("--slo-percentile", type=float, default=99.0, help="percentile the SLOs bound")
     g.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour (default: no cost)")
-    g.add_argument("--search-start-rate", type=float, default=1.0, help="the ramp's first rate")
+    g.add_argument(
+        "--search-start-rate",
+        type=float,
+        help="the ramp's first rate (default: an eighth of the rate served with every request "
+        "queued at once)",
+    )
     g.add_argument("--sweep-max-steps", type=int, default=12, help="most doublings of the ramp")
     g.add_argument("--knee-min-gain", type=float, default=0.5)
     g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
@@ -358,6 +368,17 @@ def _header(planner) -> None:
         print(f"WARNING: {w}")
 
 
+def _start_rate(planner, needed: bool) -> float:
+    """An eighth of the request rate served with every request queued at once: a ramp from
+    there reaches the knee in a few doublings, without the long runs of rates far below it."""
+    if not needed:
+        return 1.0  # unused: the sweep has its rates
+    served = planner.run_at(math.inf).run.metrics["request_throughput"]
+    start = float(f"{served / 8:.2g}")
+    print(f"Ramp from {start:g} req/s (an eighth of {served:.3g} req/s with all queued at once)")
+    return start
+
+
 def _summary_line(summary: dict[str, Any]) -> str:
     parts = []
     for k, v in summary.items():
@@ -464,18 +485,18 @@ def _sweep_inner(args: argparse.Namespace) -> int:
         rates = tuple(r.request_rate for r in measured)
     else:
         rates = None
-    cfg = SweepConfig(
-        rates=rates,
-        start_rate=args.sweep_start_rate,
-        max_steps=args.sweep_max_steps,
-        min_gain=args.knee_min_gain,
-        min_latency_rise=args.knee_min_latency_rise,
-    )
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib (the bench extra): pip install 'nori-jax[bench]'")
     settings = _settings(args)
     planner = Planner(_calibrations(args)[0], settings)
     _header(planner)
+    cfg = SweepConfig(
+        rates=rates,
+        start_rate=args.sweep_start_rate or _start_rate(planner, rates is None),
+        max_steps=args.sweep_max_steps,
+        min_gain=args.knee_min_gain,
+        min_latency_rise=args.knee_min_latency_rise,
+    )
     outcomes = {}
 
     def run_at(rate: float):
@@ -546,17 +567,17 @@ def _size_inner(args: argparse.Namespace) -> int:
     from nori_jax.plan.sizing import Slo, capacity, size
 
     slo = Slo(_bounds(args.slo, "--slo"), args.slo_percentile)
-    sweep = SweepConfig(
-        start_rate=args.search_start_rate,
-        max_steps=args.sweep_max_steps,
-        min_gain=args.knee_min_gain,
-        min_latency_rise=args.knee_min_latency_rise,
-    )
     settings = _settings(args, extra_percentiles=(slo.percentile,))
     rows = []
     for cal in _calibrations(args, many=True):
         planner = Planner(cal, settings)
         _header(planner)
+        sweep = SweepConfig(
+            start_rate=args.search_start_rate or _start_rate(planner, True),
+            max_steps=args.sweep_max_steps,
+            min_gain=args.knee_min_gain,
+            min_latency_rise=args.knee_min_latency_rise,
+        )
         best = capacity(slo, lambda r, p=planner: p.run_at(r).run, sweep)
         sizing = size(
             args.target_rate, best.rate, planner.gpus, planner.tokens_per_request,
