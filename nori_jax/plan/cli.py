@@ -336,13 +336,18 @@ def _run(fn, args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_jsonable) + "\n")
+    Path(path).write_text(json.dumps(_finite_only(obj), indent=2, allow_nan=False) + "\n")
 
 
-def _jsonable(x: Any) -> Any:
+def _finite_only(x: Any) -> Any:
+    """inf and NaN (a knee's latency rise from 0, say) as null: JSON has neither."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
-    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+    if isinstance(x, dict):
+        return {k: _finite_only(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite_only(v) for v in x]
+    return x
 
 
 def _finite(x: float) -> float | str:
