@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
 
+from nori_jax.cache_paths import compilation_cache_dir
+
 
 def enable(cache_dir: str | None = None) -> Path:
-    path = Path(
-        cache_dir or os.environ.get("NORI_JAX_CACHE_DIR") or "~/.cache/nori_jax/xla"
-    ).expanduser()
+    path = compilation_cache_dir(cache_dir)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     # The defaults skip programs that compile in under a second: on CPU that is nearly all of ours.

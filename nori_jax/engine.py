@@ -26,12 +26,10 @@ from nori_jax.request import Request, RequestTimes
 from nori_jax.runner import ModelRunner
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.scheduler import Scheduler
-from nori_jax.scheduler_config import SchedulerConfig
 from nori_jax.weights.loader import load_model
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclasses.dataclass
@@ -59,7 +57,9 @@ def resolve_attention_backend(name: str) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        compilation_cache.enable(config.compilation_cache_dir)
+        started = time.perf_counter()
+        cache_dir = compilation_cache.enable(config.compilation_cache_dir)
+        logger.info("XLA compilation cache: %s", cache_dir)
         self.mesh = make_mesh(config.mesh)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         start = time.perf_counter()
@@ -77,34 +77,25 @@ class LLMEngine:
         mcfg = self.model.config
         config.mesh.check_model(mcfg)
         self.tokenizer = self.model.tokenizer
-        self.max_model_len = self._max_model_len()
+        self.scheduler_config = config.scheduler.for_model(mcfg.position_limit)
+        self.max_model_len = self.scheduler_config.max_model_len
+        page_size = self.scheduler_config.page_size
         num_pages = config.num_pages or num_pages_for_memory(
             mcfg,
-            config.page_size,
+            page_size,
             self.model.dtype,
             self.mesh,
             config.gpu_memory_utilization,
             config.cpu_kv_cache_gib,
         )
-        self.scheduler_config = SchedulerConfig(
-            max_model_len=self.max_model_len,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            long_prefill_threshold=config.long_prefill_threshold,
-            long_prefill_token_share=config.long_prefill_token_share,
-            kv_headroom=config.kv_headroom,
-            max_num_waiting=config.max_num_waiting,
-        )
-        allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+        allocator = PageAllocator(num_pages, page_size, self.scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, allocator)
         self.runner = ModelRunner(
             self.model,
             self.mesh,
             num_pages,
-            config.page_size,
-            config.max_num_seqs,
+            page_size,
+            self.scheduler_config.max_num_seqs,
             self.scheduler_config.max_pages_per_seq,
             self.scheduler.buckets,
         )
@@ -120,28 +111,20 @@ class LLMEngine:
         self._in_flight = None  # (plan, device handle) launched but not yet fetched
         self._preemptions_seen = self._hits_seen = self._queries_seen = 0
         logger.info(
-            "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
+            "engine ready in %.1fs: %s, %s, max_model_len %d, %d sequences, %d KV pages of %d "
+            "tokens, buckets %s, attention=%s",
+            time.perf_counter() - started,
             self.model.source,
             self.model.dtype.__name__
             if hasattr(self.model.dtype, "__name__")
             else self.model.dtype,
+            self.max_model_len,
+            self.scheduler_config.max_num_seqs,
             num_pages,
-            config.page_size,
+            page_size,
             self.scheduler.buckets,
             self.attention_backend,
         )
-
-    def _max_model_len(self) -> int:
-        mcfg = self.model.config
-        limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:  # attention has no sliding window: stay inside it
-            limit = min(limit, mcfg.sliding_window)
-        want = self.config.max_model_len
-        if want is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN)
-        if want > limit:
-            raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
-        return want
 
     # ---- requests ---------------------------------------------------------------------------
 

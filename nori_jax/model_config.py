@@ -70,6 +70,14 @@ class ModelConfig:
             )
 
     @property
+    def position_limit(self) -> int:
+        """The longest sequence this engine runs the model on: its positions, and inside its
+        sliding window where it has one (attention here has no sliding window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

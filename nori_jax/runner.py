@@ -123,16 +123,22 @@ class ModelRunner:
         state_abs = jax.tree.map(as_abstract, self.model.state)
         kv_abs = [as_abstract(x) for x in self.kv_pages]
         prev_abs = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32, sharding=self._replicated)
+        logger.info("compiling %d token buckets %s", len(self.buckets), self.buckets)
         lowered = {
             t: self._jitted.lower(state_abs, kv_abs, prev_abs, self._abstract_batch(t))
             for t in self.buckets
         }
+
+        def compile_one(t: int) -> jax.stages.Compiled:
+            t0 = time.perf_counter()
+            executable = lowered[t].compile()
+            logger.info("bucket %d compiled in %.1fs", t, time.perf_counter() - t0)
+            return executable
+
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(16, os.cpu_count() or 4)
         ) as pool:
-            compiled = dict(
-                zip(lowered, pool.map(lambda low: low.compile(), lowered.values()), strict=True)
-            )
+            compiled = dict(zip(lowered, pool.map(compile_one, lowered), strict=True))
         self._executables.update(compiled)
         self.compile_seconds = time.perf_counter() - start
         logger.info(
@@ -149,6 +155,7 @@ class ModelRunner:
         """
         s, mp = self.max_num_seqs, self.max_pages_per_seq
         for t in self.buckets:
+            t0 = time.perf_counter()
             q_lens = [1, t - 1] if t > 1 and s > 1 else [1]
             q_lens[-1] = min(q_lens[-1], mp * self.page_size)
             n = sum(q_lens)
@@ -180,6 +187,7 @@ class ModelRunner:
                 num_tokens=n,
             )
             self.step(plan)
+            logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
