@@ -130,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dest="async_scheduling",
         action="store_false",
         default=argparse.SUPPRESS,
-        help="same as --no-async-scheduling",
+        help="same as --no-async-scheduling (default: off, steps overlap)",
     )
 
 
