@@ -13,7 +13,7 @@ _EXPORTS = {
     "LLM": "nori_jax.llm",
     "EngineConfig": "nori_jax.engine_config",
     "LLMEngine": "nori_jax.engine",
-    "MeshConfig": "nori_jax.mesh",
+    "MeshConfig": "nori_jax.mesh_config",
     "QueueFullError": "nori_jax.scheduler",
     "RequestMetrics": "nori_jax.outputs",
     "RequestOutput": "nori_jax.outputs",
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from nori_jax.engine import LLMEngine  # noqa: F401
     from nori_jax.engine_config import EngineConfig  # noqa: F401
     from nori_jax.llm import LLM  # noqa: F401
-    from nori_jax.mesh import MeshConfig  # noqa: F401
+    from nori_jax.mesh_config import MeshConfig  # noqa: F401
     from nori_jax.outputs import RequestMetrics, RequestOutput  # noqa: F401
     from nori_jax.sampling_params import SamplingParams  # noqa: F401
     from nori_jax.scheduler import QueueFullError  # noqa: F401

@@ -30,7 +30,9 @@ class SchedulerConfig:
         help="clamp max_model_len to the model's limit instead of failing (a preset's own "
         "max_model_len is always clamped)",
     )
-    page_size: int = option(64, help="tokens per KV page (a power of two)")
+    page_size: int = option(
+        64, help="tokens per KV page (a power of two)", flags=("--page-size", "--block-size")
+    )
     max_num_seqs: int = option(256, help="sequences in one step: the rows of every bucket")
     max_num_batched_tokens: int = option(
         4096,

@@ -3,7 +3,10 @@
 
 Cold: an empty compilation cache and an empty parameter cache (a first install: the GGUF is
 converted and every bucket compiled). Warm: the same command again on the caches the cold run
-filled. Each figure is the wall time of the whole process, start to exit.
+filled. Each figure is the wall time of the whole process, start to exit, and in brackets its CPU
+time (user + system, children included): on a shared machine the wall time depends on the load
+(printed), the CPU time much less; on an idle 2-core machine the wall time lies between half the CPU
+time and all of it.
 
     python benchmarks/engine/first_contact.py [--repeats 2] [--keep-params]
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -40,13 +44,17 @@ def commands() -> dict[str, tuple[list[str], str | None]]:
     }
 
 
-def timed(argv: list[str], stdin: str | None, env: dict[str, str]) -> tuple[float, str]:
+def timed(argv: list[str], stdin: str | None, env: dict[str, str]) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, stdout) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     r = subprocess.run(argv, input=stdin, env=env, capture_output=True, text=True, timeout=1800)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if r.returncode:
         raise SystemExit(f"{argv[:3]} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return elapsed, r.stdout
+    return elapsed, cpu, r.stdout
 
 
 def main() -> None:
@@ -58,6 +66,7 @@ def main() -> None:
         help="cold runs keep the user's parameter cache (only the compilation cache is empty)",
     )
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     rows = []
     for name, (argv, stdin) in commands().items():
         cold, warm = [], []
@@ -66,20 +75,23 @@ def main() -> None:
                 env = dict(os.environ, NORI_JAX_CACHE_DIR=f"{tmp}/xla")
                 if not args.keep_params:
                     env["NORI_JAX_PARAM_CACHE"] = f"{tmp}/params"
-                t, out = timed(argv, stdin, env)
+                *t, out = timed(argv, stdin, env)
                 cold.append(t)
-                warm.append(timed(argv, stdin, env)[0])
+                warm.append(timed(argv, stdin, env)[:2])
                 shutil.rmtree(tmp, ignore_errors=True)
             lines = [line.lstrip("> ").strip() for line in out.splitlines()]
             answer = next((x for x in lines if x and not x.startswith("Type a message")), "")
         rows.append((name, cold, warm, answer))
         print(f"{name}: cold {cold}, warm {warm}", file=sys.stderr)
-    print(f"\n{os.cpu_count()} CPUs; cold = empty compilation" + ("" if args.keep_params else
-          " and parameter caches") + "\n")  # fmt: skip
-    print("| command | cold (s) | warm (s) | first line of output |")
+    caches = "compilation cache" if args.keep_params else "compilation and parameter caches"
+    print(
+        f"\n{os.cpu_count()} CPUs, load average {load_before:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end; cold = empty {caches}\n"
+    )
+    print("| command | cold: wall (CPU) s | warm: wall (CPU) s | first line of output |")
     print("|---|---|---|---|")
     for name, cold, warm, answer in rows:
-        fmt = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+        fmt = lambda xs: " / ".join(f"{w:.0f} ({c:.0f})" for w, c in xs)  # noqa: E731
         print(f"| `{name}` | {fmt(cold)} | {fmt(warm)} | {answer[:60]} |")
 
 
