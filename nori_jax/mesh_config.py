@@ -1,17 +1,18 @@
-"""The device mesh as configuration: axis sizes (`data`, `model`), checked against a model.
-
-JAX-free, so configs can be built and validated in processes that never touch a device; the mesh
-itself is made by `nori_jax.executor.mesh.make_mesh`.
-"""
+"""The shape of the device mesh, axes (`data`, `model`): JAX-free, so configs and the CLI load
+without JAX (`executor/mesh.py` builds the mesh itself)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from nori_jax.model_config import ModelConfig
+from nori_jax.config_field import option
+
+if TYPE_CHECKING:
+    from nori_jax.model_config import ModelConfig
 
 AXES = ("data", "model")
 MESH_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
@@ -19,8 +20,16 @@ MESH_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
-    model: int = 1
+    data: int = option(
+        1,
+        help="devices on the mesh axis `data` (parameters and KV pages are replicated over it)",
+        flags=("--mesh-data",),
+    )
+    model: int = option(
+        1,
+        help="devices on the mesh axis `model` (tensor parallelism: heads and MLP split over them)",
+        flags=("--tensor-parallel-size", "--tp"),
+    )
 
     def __post_init__(self) -> None:
         if self.data < 1 or self.model < 1:

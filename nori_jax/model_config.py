@@ -68,6 +68,14 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
 
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence this engine runs the model on: its positions, and inside its
+        sliding window where it has one (attention here has no sliding window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")

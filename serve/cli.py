@@ -19,22 +19,18 @@ from serve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_PRESET = "default"
 
 
-def add_serve_parser(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
-        description="Serve the model over HTTP: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /generate, /health, /metrics. Without --config the engine settings come "
-        "from configs/engine/default.yaml (the embedded model); flags override them. "
-        "See docs/serving.md.",
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Serve the model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/generate, /health, /metrics. Without --config the engine settings are sized for the "
+        "backend (the `cpu` preset on a CPU, the throughput shapes on a GPU); flags override "
+        "them. See docs/serving.md."
     )
-    add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument(
         "--served-model-name",
         default=None,
@@ -100,9 +96,8 @@ def add_serve_parser(sub) -> None:
         help="step the engine in a thread of the server's process instead of its own process "
         "(one GIL for HTTP and the step loop; for debugging)",
     )
-    # Without --config the server loads configs/engine/default.yaml (the embedded model, batch
-    # shapes sized for interactive use on a CPU or one GPU); flags override either.
-    p.set_defaults(func=run_serve, config=DEFAULT_PRESET)
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -134,17 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from serve.api import create_app
     from serve.server import Server, header_timeout_protocol
 
-    # Importing orbax makes absl call logging.basicConfig() first, which turns the CLI's own
-    # basicConfig into a no-op; without force the start-up progress would not show.
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-    if logging.getLogger().level > logging.DEBUG:
-        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's progress lines
     config = engine_config_from_args(args)
-    logger.info("engine config: preset %r with command-line overrides", args.config)
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or None,

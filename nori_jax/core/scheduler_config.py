@@ -1,31 +1,69 @@
-"""Scheduler limits: batch shape, token budget, prefix caching, long-prompt isolation, admission."""
+"""Scheduler limits: batch shape, token budget, context, prefix caching, isolation, admission.
+
+Declared once: `EngineConfig.scheduler` holds one, presets and `LLM(...)` set its fields by their
+flat names (`max_num_seqs=...`), and `engine_args.py` makes a flag of each field.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+
+from nori_jax.config_field import option
+
+logger = logging.getLogger(__name__)
+# max_model_len=None: the model's own limit, but at most this (a longer context costs KV pages
+# and page-table width for every sequence).
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_model_len: int
-    page_size: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    # Prompts of at least this many tokens are "long": they wait in their own queue and their
-    # prefill chunks take at most `long_prefill_token_share` of a step's token budget, so a long
-    # prompt never holds back short requests (None: no isolation).
-    long_prefill_threshold: int | None = None
-    long_prefill_token_share: float = 0.25
-    max_num_long_prefills: int = 1  # long prompts prefilled concurrently
-    # Admission keeps this fraction of KV pages free for the growth of running requests.
-    kv_headroom: float = 0.1
-    max_num_waiting: int | None = None  # bound on queued requests; None: unbounded
+    max_model_len: int | None = option(
+        None,
+        help="tokens per sequence, prompt and output; none: the model's limit, at most "
+        f"{DEFAULT_MAX_MODEL_LEN}",
+    )
+    clamp_max_model_len: bool = option(
+        False,
+        help="clamp max_model_len to the model's limit instead of failing (a preset's own "
+        "max_model_len is always clamped)",
+    )
+    page_size: int = option(
+        64, help="tokens per KV page (a power of two)", flags=("--page-size", "--block-size")
+    )
+    max_num_seqs: int = option(256, help="sequences in one step: the rows of every bucket")
+    max_num_batched_tokens: int = option(
+        4096,
+        help="token budget of one step; the buckets are powers of two from 16 up to it",
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        help="reuse the KV pages of a prompt prefix already computed",
+        flags=("--enable-prefix-caching", "--prefix-caching"),
+    )
+    long_prefill_threshold: int | None = option(
+        None,
+        help="prompts of at least this many tokens wait in their own queue and prefill within "
+        "--long-prefill-token-share of each step (none or 0: no isolation)",
+    )
+    long_prefill_token_share: float = option(
+        0.25, help="share of a step's token budget that long prompts' prefill may take"
+    )
+    max_num_long_prefills: int = option(1, help="long prompts prefilled concurrently")
+    kv_headroom: float = option(
+        0.1, help="fraction of KV pages admission keeps free for running requests' growth"
+    )
+    max_num_waiting: int | None = option(
+        None,
+        help="bound on queued requests; one more is refused (HTTP 429); none: unbounded",
+    )
 
     def __post_init__(self) -> None:
+        if self.long_prefill_threshold == 0:  # the flag's "off" value
+            object.__setattr__(self, "long_prefill_threshold", None)
         for name in (
-            "max_model_len",
             "page_size",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -33,6 +71,10 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -49,8 +91,31 @@ class SchedulerConfig:
         if self.max_num_waiting is not None and self.max_num_waiting < 1:
             raise ValueError(f"max_num_waiting={self.max_num_waiting} must be >= 1 or None")
 
+    def for_model(self, model_limit: int) -> SchedulerConfig:
+        """This config with max_model_len resolved against the model's position limit.
+
+        None takes the limit (at most DEFAULT_MAX_MODEL_LEN); a value above the limit is an error
+        unless `clamp_max_model_len` (presets set it for their own value) clamps it.
+        """
+        want = self.max_model_len
+        if want is None:
+            resolved = min(model_limit, DEFAULT_MAX_MODEL_LEN)
+        elif want <= model_limit:
+            resolved = want
+        elif self.clamp_max_model_len:
+            logger.info(
+                "max_model_len %d clamped to the model's limit of %d positions", want, model_limit
+            )
+            resolved = model_limit
+        else:
+            raise ValueError(
+                f"max_model_len={want} exceeds the model's limit of {model_limit} positions"
+            )
+        return dataclasses.replace(self, max_model_len=resolved)
+
     @property
     def max_pages_per_seq(self) -> int:
+        assert self.max_model_len is not None, "resolve max_model_len first (for_model)"
         return math.ceil(self.max_model_len / self.page_size)
 
     @property

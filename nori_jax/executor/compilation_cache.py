@@ -15,12 +15,14 @@ from pathlib import Path
 
 import jax
 
+from nori_jax.cache_paths import compilation_cache_dir
+
 logger = logging.getLogger(__name__)
 DEFAULT_DIR = "~/.cache/nori_jax/xla"
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get("NORI_JAX_CACHE_DIR") or DEFAULT_DIR).expanduser()
+    return compilation_cache_dir(None)
 
 
 def enable(cache_dir: str | os.PathLike | None = None) -> Path | None:

@@ -151,12 +151,21 @@ class ModelRunner:
             {("sampler", m): fn.lower(logits_abs, rows_abs) for m, fn in self._sample_fns.items()}
         )
 
+        logger.info(
+            "compiling %d token buckets %s and %d sampler programs",
+            len(self.buckets),
+            self.buckets,
+            len(self._sample_fns),
+        )
+
         def compile_one(key):
             t0 = time.perf_counter()
             exe = lowered[key].compile()
+            name = f"{key[0]} {key[1].name if key[0] == 'sampler' else key[1]}"
+            seconds = time.perf_counter() - t0
+            logger.info("%s compiled in %.1fs", name, seconds)
             if on_compiled is not None:
-                name = key[1].name if key[0] == "sampler" else key[1]
-                on_compiled(f"{key[0]} {name}", time.perf_counter() - t0)
+                on_compiled(name, seconds)
             return exe
 
         with concurrent.futures.ThreadPoolExecutor(
@@ -192,6 +201,7 @@ class ModelRunner:
         layout = self.layout
         s, mp = layout.max_num_seqs, layout.max_pages_per_seq
         for t in self.buckets:
+            t0 = time.perf_counter()
             q_lens = [1, t - 1] if t > 1 and s > 1 else [1]
             q_lens[-1] = min(q_lens[-1], mp * self.page_size)
             n = sum(q_lens)
@@ -212,6 +222,7 @@ class ModelRunner:
             layout.view(rows, "top_k")[:] = 5
             layout.view(rows, "filter_rows")[:] = np.arange(s)
             self.fetch(self._launch(t, tokens, rows, GREEDY))
+            logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
         for program in self._samplers:  # a sampler program runs the same on any bucket
             self.fetch(self._launch(self.buckets[-1], tokens, rows, program))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -23,19 +24,44 @@ from nori_jax.bench.workload import HelpFormatter, add_workload_args, workload_f
 _NEEDS = ("aiohttp",)  # imported by nori_jax.bench.client, which the metrics module imports
 
 
+PLAN_HELP = "capacity planning: the scheduler in simulated time over a calibrated step model"
+
+
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "plan",
-        help="capacity planning: the scheduler in simulated time over a calibrated step model",
-        description="Predict throughput, latency, the knee and the GPUs a workload needs; "
-        "see docs/planning.md.",
+    p = sub.add_parser("plan", help=PLAN_HELP)
+    add_plan_args(p)
+    return p
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The `plan` command's sub-commands, on a parser made for it (nori_jax/cli.py)."""
+    p.description = (
+        "Predict throughput, latency, the knee and the GPUs a workload needs; see docs/planning.md."
     )
-    plan_sub = p.add_subparsers(dest="plan_command", required=True)
+    from nori_jax.cli_parsing import DefaultsHelpFormatter
+
+    plan_sub = p.add_subparsers(
+        dest="plan_command",
+        required=True,
+        parser_class=functools.partial(
+            argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter
+        ),
+    )
     _add_calibrate(plan_sub)
     _add_simulate(plan_sub)
     _add_sweep(plan_sub)
     _add_size(plan_sub)
-    return p
+    for parser in plan_sub.choices.values():
+        _state_unset_defaults(parser)
+
+
+def _state_unset_defaults(parser: argparse.ArgumentParser) -> None:
+    """An unset engine setting means the calibrated engine's (or the scheduler's) value: say so
+    on every help line that does not state its default."""
+    for action in parser._actions:
+        if action.option_strings and action.help and action.default is None:
+            if "default" not in action.help:
+                action.help += " (default: the calibrated engine's)"
 
 
 # ---- flags ----------------------------------------------------------------------------------
@@ -80,13 +106,15 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-headroom", type=float, help="share of pages admission keeps free")
     g.add_argument("--max-num-seqs", type=int, help="running sequences")
     g.add_argument("--max-num-batched-tokens", type=int, help="token (chunk) budget per step")
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-model-len", type=int, help="context limit of a request")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument(
         "--long-prefill-threshold", type=int, help="isolate prompts this long (0: no isolation)"
     )
-    g.add_argument("--long-prefill-token-share", type=float)
-    g.add_argument("--max-num-long-prefills", type=int)
+    g.add_argument(
+        "--long-prefill-token-share", type=float, help="share of a step's budget for long prompts"
+    )
+    g.add_argument("--max-num-long-prefills", type=int, help="long prompts prefilled at once")
     g.add_argument("--max-num-waiting", type=int, help="queue bound (beyond: 429, failed)")
     g.add_argument("--sync-scheduling", action="store_true", help="no host/device overlap")
     g.add_argument(
@@ -108,15 +136,23 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         type=float,
         help="KV transfer bandwidth in GB/s (default: the calibration's measured one)",
     )
-    g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
+    g.add_argument(
+        "--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of one KV transfer"
+    )
 
 
 def _add_results(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("results")
-    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    g.add_argument(
+        "--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics with percentiles"
+    )
     g.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     g.add_argument(
-        "--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50"
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="NAME:MS",
+        help="SLOs, e.g. ttft:500 tpot:50 (default: none)",
     )
     g.add_argument("--result-json", help="write the result here (default: none)")
 
@@ -173,8 +209,15 @@ def _add_sweep(sub: Any) -> None:
         "queued at once)",
     )
     g.add_argument("--sweep-max-steps", type=int, default=12, help="most runs of auto")
-    g.add_argument("--knee-min-gain", type=float, default=0.5)
-    g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
+    g.add_argument(
+        "--knee-min-gain", type=float, default=0.5, help="knee: throughput gain below this share"
+    )
+    g.add_argument(
+        "--knee-min-latency-rise",
+        type=float,
+        default=0.2,
+        help="knee: P99 latency rising by more than this share",
+    )
     g.add_argument("--measured", help="a bench serve sweep JSON to compare with and plot beside")
     g.add_argument("--plot", help="PNG of the sweep (needs matplotlib: the bench extra)")
     p.set_defaults(func=_sweep)
@@ -201,8 +244,15 @@ def _add_size(sub: Any) -> None:
         "queued at once)",
     )
     g.add_argument("--sweep-max-steps", type=int, default=12, help="most doublings of the ramp")
-    g.add_argument("--knee-min-gain", type=float, default=0.5)
-    g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
+    g.add_argument(
+        "--knee-min-gain", type=float, default=0.5, help="knee: throughput gain below this share"
+    )
+    g.add_argument(
+        "--knee-min-latency-rise",
+        type=float,
+        default=0.2,
+        help="knee: P99 latency rising by more than this share",
+    )
     p.set_defaults(func=_size)
 
 

@@ -2,8 +2,10 @@
 
 Converting a checkpoint (GGUF dequantization, dtype casts, transposes) costs seconds to minutes
 each start. The first load saves the converted parameters; later loads restore them straight onto
-the target shardings. The cache key covers the source file(s) (path, size, mtime), the engine dtype,
-the model configuration and the converter version, so any change makes a new entry.
+the target shardings. The cache key covers the source files' contents (a sha256 of each, computed
+once per file and remembered), the engine dtype, the model configuration and the converter
+version: any change makes a new entry, and copies of one model at different paths (two installs)
+share one. `nori-jax cache clear` removes the entries.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from nori_jax.cache_paths import param_cache_dir
+from nori_jax.weights.file_digest import file_digest
 
 logger = logging.getLogger(__name__)
 # Bump when the conversion of any source changes what lands in the parameters (the GGUF reader
@@ -26,16 +30,18 @@ CONVERTER_VERSION = 1
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("NORI_JAX_PARAM_CACHE", "~/.cache/nori_jax/params")).expanduser()
+    return param_cache_dir()
 
 
 def cache_key(source: Path, dtype, model_config: object) -> str:
-    files = sorted(source.glob("*")) if source.is_dir() else [source]
+    """The entry of `source` (a file or a checkpoint directory) converted to `dtype`."""
+    # The weights files the loader reads (config.json enters through `model_config`); the
+    # directory's own path does not matter, the names inside it do.
+    files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
     h = hashlib.sha256()
     for f in files:
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        name = f.name if source.is_dir() else ""
+        h.update(f"{name}|{file_digest(f, cache_root())}\n".encode())
     from nori_jax.weights.gguf import CONVERSION_VERSION as GGUF_VERSION
 
     h.update(f"{jax.numpy.dtype(dtype).name}|{CONVERTER_VERSION}|{GGUF_VERSION}|".encode())

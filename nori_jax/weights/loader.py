@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,9 +23,10 @@ from nori_jax.dummy_tokenizer import byte_tokenizer
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.tokenizer import Tokenizer
-from nori_jax.weights import checkpoint_cache, hf_names
+from nori_jax.weights import checkpoint_cache, generation_config, hf_names
 from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors, read_hf_config
 
+logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -37,6 +40,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str
     from_cache: bool = False  # parameters restored from the orbax cache, not converted
+    # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
+    generation_config: dict = dataclasses.field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -147,6 +152,7 @@ def load_model(
     path = Path(model).expanduser()
     tensors = None  # a callable yielding (HF name, array), for every format with weights
     tok: Tokenizer | None = None
+    gen_config: dict = {}
     if path.suffix == ".gguf" or load_format == "gguf":
         from nori_jax.weights.gguf import load_gguf
 
@@ -154,9 +160,11 @@ def load_model(
             raise ValueError(f"model={str(path)!r}: no such GGUF file")
         ckpt = load_gguf(path)
         hf_config, source, tok, tensors = ckpt.hf_config, str(path), ckpt.tokenizer, ckpt.tensors
+        gen_config = generation_config.from_gguf_metadata(ckpt.file.metadata)
     elif is_hf_dir(path):
         hf_config, source = read_hf_config(path), str(path)
         tensors = lambda: iter_safetensors(path)  # noqa: E731
+        gen_config = generation_config.from_hf_dir(path)
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_hf_dir(path)
     elif model in list_presets():
@@ -172,10 +180,13 @@ def load_model(
             f"a .gguf file, nor a preset ({', '.join(list_presets())})"
         )
     cfg = ModelConfig.from_hf_dict(hf_config)
+    start = time.perf_counter()
+    logger.info("loading model %s", source)
     graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
     from_cache = False
     if load_format == "dummy":
         state = dummy_state(abstract, mesh, seed)
+        how = "random weights"
     else:
         state, from_cache = _convert_or_restore(
             path,
@@ -186,9 +197,11 @@ def load_model(
             param_cache,
             lambda: place_tensors(tensors(), abstract, mesh, source),
         )
+        how = "parameters from the cache" if from_cache else "parameters converted"
+    logger.info("model loaded in %.1fs (%s)", time.perf_counter() - start, how)
     if tokenizer is not None:
         tok = Tokenizer.from_hf_dir(tokenizer)
-    return LoadedModel(cfg, jdtype, graphdef, state, tok, source, from_cache)
+    return LoadedModel(cfg, jdtype, graphdef, state, tok, source, from_cache, gen_config)
 
 
 def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, convert):
@@ -196,9 +209,13 @@ def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, conv
     if not use_cache:
         return convert(), False
     key = checkpoint_cache.cache_key(path, jdtype, cfg)
+    entry = checkpoint_cache.cache_root() / key
     state = checkpoint_cache.restore(key, abstract, _shardings(abstract, mesh))
     if state is not None:
+        logger.info("parameter cache: restored %s", entry)
         return state, True
+    logger.info("converting the parameters (first load of this file; cached afterwards)")
     state = convert()
     checkpoint_cache.save(key, state)
+    logger.info("parameter cache: saved %s (`nori-jax cache clear` removes it)", entry)
     return state, False

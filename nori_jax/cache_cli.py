@@ -1,0 +1,69 @@
+"""`nori-jax cache`: where the on-disk caches are, how big they are, and clearing them.
+
+Two caches: XLA's compiled programs (one entry per bucket and shape) and the converted
+parameters (one orbax checkpoint per model file and dtype, about 4 bytes per parameter at
+float32). Neither is ever pruned by the engine; `clear` empties them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from nori_jax.cache_paths import compilation_cache_dir, param_cache_dir
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _caches(args: argparse.Namespace) -> dict[str, Path]:
+    chosen = {
+        "params": ("converted parameters", param_cache_dir()),
+        "xla": ("XLA compilation cache", compilation_cache_dir(args.compilation_cache_dir)),
+    }
+    which = [k for k in chosen if getattr(args, k)] or list(chosen)
+    return {chosen[k][0]: chosen[k][1] for k in which}
+
+
+def run_info(args: argparse.Namespace) -> int:
+    for what, path in _caches(args).items():
+        if not path.is_dir():
+            print(f"{what}: {path} (empty)")
+            continue
+        entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+        print(f"{what}: {path}: {len(entries)} entries, {_size(path) / 2**20:,.1f} MiB")
+    return 0
+
+
+def run_clear(args: argparse.Namespace) -> int:
+    for what, path in _caches(args).items():
+        if not path.is_dir():
+            print(f"{what}: {path} is already empty")
+            continue
+        size = _size(path)
+        shutil.rmtree(path)
+        print(f"{what}: removed {path} ({size / 2**20:,.1f} MiB)")
+    return 0
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[1].replace("\n", " ")
+    sub = p.add_subparsers(dest="cache_command", required=True)
+    for name, func, help_text in (
+        ("info", run_info, "print each cache's path, entries and size"),
+        ("clear", run_clear, "delete the caches (both unless --params or --xla picks one)"),
+    ):
+        c = sub.add_parser(name, help=help_text, description=help_text)
+        c.add_argument("--params", action="store_true", help="only the converted parameters")
+        c.add_argument("--xla", action="store_true", help="only the XLA compilation cache")
+        c.add_argument(
+            "--compilation-cache-dir",
+            default=None,
+            help="the XLA cache a run used with this flag (default: $NORI_JAX_CACHE_DIR, "
+            "else ~/.cache/nori_jax/xla)",
+        )
+        c.set_defaults(func=func)

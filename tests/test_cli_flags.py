@@ -1,0 +1,120 @@
+"""The command line: every flag documented with its default, every engine setting a flag, and
+`nori-jax --help` without JAX."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from nori_jax.cli import build_parser
+from nori_jax.cli_parsing import walk_parsers
+from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.engine_args import engine_config_from_args, engine_flags, engine_overrides
+from nori_jax.engine_config import EngineConfig
+from nori_jax.mesh_config import MeshConfig
+
+# The load generator's own flags are documented by its module (nori_jax/bench/); of `bench`, only
+# the engine flags that `bench offline` shares are checked here.
+BENCH = ("bench",)
+BENCH_OFFLINE = ("bench", "offline")
+
+
+def _commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    return dict(walk_parsers(build_parser()))
+
+
+def _options(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield action
+
+
+def test_every_command_is_reachable():
+    names = {" ".join(path) for path in _commands()}
+    for cmd in ("generate", "chat", "serve", "bench serve", "bench offline", "cache clear"):
+        assert cmd in names
+
+
+def test_every_flag_has_a_help_line_with_its_default():
+    engine_dests = {f.dest for f in engine_flags()}
+    checked = 0
+    for path, parser in _commands().items():
+        formatter = parser._get_formatter()
+        for action in _options(parser):
+            if path[:1] == BENCH and (path != BENCH_OFFLINE or action.dest not in engine_dests):
+                continue
+            where = f"{' '.join(path) or 'nori-jax'} {action.option_strings[0]}"
+            assert action.help and action.help.strip(), f"{where} has no help"
+            shown = formatter._expand_help(action)
+            has_default = action.default not in (None, False, argparse.SUPPRESS)
+            if action.dest in engine_dests or has_default:
+                assert "default" in shown, f"{where}: the help does not state the default"
+            checked += 1
+    assert checked > 100
+
+
+def test_every_engine_setting_is_a_flag():
+    flagged = {(f.section, f.field.name) for f in engine_flags()}
+    for section, cls in (
+        (None, EngineConfig),
+        ("scheduler", SchedulerConfig),
+        ("mesh", MeshConfig),
+    ):
+        for field in dataclasses.fields(cls):
+            if section is None and field.name in ("scheduler", "mesh"):
+                continue
+            assert (section, field.name) in flagged, field.name
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["generate", "--prompt", "x", *argv])
+
+
+def test_flags_set_only_what_they_name():
+    args = _parse(
+        "--max-num-seqs", "8", "--no-prefix-caching", "--tp", "2", "--max-num-waiting", "none",
+        "--sync-scheduling", "--dtype", "float32",
+    )  # fmt: skip
+    assert engine_overrides(args) == {
+        "dtype": "float32",
+        "async_scheduling": False,
+        "scheduler": {"max_num_seqs": 8, "enable_prefix_caching": False, "max_num_waiting": None},
+        "mesh": {"model": 2},
+    }
+    assert engine_overrides(_parse()) == {}
+
+
+def test_flags_override_the_preset():
+    cfg = engine_config_from_args(_parse("--config", "tiny-cpu", "--max-num-seqs", "4"))
+    assert cfg == EngineConfig.from_preset("tiny-cpu", {"max_num_seqs": 4})
+    # vLLM's flag names
+    cfg = engine_config_from_args(
+        _parse("--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512",
+               "--tensor-parallel-size", "1", "--max-model-len", "1024")
+    )  # fmt: skip
+    assert cfg.gpu_memory_utilization == 0.5 and cfg.scheduler.max_num_batched_tokens == 512
+    assert cfg.scheduler.max_model_len == 1024 and not cfg.scheduler.clamp_max_model_len
+
+
+@pytest.mark.parametrize("argv", [["--max-num-seqs", "many"], ["--dtype", "int4"]])
+def test_bad_flag_values_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert "invalid" in capsys.readouterr().err
+
+
+def test_top_level_help_imports_no_jax():
+    code = (
+        "import sys\n"
+        "from nori_jax.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "generate" in r.stdout and "chat" in r.stdout and "serve" in r.stdout

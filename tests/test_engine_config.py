@@ -1,0 +1,100 @@
+"""EngineConfig: one declaration of every setting, flat or nested keys, presets, backend defaults,
+and max_model_len resolution (a preset's value is a cap, an explicit one is exact). No JAX needed
+except where the backend is asked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nori_jax.core.scheduler_config import DEFAULT_MAX_MODEL_LEN, SchedulerConfig
+from nori_jax.engine_config import EngineConfig, read_preset
+from nori_jax.engine_defaults import CPU_PRESET, backend_preset, resolve_engine_config
+from nori_jax.mesh_config import MeshConfig
+
+
+def test_flat_and_nested_keys_build_the_same_config():
+    flat = EngineConfig.from_dict({"max_num_seqs": 8, "page_size": 16, "mesh": {"model": 2}})
+    nested = EngineConfig.from_dict({"scheduler": {"max_num_seqs": 8, "page_size": 16}})
+    assert flat.scheduler == nested.scheduler == SchedulerConfig(max_num_seqs=8, page_size=16)
+    assert flat.mesh == MeshConfig(model=2) and nested.mesh == MeshConfig()
+    with_objects = EngineConfig.from_dict({"scheduler": SchedulerConfig(max_num_seqs=8)})
+    assert with_objects.scheduler.max_num_seqs == 8
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"max_num_seq": 8}, r"unknown engine config keys \['max_num_seq'\]"),
+        ({"scheduler": {"pages": 3}}, r"unknown scheduler keys \['pages'\]"),
+        ({"max_num_seqs": 8, "scheduler": {"max_num_seqs": 4}}, "both flat"),
+        ({"scheduler": 5}, "scheduler must be a mapping"),
+        ({"max_num_seqs": 512, "max_num_batched_tokens": 256}, "max_num_batched_tokens=256"),
+        ({"page_size": 48}, "page_size=48 must be a power of two"),
+        ({"dtype": "int8"}, "dtype='int8'"),
+    ],
+)
+def test_bad_values_name_the_key(values, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_dict(values)
+
+
+def test_the_engine_defaults_are_the_schedulers_own():
+    """Nothing is copied by hand: the engine's scheduler settings are SchedulerConfig's fields."""
+    assert EngineConfig().scheduler == SchedulerConfig()
+    assert SchedulerConfig().max_num_batched_tokens == 4096  # the throughput shapes
+
+
+def test_long_prefill_threshold_zero_means_no_isolation():
+    assert SchedulerConfig(long_prefill_threshold=0).long_prefill_threshold is None
+
+
+def test_preset_values_then_overrides_flat_or_nested():
+    cfg = EngineConfig.from_preset("tiny-cpu", {"max_num_seqs": 4, "max_num_waiting": None})
+    raw = read_preset("tiny-cpu")
+    assert cfg.model == raw["model"] and cfg.scheduler.page_size == raw["page_size"]
+    assert cfg.scheduler.max_num_seqs == 4 and cfg.scheduler.max_num_waiting is None
+    nested = EngineConfig.from_preset("tiny-cpu", {"scheduler": {"max_num_seqs": 4}})
+    assert nested.scheduler.max_num_seqs == 4
+    # from_yaml keeps its "None is not given" meaning
+    assert EngineConfig.from_yaml("tiny-cpu", max_num_seqs=None).scheduler.max_num_seqs == 16
+
+
+def test_a_presets_max_model_len_is_a_cap_an_explicit_one_is_not():
+    preset = EngineConfig.from_preset("cpu", {}).scheduler
+    assert preset.max_model_len == read_preset("cpu")["max_model_len"] == 2048
+    assert preset.clamp_max_model_len
+    assert preset.for_model(512).max_model_len == 512  # a 512-position model
+    assert preset.for_model(100_000).max_model_len == 2048
+
+    explicit = EngineConfig.from_preset("cpu", {"max_model_len": 2048}).scheduler
+    assert not explicit.clamp_max_model_len
+    with pytest.raises(ValueError, match="max_model_len=2048 exceeds the model's limit of 512"):
+        explicit.for_model(512)
+    with pytest.raises(ValueError, match="exceeds"):
+        EngineConfig.from_dict({"max_model_len": 2048}).scheduler.for_model(512)
+
+
+def test_unset_max_model_len_is_the_models_limit_up_to_the_default_cap():
+    assert SchedulerConfig().for_model(512).max_model_len == 512
+    assert SchedulerConfig().for_model(131072).max_model_len == DEFAULT_MAX_MODEL_LEN
+
+
+def test_backend_defaults():
+    assert backend_preset("cpu") == CPU_PRESET
+    assert backend_preset("gpu") is None and backend_preset("tpu") is None
+    # This suite runs on CPU: no preset named means the cpu preset, then the given values.
+    cfg = resolve_engine_config(None, {"max_num_seqs": 4})
+    expected = EngineConfig.from_preset(CPU_PRESET, {"max_num_seqs": 4})
+    assert cfg == expected
+    assert cfg.scheduler.max_num_batched_tokens == read_preset(CPU_PRESET)["max_num_batched_tokens"]
+    # An explicit preset wins over the backend's.
+    assert resolve_engine_config("tiny-cpu", {}) == EngineConfig.from_preset("tiny-cpu", {})
+
+
+def test_every_preset_builds():
+    from nori_jax.engine_config import preset_names
+
+    for name in preset_names():
+        assert dataclasses.is_dataclass(EngineConfig.from_preset(name, {}))
