@@ -93,6 +93,7 @@ class EngineCoreClient:
         self.tokenizer: Tokenizer | None = Tokenizer.from_state(tok) if tok else None
         self.max_model_len = self.info.max_model_len
         self.metrics = EngineMetrics()
+        self.metrics.set_model_config(self.info.model_config_info)
         self._processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}  # guarded by _lock
         self._acks: dict[str, concurrent.futures.Future[None]] = {}

@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         seed=config.seed,
         tokenizer=config.tokenizer,
         param_cache=config.param_cache,
+        quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
     mcfg = model.config
@@ -150,9 +151,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
     )
     logger.info(
-        "engine ready: %s, %s, %d KV pages of %d tokens, buckets %s, attention=%s",
+        "engine ready: %s, %s (%.2f GiB), %d KV pages of %d tokens, buckets %s, attention=%s",
         model.source,
-        getattr(model.dtype, "__name__", model.dtype),
+        model.describe_weights(),
+        model.weight_bytes / 2**30,
         num_pages,
         config.page_size,
         scheduler.buckets,
@@ -187,6 +189,7 @@ class LLMEngine:
         self.load_seconds = parts.load_seconds
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
+        self.metrics.set_model_config(parts.model.model_config_info)
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._eos = parts.eos_token_ids

@@ -7,6 +7,7 @@ import dataclasses
 
 from nori_jax.engine_config import ATTENTION_BACKENDS, EngineConfig
 from nori_jax.mesh_config import MeshConfig
+from nori_jax.quantization.scheme import QUANTIZATION_MODES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tokenizer", default=None, help="HF directory whose tokenizer.json to use")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATION_MODES),
+        help="store the linear layers' weights quantized (fp8: fp8 matmuls; int8/int4: "
+        "weight-only); a GGUF file's own Q8_0/Q4_0/Q4_1 blocks are kept",
+    )
     g.add_argument("--load-format", default=None, choices=["auto", "dummy", "safetensors", "gguf"])
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--num-pages", type=int, default=None)
@@ -69,6 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "model": args.model,
         "tokenizer": args.tokenizer,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "load_format": args.load_format,
         "page_size": args.page_size,
         "num_pages": args.num_pages,

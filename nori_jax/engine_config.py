@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from nori_jax.mesh_config import MeshConfig
+from nori_jax.quantization.scheme import QUANTIZATION_MODES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
@@ -21,6 +22,9 @@ class EngineConfig:
     )
     tokenizer: str | None = None  # HF dir with tokenizer.json, overriding the model's own
     dtype: str = "auto"
+    # Weights of the decoder's linear layers: None (the dtype), "fp8", "int8" or "int4" (vLLM's
+    # field; layouts in quantization/scheme.py).
+    quantization: str | None = None
     load_format: str = "auto"
     seed: int = 0
     param_cache: bool = (
@@ -59,6 +63,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
