@@ -5,7 +5,7 @@
     int8  int8 weights, one scale per output channel (or per block of 32 inputs when the
           checkpoint is GGUF Q8_0: its own blocks, kept as they are); weight-only
     int4  int4 weights, one scale per group of 128 inputs (or 32 with GGUF Q4_0 / Q4_1 blocks,
-          kept as they are; Q4_1's per-block minimum becomes a float offset); weight-only
+          kept; Q4_1's per-block minimum becomes a float offset); weight-only
 
 A quantized linear stores `qvalue[out, in]` (Hugging Face's orientation: the contracted axis is
 the minor one, which the fp8 GEMM requires), `scale[out, in // group]` (`[out, 1]` per channel)
@@ -29,7 +29,7 @@ GGUF_BLOCK = 32  # the legacy GGUF quants (Q4_0, Q4_1, Q8_0) scale blocks of 32 
 class WeightQuantization:
     mode: str  # one of QUANTIZATION_MODES
     group_size: int | None = None  # inputs per scale; None: one scale per output channel
-    offset: bool = False  # a float offset per group (GGUF Q4_1); values are then unsigned
+    offset: bool = False  # a float offset per group (GGUF Q4_1's minimum)
     source: str = "quantized at load"  # where the values come from, for logs and /metrics
 
     def __post_init__(self) -> None:
@@ -54,7 +54,7 @@ class WeightQuantization:
             return jnp.float8_e4m3fn
         if self.mode == "int8":
             return jnp.int8
-        return jnp.uint4 if self.offset else jnp.int4
+        return jnp.int4
 
     @property
     def quantizes_activations(self) -> bool:
