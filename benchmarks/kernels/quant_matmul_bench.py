@@ -123,7 +123,8 @@ def lowering(hlo: str) -> str:
     if not kinds:
         kinds.append("other")
     # A dequantizing fusion feeding a cuBLAS gemm materializes the bf16 weight.
-    if "cublas" in kinds and re.search(r"bf16\[\d+,\d+\]\{[^}]*\} fusion\(.*s(8|4)\[", hlo):
+    dequant = r"bf16\[\d+,\d+\]\{[^}]*\} fusion\([^)]*(s8|s4|f8e4m3fn)\[[^)]*\), kind=kLoop"
+    if "cublas" in kinds and re.search(dequant, hlo):
         kinds.append("+dequant-fusion")
     return ",".join(kinds)
 
