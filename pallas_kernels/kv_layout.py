@@ -13,6 +13,14 @@ Page 0 is the null page: padded tokens write into it and padded page-table entri
 It is never handed to a request, so its contents are garbage by design and never read unmasked.
 
 A token's slot is `page * page_size + offset`; `slot_mapping[T]` carries one slot per step token.
+
+Page dtype (`kv_cache_dtype`, vLLM's names): "auto" stores the model's dtype; "fp8" / "fp8_e4m3"
+store float8_e4m3fn and "fp8_e5m2" float8_e5m2, one byte per value, with two float32 scales per
+layer, `kv_scales = [k_scale, v_scale]`: a stored value x means x * scale. The write divides by
+the scale, saturates to the format's largest finite value (448 for e4m3, 57,344 for e5m2) and
+rounds to nearest even; readers multiply back (the kernel folds k_scale into the softmax scale and
+v_scale into the output's normalisation). Scales: DEFAULT_KV_SCALE (1.0, as vLLM) or
+`calibrate_kv_scales` (max |x| over sample K/V, mapped to the format's largest value).
 """
 
 from __future__ import annotations
@@ -28,6 +36,59 @@ from pallas_kernels.page_constants import NULL_PAGE  # noqa: F401 (re-exported)
 
 K_INDEX = 0
 V_INDEX = 1
+
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
+DEFAULT_KV_SCALE = 1.0
+
+
+def kv_page_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The dtype a layer's page array is allocated in."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"{kv_cache_dtype=} must be one of {KV_CACHE_DTYPES}")
+    return jnp.dtype(FP8_DTYPES[kv_cache_dtype])
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def default_kv_scales() -> jax.Array:
+    """f32[2] (k_scale, v_scale) of DEFAULT_KV_SCALE."""
+    return jnp.full((2,), DEFAULT_KV_SCALE, jnp.float32)
+
+
+def calibrate_kv_scales(k: jax.Array, v: jax.Array, dtype) -> jax.Array:
+    """f32[2] scales that map the largest |value| of sample K and V (any shape; e.g. a
+    prompt's keys and values of one layer) onto the fp8 format's largest finite value; 1.0 for an
+    all-zero sample."""
+    top = jnp.finfo(dtype).max.astype(jnp.float32)
+    amax = jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in (k, v)])
+    return jnp.where(amax > 0, amax / top, 1.0)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x / scale in `dtype` (fp8), saturated to its largest finite value, rounded to nearest
+    even."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+
+
+def dequantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """Stored values back to float32: x * scale."""
+    return x.astype(jnp.float32) * scale
+
+
+def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
+    """kv_scales: None (the default scales) or f32[2] for fp8 pages; None for any other pages."""
+    if kv_scales is None:
+        return
+    if not is_fp8(kv_pages.dtype):
+        raise ValueError(f"kv_scales apply to fp8 pages only, not {kv_pages.dtype=}")
+    if kv_scales.shape != (2,) or kv_scales.dtype != jnp.float32:
+        raise ValueError(f"{kv_scales.shape=} {kv_scales.dtype=} must be float32 (2,): (k, v)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +114,10 @@ class KVLayout:
     # Axis of `shape` that tensor parallelism shards (kv heads).
     KV_HEAD_AXIS = 1
 
-    def bytes_per_page(self, dtype) -> int:
-        return self.num_kv_heads * 2 * self.page_size * self.head_dim * jnp.dtype(dtype).itemsize
 
-
-def _check_write_inputs(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
+def _check_write_inputs(
+    kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, kv_scales
+):
     if kv_pages.ndim != 5 or kv_pages.shape[2] != 2:
         raise ValueError(
             f"{kv_pages.shape=} must be [num_pages, num_kv_heads, 2, page_size, head_dim]"
@@ -67,6 +127,15 @@ def _check_write_inputs(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_ma
         raise ValueError(f"{k.shape=} and {v.shape=} must both be [T, {hkv}, {d}]")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"{slot_mapping.shape=} must be ({k.shape[0]},)")
+    check_kv_scales(kv_pages, kv_scales)
+
+
+def _stored(kv_pages: jax.Array, k: jax.Array, v: jax.Array, kv_scales):
+    """k and v as the pages store them (quantized for fp8 pages)."""
+    if not is_fp8(kv_pages.dtype):
+        return k.astype(kv_pages.dtype), v.astype(kv_pages.dtype)
+    scales = default_kv_scales() if kv_scales is None else kv_scales
+    return (quantize_kv(x, scales[i], kv_pages.dtype) for i, x in ((K_INDEX, k), (V_INDEX, v)))
 
 
 def write_kv_reference(
@@ -74,13 +143,14 @@ def write_kv_reference(
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # int32[T]
+    kv_scales: jax.Array | None = None,  # f32[2] (fp8 pages; None: the default scales)
 ) -> jax.Array:
     """Scatter the step's K/V into their slots. Padding tokens target page 0 and may collide."""
-    _check_write_inputs(kv_pages, k, v, slot_mapping)
+    _check_write_inputs(kv_pages, k, v, slot_mapping, kv_scales)
     page_size = kv_pages.shape[3]
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
-    kv = jnp.stack([k, v], axis=2).astype(kv_pages.dtype)  # [T, Hkv, 2, D]
+    kv = jnp.stack(list(_stored(kv_pages, k, v, kv_scales)), axis=2)  # [T, Hkv, 2, D]
     # Advanced indices on axes 0 and 3 are separated by slices, so the indexed dims go first: the
     # update has shape [T, Hkv, 2, D], exactly `kv`.
     return kv_pages.at[pages, :, :, offsets, :].set(kv, mode="promise_in_bounds")
@@ -96,6 +166,7 @@ def write_kv_packed(
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # int32[T]
+    kv_scales: jax.Array | None = None,  # f32[2] (fp8 pages; None: the default scales)
 ) -> jax.Array:
     """write_kv_reference's pages, with the scatter moving 32-bit words instead of 16-bit (or
     8-bit) values: the pages and the update bitcast to u32 (head_dim / 2 words per row for bf16)
@@ -107,12 +178,12 @@ def write_kv_packed(
     axis 1, is unchanged. 32-bit pages, and rows that are not a whole number of words, take the
     reference scatter.
     """
-    _check_write_inputs(kv_pages, k, v, slot_mapping)
+    _check_write_inputs(kv_pages, k, v, slot_mapping, kv_scales)
     itemsize = jnp.dtype(kv_pages.dtype).itemsize
     per_word = 4 // itemsize if itemsize < 4 else 1
     if per_word == 1 or kv_pages.shape[-1] % per_word:
-        return write_kv_reference(kv_pages, k, v, slot_mapping)
-    k, v = k.astype(kv_pages.dtype), v.astype(kv_pages.dtype)
+        return write_kv_reference(kv_pages, k, v, slot_mapping, kv_scales)
+    k, v = _stored(kv_pages, k, v, kv_scales)
     words = write_kv_reference(
         _as_words(kv_pages, per_word), _as_words(k, per_word), _as_words(v, per_word), slot_mapping
     )
@@ -121,6 +192,12 @@ def write_kv_packed(
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def write_kv(
+    kv_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    kv_scales: jax.Array | None = None,
+) -> jax.Array:
     """Jitted, donating KV write (in place); inside the engine's step the body is inlined."""
-    return write_kv_packed(kv_pages, k, v, slot_mapping)
+    return write_kv_packed(kv_pages, k, v, slot_mapping, kv_scales)

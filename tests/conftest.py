@@ -7,6 +7,14 @@ from pathlib import Path
 
 import pytest
 
+# GPU interpret mode (the Pallas kernel tests) runs each simulated warpgroup as an XLA CPU program
+# whose host callbacks block on the kernel's barriers. Those callbacks run on XLA's CPU thread
+# pool, one thread per core by default: on a 2-core machine two warpgroups waiting on a barrier
+# held both threads, the warpgroups they waited for never ran, and the kernel tests hung for good
+# (no CPU used; pytest-timeout's signal method cannot interrupt the wait). XLA sizes the pool from
+# NPROC when it is set; it must be set before JAX starts its CPU client.
+os.environ.setdefault("NPROC", "16")
+
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
 

@@ -35,15 +35,20 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
     backend: str = "reference",
 ) -> jax.Array:
-    """Attention of a ragged step over paged KV that already holds the step's K/V."""
+    """Attention of a ragged step over paged KV that already holds the step's K/V.
+
+    kv_pages of an fp8 dtype (kv_layout.kv_page_dtype) hold quantized K/V: kv_scales, f32[2]
+    (k_scale, v_scale), or None for the default scales."""
     _check_backend(backend)
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, kv_scales=kv_scales)
     on_gpu = jax.default_backend() == "gpu"
     if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
-        return ragged_paged_attention_pallas(*args, sm_scale=sm_scale, soft_cap=soft_cap)
-    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, soft_cap=soft_cap)
+        return ragged_paged_attention_pallas(*args, **kw)
+    return ragged_paged_attention_reference(*args, **kw)
 
 
 def attention_step(
@@ -59,16 +64,17 @@ def attention_step(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # f32[2] for fp8 pages (None: the default scales)
     backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """What one model layer calls: write the step's K/V into the pages, then attend.
 
     Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_packed` (an XLA
-    scatter of 32-bit words, in place when kv_pages is donated) before attending; see
-    docs/kernels.md.
+    scatter of 32-bit words, in place when kv_pages is donated; it quantizes for fp8 pages)
+    before attending; see docs/kernels.md.
     """
     _check_backend(backend)
-    kv_pages = write_kv_packed(kv_pages, k, v, slot_mapping)
+    kv_pages = write_kv_packed(kv_pages, k, v, slot_mapping, kv_scales)
     out = ragged_paged_attention(
         q,
         kv_pages,
@@ -78,6 +84,7 @@ def attention_step(
         distribution,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        kv_scales=kv_scales,
         backend=backend,
     )
     return out, kv_pages

@@ -1,4 +1,13 @@
-"""Compute warpgroups: wgmma Q K^T, online softmax in registers, wgmma P V, bulk-store of O rows."""
+"""Compute warpgroups: wgmma Q K^T, online softmax in registers, wgmma P V, bulk-store of O rows.
+
+fp8 pages (st.kv_fp8): the producer copies the 8-bit pages into 8-bit stages as it copies any
+pages; each compute warpgroup converts a block of K, then of V, from its stage to float16 in
+registers and stores it into its own swizzled SMEM tile (dq_smem), which wgmma reads. wgmma on
+Hopper takes fp8 operands only K-major, which P V's V is not, and only with both operands in fp8,
+which would quantize Q and P too; float16 holds every e4m3 and e5m2 value exactly, and Q (bf16,
+converted once per item, |q| clamped to 65,504) as well as bf16 does or better. The scales are
+not applied to K or V: k_scale joins the softmax scale and v_scale the output's normalisation.
+"""
 
 from __future__ import annotations
 
@@ -43,20 +52,31 @@ def _skip_blocks(st: Statics, r: Refs, kvc, n, turns: NoTurns) -> None:
     lax.fori_loop(0, n, body, ())
 
 
-def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, dtype):
-    """One block's scores s [64, bk] f32 into P (dtype) with the running max m (log2 units),
-    the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom).
+def _dequantize(st: Statics, src, dst) -> None:
+    """An fp8 block [bk, D] (a K or V stage) into dst [bk, D] (st.mma_dtype, swizzled SMEM), 64
+    rows at a time, fenced for wgmma's reads."""
+    for r0 in range(0, st.tuning.block_kv, ROWS):
+        x = plgpu.load(src.at[pl.ds(r0, ROWS)], layout=WGMMA, optimized=False)
+        dst.at[pl.ds(r0, ROWS)][...] = x.astype(st.mma_dtype)
+    plgpu.commit_smem()
+
+
+def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale):
+    """One block's scores s [64, bk] f32 into P (st.mma_dtype) with the running max m (log2
+    units), the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom).
+    k_scale: a scalar the scores are multiplied by (fp8 pages), or None.
 
     With tuning.mma_row_sums, denom is the [64, 8] accumulator of P @ ones that _pv adds to
     (every column a row sum): only rescaled here, the sum itself is the tensor cores' work."""
     bk = st.tuning.block_kv
     # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
     # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
+    scale = st.sm_scale if k_scale is None else st.sm_scale * k_scale
     if st.soft_cap is not None:
-        s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+        s = jnp.tanh(s * (scale / st.soft_cap)) * (st.soft_cap * LOG2E)
         to_log2 = 1.0
     else:
-        to_log2 = st.sm_scale * LOG2E
+        to_log2 = scale * LOG2E
     if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
         cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
@@ -76,7 +96,7 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
     else:
         denom = denom * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return p.astype(dtype), acc, m_new, denom
+    return p.astype(st.mma_dtype), acc, m_new, denom
 
 
 def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
@@ -108,42 +128,55 @@ def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
     return acc + outs[0], (denom + outs[1] if with_sums else denom)
 
 
-def _attend(st: Statics, r: Refs, q_op, p_smem, ones, kvc, b_start, b_full, b_end, row_pos0, turns):
+def _attend(
+    st: Statics, r: Refs, q_op, p_smem, ones, dq, kvc, b_start, b_full, b_end, row_pos0, turns
+):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
-    None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r // group;
-    blocks before b_full need no causal mask.
+    None; dq: this warpgroup's [bk, D] tile for dequantized fp8 blocks, or None. kvc: stream index
+    of block b_start. Row r is at query position row_pos0 + r // group; blocks before b_full need
+    no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
     nothing when it is off.
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
+    k_scale = r.kv_scales[0] if st.kv_fp8 else None
+
+    def operand(stage):  # a K or V stage as wgmma reads it
+        if dq is None:
+            return stage
+        with jax.named_scope("dequantize"):
+            _dequantize(st, stage, dq)
+        return dq
 
     def block(b, carry, *, masked):
         acc, m, denom = carry
         slot = lax.rem(kvc + (b - b_start), stages)
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(r.k_full.at[slot])
+        k_op = operand(r.k_smem.at[slot])
 
         def qk(s_ref):  # [64, bk] f32
-            plgpu.wgmma(s_ref, q_op, r.k_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_op, k_op.T)
             turns.after_qk_issue()
-            return s_ref[...]
+            return s_ref[...]  # waits for the wgmma: dq may then take V
 
         with jax.named_scope("qk"):
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
         with jax.named_scope("softmax"):
             p16, acc, m_new, denom = _online_softmax(
-                st, s, b, row_pos0, acc, m, denom, masked=masked, dtype=r.k_smem.dtype
+                st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale
             )
         with jax.named_scope("wait_v"):
             wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
             acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
+        v_op = operand(r.v_smem.at[slot])
         with jax.named_scope("pv"):
-            acc, denom = _pv(st, r.v_smem.at[slot], p16, p_smem, ones, acc, denom)
+            acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom)
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 
@@ -165,15 +198,20 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
+    dq = None if r.dq_smem is None else r.dq_smem.at[wg]
+    v_scale = r.kv_scales[1] if st.kv_fp8 else None
     ones = None
     if st.tuning.mma_row_sums:  # this warpgroup's ones operand, written once (mgpu_launch.py)
-        r.ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((ROWS, bk), r.k_smem.dtype), WGMMA)
+        r.ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((ROWS, bk), st.mma_dtype), WGMMA)
         plgpu.commit_smem()
         ones = r.ones_smem.at[wg, pl.ds(0, 8)].T  # [bk, 8]: 8 of its rows, K-major
 
     def load_q(qs):
         """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)."""
         q = plgpu.load(r.q_smem.at[qs, wg], layout=WGMMA, optimized=False)
+        if q.dtype != st.mma_dtype:  # bf16 Q for float16 products with dequantized fp8 K
+            top = float(jnp.finfo(st.mma_dtype).max)
+            q = jnp.clip(q.astype(jnp.float32), -top, top).astype(st.mma_dtype)
         if st.a_operands == "regs":
             return q
         r.qa_smem.at[wg][...] = q
@@ -184,7 +222,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         # Empty decode splits and parts, and the padding sequence's rows (no KV blocks at all,
         # schedule.with_padding_sequence): acc == 0, so O = 0.
         safe = jnp.maximum(denom, 1e-30)
-        return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+        if v_scale is None:
+            return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
+        return acc * lax.broadcast_in_dim(v_scale / safe, acc.shape, [0])
 
     def log2_sum_exp(m, denom):  # -inf for rows that saw no key
         return m + jnp.log(denom) * (1.0 / LN2)
@@ -203,7 +243,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
             args = (kvc, b0, b_full, b1, row_pos0, NoTurns())
-            acc, m, denom = _attend(st, r, q, p_smem, ones, *args)
+            acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args)
             o = normalise(acc, denom)
             if splits == 1:
                 r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
@@ -242,7 +282,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
                 acc, m, denom = _attend(
-                    st, r, q, p_smem, ones, kvc, b0, b_full, b_end, row_pos0, turns
+                    st, r, q, p_smem, ones, dq, kvc, b0, b_full, b_end, row_pos0, turns
                 )
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 if r.part_lse is not None:

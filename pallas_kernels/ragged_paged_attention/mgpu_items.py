@@ -30,6 +30,11 @@ class Statics:
     # (fewest SMEM round trips). "smem": staged through swizzled SMEM tiles, O += a fresh product:
     # the form GPU interpret mode can run (its wgmma reads A from SMEM only). Same arithmetic.
     a_operands: str = "regs"
+    # The dtype of wgmma's operands: the pages' dtype, or for fp8 pages (kv_fp8) float16 (Q and P
+    # converted, K and V dequantized from their 8-bit stages, mgpu_consumer.py; float32 in
+    # interpret mode when q is float32).
+    mma_dtype: Any = None
+    kv_fp8: bool = False
 
     @property
     def tokens_per_wg(self) -> int:
@@ -58,6 +63,7 @@ class Refs(NamedTuple):
     parts: Any
     q: Any
     kv_pages: Any
+    kv_scales: Any
     out: Any
     opart: Any
     lse: Any
@@ -71,6 +77,7 @@ class Refs(NamedTuple):
     lse_smem: Any
     ones_smem: Any
     part_lse_smem: Any
+    dq_smem: Any
     k_full: Any
     v_full: Any
     kv_free: Any

@@ -45,13 +45,14 @@ def attention_kernel(
     parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts in order (schedule.py)
     q_ref,  # [T, Hkv, G, D]                   GMEM, [T, Hq, D] reshaped (q head kv_head * G + g)
     kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
+    kv_scales_ref,  # f32[2]                   GMEM (k_scale, v_scale of fp8 pages) or None
     out_ref,  # [K, T, Hkv, G, D]              GMEM, q_ref's layout per prefill part index (K:
     #                                          tuning.prefill_kv_splits; decode rows in [0])
     opart_ref,  # f32[S*Hkv*splits, G, D]      GMEM (split decode partials) or None
     lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
     part_lse_ref,  # f32[K, Hkv, MT * WGS, 64] GMEM (log2-sum-exp of split tiles' parts) or None
-    k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
-    v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled for wgmma
+    k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled (the pages' dtype)
+    v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled (the pages' dtype)
     q_smem,  # [2, WGS, 64, D]                 SMEM, Q in, O out (two item slots)
     qa_smem,  # [WGS, 64, D]                   SMEM, swizzled Q operand, or None (a_operands="regs")
     pa_smem,  # [WGS, 64, bk]                  SMEM, swizzled P operand, or None (a_operands="regs")
@@ -59,6 +60,8 @@ def attention_kernel(
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     ones_smem,  # [WGS, 64, bk]                SMEM, ones (tuning.mma_row_sums) or None
     part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
+    dq_smem,  # [WGS, bk, D] mma dtype         SMEM, swizzled: a K or V block dequantized from the
+    #                                          fp8 stage (st.kv_fp8), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -72,10 +75,10 @@ def attention_kernel(
 ):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
-    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, out_ref, opart_ref,
-             lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem, o32_smem, lse_smem,
-             ones_smem, part_lse_smem, k_full, v_full, kv_free, qd_full, qp_full, qd_free,
-             qp_free, turn)  # fmt: skip
+    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, kv_scales_ref,
+             out_ref, opart_ref, lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem,
+             o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, k_full, v_full, kv_free,
+             qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
     items = Items(st, r)
 
     wgs = st.tuning.compute_wgs

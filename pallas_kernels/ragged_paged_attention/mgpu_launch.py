@@ -13,7 +13,8 @@ from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 
 def _mma_transforms(head_dim: int, dtype) -> tuple:
-    """wgmma operand layout in SMEM: (8, swizzle/itemsize) tiles, swizzled."""
+    """wgmma operand layout in SMEM: (8, swizzle/itemsize) tiles, swizzled (also the fp8 K/V
+    stages, which only the dequantization reads)."""
     row_bytes = head_dim * jnp.dtype(dtype).itemsize
     swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
     elems = swizzle // jnp.dtype(dtype).itemsize
@@ -36,6 +37,7 @@ def launch(
     parts: jax.Array,  # int32[MT * K, PART_COLUMNS]   (schedule.prefill_parts)
     q: jax.Array,  # [T, Hkv, G, D]   the step's [T, Hq, D] queries (q head kv_head * G + g)
     kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
+    kv_scales: jax.Array | None,  # f32[2] for fp8 pages (st.kv_fp8), else None
     *,
     interpret,
     profile_dir: str | None = None,
@@ -52,7 +54,9 @@ def launch(
     d = st.head_dim
     wgs = tn.compute_wgs
     num_seqs = kv_lens.shape[0]
-    dtype = q.dtype
+    dtype = q.dtype  # Q in, O out
+    mma_dtype = st.mma_dtype  # wgmma operands
+    kv_dtype = kv_pages.dtype
     split = tn.decode_splits > 1
     dec_parts = num_seqs * st.num_kv_heads * tn.decode_splits
     k = tn.prefill_kv_splits
@@ -66,27 +70,34 @@ def launch(
         else None,
     ]
     copies_per_block = st.pages_per_block if st.page_size <= tn.block_kv else 1
-    mma = _mma_transforms(d, dtype)
+    mma = _mma_transforms(d, mma_dtype)
+    kv_tiles = _mma_transforms(d, kv_dtype)
     a_smem = st.a_operands == "smem"
     scratch = [
-        plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # k_smem
-        plgpu.SMEM((tn.num_stages, tn.block_kv, d), dtype, transforms=mma),  # v_smem
+        plgpu.SMEM((tn.num_stages, tn.block_kv, d), kv_dtype, transforms=kv_tiles),  # k_smem
+        plgpu.SMEM((tn.num_stages, tn.block_kv, d), kv_dtype, transforms=kv_tiles),  # v_smem
         plgpu.SMEM((2, wgs, ROWS, d), dtype),  # q_smem
-        plgpu.SMEM((wgs, ROWS, d), dtype, transforms=mma) if a_smem else None,  # qa_smem
+        plgpu.SMEM((wgs, ROWS, d), mma_dtype, transforms=mma) if a_smem else None,  # qa_smem
         plgpu.SMEM(
             (wgs, ROWS, tn.block_kv),
-            dtype,
-            transforms=_mma_transforms(tn.block_kv, dtype),
+            mma_dtype,
+            transforms=_mma_transforms(tn.block_kv, mma_dtype),
         )
         if a_smem
         else None,  # pa_smem
         plgpu.SMEM((tn.decode_wgs, ROWS, d), jnp.float32) if split else None,  # o32_smem
         plgpu.SMEM((tn.decode_wgs, ROWS), jnp.float32) if split else None,  # lse_smem
         # ones_smem: wgmma's B operand of P @ ones uses 8 rows; a register array stores 64.
-        plgpu.SMEM((wgs, ROWS, tn.block_kv), dtype, transforms=_mma_transforms(tn.block_kv, dtype))
+        plgpu.SMEM(
+            (wgs, ROWS, tn.block_kv),
+            mma_dtype,
+            transforms=_mma_transforms(tn.block_kv, mma_dtype),
+        )
         if tn.mma_row_sums
         else None,
         plgpu.SMEM((wgs, ROWS), jnp.float32) if tn.prefill_kv_splits > 1 else None,  # part_lse
+        # dq_smem: each compute warpgroup's block of K, then of V, dequantized for wgmma.
+        plgpu.SMEM((wgs, tn.block_kv, d), mma_dtype, transforms=mma) if st.kv_fp8 else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
@@ -112,4 +123,4 @@ def launch(
         ),
         interpret=interpret,
     )
-    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages))
+    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages, kv_scales))

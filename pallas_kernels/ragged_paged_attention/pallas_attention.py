@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_layout import default_kv_scales, is_fp8
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
 from pallas_kernels.ragged_paged_attention.mgpu_launch import (
@@ -32,6 +33,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 GPU_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma takes f32 only as tf32, and cannot transpose it
 INTERPRET_DTYPES = (*GPU_DTYPES, jnp.float32)  # interpret mode: exact float32 products
 INTERPRET_NUM_CTAS = 3  # CPU interpret mode: a few CTAs still exercise the persistent item loop
+FP8_HEAD_DIMS = (32, 64, 128)  # an 8-bit page row of 16 bytes has no swizzled SMEM tiling
 
 
 def _on_cpu() -> bool:
@@ -52,8 +54,11 @@ def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpre
         raise ValueError(f"group={hq // hkv} (q heads per kv head) must be <= {ROWS}")
     if page_size < 8 or page_size & (page_size - 1):
         raise ValueError(f"{page_size=} must be a power of two >= 8")
-    if q.dtype != kv_pages.dtype:
-        raise ValueError(f"{q.dtype=} must equal {kv_pages.dtype=}")
+    if is_fp8(kv_pages.dtype):
+        if d not in FP8_HEAD_DIMS:
+            raise ValueError(f"head_dim={d} must be one of {FP8_HEAD_DIMS} for fp8 pages")
+    elif q.dtype != kv_pages.dtype:
+        raise ValueError(f"{q.dtype=} must equal {kv_pages.dtype=} (or the pages be fp8)")
     dtypes = INTERPRET_DTYPES if interpret else GPU_DTYPES
     if not any(q.dtype == dt for dt in dtypes):
         raise ValueError(f"{q.dtype=} must be one of {dtypes} ({interpret=})")
@@ -77,6 +82,7 @@ def ragged_paged_attention_pallas(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # f32[2] (k_scale, v_scale) of fp8 pages; None: default
     tuning: TuningConfig | None = None,
     interpret: bool | None = None,
     a_operands: str = "regs",
@@ -88,13 +94,15 @@ def ragged_paged_attention_pallas(
     Constraints beyond reference.py: head_dim 16, 32, 64 or 128, at most 64 q heads per kv head,
     page_size a power of two >= 8, q and kv_pages of one dtype: bf16 or f16 on GPU, also float32 in
     interpret mode; cu_q_lens[0] == 0. Page ids are not checked on device: the host validates them.
+    fp8 pages (float8_e4m3fn or float8_e5m2, kv_layout.py) with q of any of those dtypes and
+    head_dim 32, 64 or 128: dequantized on the fly to float16 operands (mgpu_consumer.py).
 
     profile_dir (GPU only): write a Mosaic GPU profiler trace of each call there (per compute
     warpgroup: spans wait_k, qk, softmax, wait_v, pv of every KV block, up to 1,024 per call;
     benchmarks/kernels/attention_profile.py summarises them). It costs SMEM, so the tuning must
     leave room for it.
     """
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, kv_scales)
     if interpret is None:
         interpret = _on_cpu()
     check_pallas_inputs(
@@ -103,6 +111,11 @@ def ragged_paged_attention_pallas(
     num_tokens, hq, d = q.shape
     _, hkv, _, page_size, _ = kv_pages.shape
     num_seqs, pages_per_seq = page_table.shape
+    kv_fp8 = is_fp8(kv_pages.dtype)
+    # wgmma's operand dtype: fp8 pages dequantize to float16 (float32 for float32 q, interpret).
+    mma_dtype = q.dtype if not kv_fp8 or q.dtype == jnp.float32 else jnp.dtype(jnp.float16)
+    if kv_fp8 and kv_scales is None:
+        kv_scales = default_kv_scales()
     if tuning is None:
         tuning = default_tuning(
             num_seqs=num_seqs,
@@ -114,14 +127,18 @@ def ragged_paged_attention_pallas(
             num_tokens=num_tokens,
             num_q_heads=hq,
             num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
+            kv_dtype=kv_pages.dtype,
         )
     if a_operands not in ("regs", "smem"):
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
-    tuning.check_fits(d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_operands == "smem")
+    a_in_smem = a_operands == "smem"
+    tuning.check_fits(
+        d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_in_smem, kv_dtype=kv_pages.dtype
+    )
     if profile_dir is not None:
         if interpret:
             raise ValueError(f"{profile_dir=}: the profiler runs on a GPU, not in interpret mode")
-        need = tuning.smem_bytes(d, q.dtype, a_in_smem=a_operands == "smem")
+        need = tuning.smem_bytes(d, q.dtype, a_in_smem=a_in_smem, kv_dtype=kv_pages.dtype)
         need += profile_smem_bytes(tuning)
         if need > SMEM_BYTES - SMEM_SLACK:
             raise ValueError(f"{tuning} with the profiler needs {need} bytes of SMEM for {d=}")
@@ -150,6 +167,8 @@ def ragged_paged_attention_pallas(
         soft_cap=None if soft_cap is None else float(soft_cap),
         tuning=tuning,
         a_operands="smem" if interpret else a_operands,
+        mma_dtype=jnp.dtype(mma_dtype),
+        kv_fp8=kv_fp8,
     )
     # Padding tokens become one more prefill sequence with no KV, whose rows the kernel zeroes.
     kv_lens, cu_q_lens, distribution = schedule.with_padding_sequence(
@@ -176,6 +195,7 @@ def ragged_paged_attention_pallas(
         plan.parts,
         q4,
         kv_pages,
+        kv_scales if kv_fp8 else None,
         interpret=interp,
         profile_dir=profile_dir,
     )

@@ -10,6 +10,8 @@ Inputs (S sequences, T tokens, P pages, MP pages per sequence):
                                        [cu_q_lens[s], cu_q_lens[s+1])
     distribution int32[2]              (num_decode_seqs, num_seqs): sequences [0, d) have one query
                                        token each, [d, n) are prefill chunks, [n, S) are padding
+    kv_scales    f32[2] or None        (k_scale, v_scale) of fp8 pages (kv_layout.py; None: the
+                                       default scales); None for other pages
 
 Query token i of sequence s sits at position kv_lens[s] - q_len[s] + i and attends causally to the
 cached positions [0, that position]. Tokens past cu_q_lens[num_seqs] are padding: output 0.
@@ -26,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import K_INDEX, V_INDEX
+from pallas_kernels.kv_layout import K_INDEX, V_INDEX, default_kv_scales, dequantize_kv, is_fp8
 from pallas_kernels.ragged_paged_attention.validate import check_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -59,8 +61,11 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
-    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
+    check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, kv_scales)
+    if is_fp8(kv_pages.dtype) and kv_scales is None:
+        kv_scales = default_kv_scales()
     num_tokens, hq, d = q.shape
     _, hkv, _, page_size, _ = kv_pages.shape
     group = hq // hkv
@@ -72,8 +77,12 @@ def ragged_paged_attention_reference(
     def body(carry):
         j, m, denom, acc = carry
         pages = page_table[seq_ids, j]  # [T]
-        kv = kv_pages[pages].astype(jnp.float32)  # [T, K, 2, PS, D]
+        kv = kv_pages[pages]  # [T, K, 2, PS, D]
         k, v = kv[:, :, K_INDEX], kv[:, :, V_INDEX]  # [T, K, PS, D]
+        if kv_scales is None:
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        else:  # fp8 pages: dequantized on the fly
+            k, v = dequantize_kv(k, kv_scales[K_INDEX]), dequantize_kv(v, kv_scales[V_INDEX])
         s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -6,11 +6,15 @@ M); rows are (token, q head of the GQA group) pairs of one sequence and one kv h
 fills `group` rows of a tile; a prefill warpgroup packs `tokens_per_wg = 64 // group` tokens. K/V
 stream through `num_stages` SMEM buffers of `block_kv` tokens, one bulk copy per page for K and one
 for V.
+
+`default_tuning` picks a TuningConfig per compiled bucket from a table: BLOCKS (KV block shapes
+per head_dim class) and RULES (which fields a bucket gets), each row with the measurement behind it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -95,18 +99,24 @@ class TuningConfig:
         if isinstance(self.prefill_kv_splits, bool) or self.prefill_kv_splits not in range(1, 9):
             raise ValueError(f"{self.prefill_kv_splits=} must be an int in [1, 8]")
 
-    def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False) -> int:
-        """Shared memory the launch asks for (K/V stages, Q/O tiles, split-decode staging, the
-        swizzled Q and P operand tiles when wgmma's A operands are staged through SMEM, the
-        ones tiles of mma_row_sums, the log-sum-exp staging of split prefill tiles)."""
+    def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
+        """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
+        `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
+        A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
+        staging of split prefill tiles, and with fp8 pages each compute warpgroup's dequantized
+        block)."""
         item = jnp.dtype(dtype).itemsize
-        kv = 2 * self.num_stages * self.block_kv * head_dim * item
+        kv_item = jnp.dtype(kv_dtype or dtype).itemsize
+        fp8 = kv_item == 1
+        mma_item = 2 if fp8 and item < 4 else item  # fp8 pages: float16 operands
+        kv = 2 * self.num_stages * self.block_kv * head_dim * kv_item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
-        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * item if a_in_smem else 0
-        ones = self.compute_wgs * ROWS * self.block_kv * item if self.mma_row_sums else 0
+        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * mma_item if a_in_smem else 0
+        ones = self.compute_wgs * ROWS * self.block_kv * mma_item if self.mma_row_sums else 0
         lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
-        return kv + q + split + a_ops + ones + lse
+        dq = self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 else 0
+        return kv + q + split + a_ops + ones + lse + dq
 
     @property
     def compute_registers(self) -> int:
@@ -118,7 +128,14 @@ class TuningConfig:
         return 40 if self.compute_wgs == 2 else 32
 
     def check_fits(
-        self, head_dim: int, page_size: int, dtype, *, on_chip: bool = True, a_in_smem: bool = False
+        self,
+        head_dim: int,
+        page_size: int,
+        dtype,
+        *,
+        on_chip: bool = True,
+        a_in_smem: bool = False,
+        kv_dtype=None,
     ) -> None:
         """ValueError unless pages tile into blocks, the compute warpgroups' registers hold the
         head_dim, and (on_chip: a real GPU) SMEM suffices."""
@@ -129,9 +146,147 @@ class TuningConfig:
                 f"compute_wgs=3 holds head_dim <= 64 and block_kv <= 128 in its registers, not "
                 f"{head_dim=}, {self.block_kv=}"
             )
-        need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem)
+        need = self.smem_bytes(head_dim, dtype, a_in_smem=a_in_smem, kv_dtype=kv_dtype)
         if on_chip and need > SMEM_BYTES - SMEM_SLACK:
             raise ValueError(f"{self} needs {need} bytes of SMEM for {head_dim=}, {dtype=}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """The static shapes of one compiled call, all that default_tuning sees."""
+
+    num_seqs: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    num_tokens: int
+    num_q_heads: int | None
+    num_ctas: int
+
+    @property
+    def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
+        return self.num_tokens >= 2048
+
+    def tiles_pages(self, block_kv: int) -> bool:
+        return not (self.page_size % block_kv and block_kv % self.page_size)
+
+
+def _few_tiles(b: Bucket) -> bool:
+    """A full bucket of three-warpgroup tiles has fewer (tile, kv head) items than SMs."""
+    if b.num_q_heads is None:
+        return False
+    tokens_per_tile = 3 * (ROWS // max(1, b.num_q_heads // b.num_kv_heads))
+    return -(-b.num_tokens // tokens_per_tile) * b.num_kv_heads < b.num_ctas
+
+
+# The tuning table. Evidence: docs/benchmarks.md, "Attention kernels", kernel run N (H200, page
+# 16, 32q/8kv/128 unless a row says otherwise); percentages are of the measured copy or matmul rate.
+
+# KV blocks per head_dim class, preferred first: (block_kv, num_stages, evidence). A block that
+# does not tile the page is skipped; the first that fits SMEM with the rules below is taken.
+# fmt: off
+BLOCKS: dict[str, tuple[tuple[int, int, str], ...]] = {
+    "head_dim 128": (
+        (128, 2, "run 5 calls G-I: decode at or above 64 x 3 in 7 of 8 cases of batch 256/512 x "
+                 "ctx 512-8192, B=256 x ctx 1024 at 81.6-84.9% of copy in 8 measurements; "
+                 "prefill at 8,192 tokens 482 against 452 TFLOP/s"),
+        (64, 3, "run 1: the best decode block before decode_wgs=2; leaves SMEM for split-decode "
+                "staging, which 128 x 2 does not"),
+        (64, 2, "the smallest: fits every split-decode staging"),
+    ),
+    "head_dim <= 64": (
+        (128, 3, "run 5 call E: prefill at 8,192 tokens (32q/8kv/64, 9q/3kv/64), 128- and "
+                 "256-token blocks within the spread of each other, 64-token blocks slowest"),
+        (128, 2, "next in SMEM"),
+        (64, 3, "next in SMEM"),
+    ),
+}
+# fmt: on
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A row of RULES: where `test(bucket, decode_splits)` holds, set `fields` (later rows win).
+    `measured` is a bucket of the evidence, where the row must take effect (a test checks it)."""
+
+    when: str
+    test: Callable[[Bucket, int], bool]
+    fields: dict
+    evidence: str
+    measured: dict
+
+
+def _h200(**shape) -> dict:
+    return {"num_ctas": 132, "page_size": 16, "num_q_heads": None, **shape}
+
+
+def _hd64_prefill(b: Bucket, splits: int) -> bool:
+    return b.prefill and b.head_dim <= 64 and b.tiles_pages(128)
+
+
+_THREE_WGS = dict(block_kv=128, num_stages=2, decode_splits=1, compute_wgs=3, decode_wgs=2,
+                  pingpong=False, producer_warps=4)  # fmt: skip
+_HEADLINE = _h200(num_seqs=256, num_kv_heads=8, head_dim=128, pages_per_seq=64, num_tokens=256)
+_PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512, num_tokens=8192)
+_PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
+
+# fmt: off
+RULES: tuple[Rule, ...] = (
+    Rule("every bucket", lambda b, k: True, dict(pingpong=True),
+         "run 5 call F: prefill ping-pong equal or faster on every chunk of 2,048 tokens and "
+         "more (+3-10%); decode items never take turns", _PREFILL_128),
+    Rule("decode not split", lambda b, k: k == 1, dict(decode_wgs=2, producer_warps=4),
+         "run 5 call F: decode on both warpgroups equal or faster at batch 256/512 in every "
+         "layout (up to +19%, 9q/3kv/64); run 6 calls M, N, P: four producer warps faster or "
+         "equal (within 1%) in 20 of 21 pairs (up to +16%, 9q/3kv/64)", _HEADLINE),
+    Rule("split decode", lambda b, k: k > 1, dict(decode_wgs=1, producer_warps=1),
+         "run 5 call F: two warpgroups' split staging does not fit beside 64 x 3 blocks; run 6: "
+         "four producer warps not shown faster at batch 32 (dispatch-bound, noisy)",
+         {**_HEADLINE, "num_seqs": 32, "pages_per_seq": 512, "num_tokens": 32}),
+    Rule("prefill bucket", lambda b, k: b.prefill, dict(producer_warps=4),
+         "run 7: head_dim-128 prefill +3-6% with four producer warps, split decode or not",
+         _PREFILL_128),
+    Rule("head_dim <= 64 prefill bucket", _hd64_prefill, _THREE_WGS,
+         "run 7 calls R-T, V, W: three compute warpgroups, 32q/8kv/64 at 8,192 tokens +6-14%, "
+         "9q/3kv/64 at 2,048 after 6,144 cached +8-51%; 32q/8kv/64 at 2,048 after 6,144 4-9% "
+         "slower (344 items for 132 SMs); a token ring, 128 x 3 and split staging slower",
+         _PREFILL_64),
+    Rule("head_dim <= 64 prefill bucket", _hd64_prefill, dict(mma_row_sums=True),
+         "run 8 calls AK, AL: 32q/8kv/64 at 8,192 tokens +10% (448-453 against 407-409 "
+         "TFLOP/s), at 2,048 after 6,144 cached +6-24%; 9q/3kv/64 -4% to +17%", _PREFILL_64),
+    Rule("... whose full bucket has fewer tiles than SMs",
+         lambda b, k: _hd64_prefill(b, k) and _few_tiles(b), dict(prefill_kv_splits=4),
+         "run 9 calls AN, AP: 9q/3kv/64 at 2,048 tokens after 6,144 cached, kernel 0.077 "
+         "against 0.103-0.104 ms; where tiles are plenty (32q/8kv/64 at 4,096 and 8,192 "
+         "tokens) the merge only added time",
+         {**_PREFILL_64, "num_kv_heads": 3, "num_q_heads": 9, "num_tokens": 2048}),
+)
+# fmt: on
+
+
+def _wanted_splits(b: Bucket, block_kv: int) -> int:
+    """Decode splits: about two items per CTA, never fewer than 4 blocks per split, at most 16
+    (flash-decoding; batch 1 and 32 are dispatch-bound either way, run 4)."""
+    max_blocks = max(1, b.pages_per_seq * b.page_size // block_kv)
+    items = max(1, b.num_seqs * b.num_kv_heads)
+    return max(1, min(-(-2 * b.num_ctas // items), max_blocks // 4, 16))
+
+
+def _candidates(b: Bucket) -> list[tuple[int, int, int]]:
+    """(block_kv, num_stages, decode_splits) in the order tried: split-decode staging costs SMEM,
+    so prefill buckets give up the splits before the big blocks, decode buckets the big blocks
+    before the splits."""
+    blocks = [
+        (bk, s)
+        for bk, s, _ in BLOCKS["head_dim 128" if b.head_dim >= 128 else "head_dim <= 64"]
+        if b.tiles_pages(bk)
+    ]
+    blocks = blocks or [(max(64, min(256, b.page_size)), 2)]
+    splits = _wanted_splits(b, blocks[-1][0])
+    if b.prefill:
+        return [(bk, s, k) for bk, s in blocks for k in (splits, 1)]
+    return [(bk, s, k) for k in (splits, 1) for bk, s in blocks]
 
 
 def default_tuning(
@@ -145,86 +300,20 @@ def default_tuning(
     num_ctas: int = 132,
     num_tokens: int = 0,
     num_q_heads: int | None = None,
+    kv_dtype=None,
 ) -> TuningConfig:
-    """A schedule from static shapes only; the choices are backed by docs/benchmarks.md (H200).
-
-    Decode on both compute warpgroups (decode_wgs=2) measured equal or faster at batch 256 and 512
-    in every layout (up to +19%); it is taken where decode is not split, the form measured.
-    head_dim 128: with decode_wgs=2, 128-token blocks x 2 stages decode at or above 64 x 3 in 7 of
-    8 cases of batch 256/512 x ctx 512-8192 (the headline, B=256 ctx 1024: 81.6-84.9% of the copy
-    rate in eight measurements over four calls), and prefill 8192-token chunks faster (482
-    against 452 TFLOP/s). They leave no room for split-decode staging: split buckets take 64 x 3.
-    head_dim 64: 128-token blocks x 3 stages, as measured for both layouts, decode and prefill.
-    Ping-pong measured equal or faster on every prefill chunk of 2,048 tokens and more (+3-10%).
-    Four producer warps (producer_warps=4) measured faster or equal (within 1%) decode at batch
-    256/512 in 20 of 21 pairs (up to +16%, 9q/3kv/64) and faster head_dim-128 prefill (+3-6%).
-    Split decode (batch 32) was not shown faster: those calls are dispatch-bound and noisy, so
-    split decode buckets keep one producer thread; prefill buckets (2,048 tokens and more) take
-    four warps, split or not (head_dim 128 prefill +3-6% with them, kernel run 7).
-    head_dim <= 64 prefill buckets: three compute warpgroups with 128 x 2 blocks, no ping-pong
-    and no decode splits (kernel run 7). Against two warpgroups, with four producer warps or
-    against one: 32q/8kv/64 at 8,192 tokens +6-14%, 9q/3kv/64 at 2,048 tokens after 6,144 cached
-    +8-51% (calls R-T, V, W; in call U, whose three-warpgroup form had one producer thread,
-    -1% and -2%); other rows within the spread either way, except 32q/8kv/64 at 2,048 after
-    6,144, 4-9% slower in three calls (fewer, bigger tiles: 344 items for 132 SMs). A token
-    ring among three warpgroups, 128 x 3 stages and split-decode staging (more SMEM) measured
-    slower. With mma_row_sums (kernel run 8, calls AK and AL): 32q/8kv/64 at 8,192 tokens +10%
-    in both calls (448-453 against 407-409 TFLOP/s), at 2,048 after 6,144 cached +6% to +24%,
-    9q/3kv/64 -4% to +17%. prefill_kv_splits=4 where the full bucket has fewer tiles than SMs
-    (needs num_q_heads; kernel run 9, calls AN and AP): 9q/3kv/64 at 2,048 tokens after 6,144
-    cached, kernel 0.077 against 0.103-0.104 ms (the call's device time with the merge 0.099
-    against 0.112), from position 0 even; where tiles are plenty (4,096 and 8,192 tokens,
-    32q/8kv/64) cutting only added the merge.
-    """
-    prefill_heavy = num_tokens >= 2048
-    # head_dim <= 64 prefill: three compute warpgroups, 128 x 2 blocks, no ping-pong, no decode
-    # splits, row sums on the tensor cores (see above; 160 KiB of SMEM for head_dim 64).
-    if prefill_heavy and head_dim <= 64 and not (page_size % 128 and 128 % page_size):
-        kv_splits = 1
-        if num_q_heads is not None:  # fewer tiles than SMs in a full bucket: cut them in parts
-            tokens_per_tile = 3 * (ROWS // max(1, num_q_heads // num_kv_heads))
-            if -(-num_tokens // tokens_per_tile) * num_kv_heads < num_ctas:
-                kv_splits = 4
-        return TuningConfig(
-            128,
-            2,
-            1,
-            num_ctas,
-            compute_wgs=3,
-            decode_wgs=2,
-            producer_warps=4,
-            mma_row_sums=True,
-            prefill_kv_splits=kv_splits,
-        )
-    if head_dim < 128:
-        prefs = [(128, 3), (128, 2), (64, 3)]
-    else:
-        prefs = [(128, 2), (64, 3), (64, 2)]
-    prefs = [(bk, s) for bk, s in prefs if not (page_size % bk and bk % page_size)]
-    prefs = prefs or [(max(64, min(256, page_size)), 2)]
-    max_blocks = max(1, pages_per_seq * page_size // prefs[-1][0])
-    # Split decode items until there are about two per CTA, but never below 4 blocks per split.
-    items = max(1, num_seqs * num_kv_heads)
-    splits = max(1, min(-(-2 * num_ctas // items), max_blocks // 4, 16))
-    # Split-decode staging costs SMEM: prefill-heavy buckets drop the splits before the big blocks,
-    # decode buckets keep the splits and take smaller blocks.
-    order = (
-        [(p, k) for p in prefs for k in (splits, 1)]
-        if prefill_heavy
-        else [(p, k) for k in (splits, 1) for p in prefs]
-    )
+    """The schedule of a bucket from its static shapes: the first candidate KV block (BLOCKS,
+    _candidates) that, with the RULES applied, fits a Hopper CTA's shared memory. kv_dtype: the
+    pages' dtype when it is not `dtype` (fp8 pages take the same rules, measured with bf16)."""
+    b = Bucket(num_seqs, num_kv_heads, head_dim, page_size, pages_per_seq, num_tokens,
+               num_q_heads, num_ctas)  # fmt: skip
     budget = SMEM_BYTES - SMEM_SLACK
-    for (bk, stages), want_splits in order:
-        whole = want_splits == 1  # decode not split: both decode warpgroups
-        cfg = TuningConfig(
-            bk,
-            stages,
-            want_splits,
-            num_ctas,
-            decode_wgs=2 if whole else 1,
-            pingpong=True,
-            producer_warps=4 if whole or prefill_heavy else 1,
-        )
-        if cfg.smem_bytes(head_dim, dtype) <= budget:
+    for block_kv, stages, splits in _candidates(b):
+        fields = dict(block_kv=block_kv, num_stages=stages, decode_splits=splits)
+        for rule in RULES:
+            if rule.test(b, splits):
+                fields.update(rule.fields)
+        cfg = TuningConfig(num_ctas=num_ctas, **fields)
+        if cfg.smem_bytes(head_dim, dtype, kv_dtype=kv_dtype) <= budget:
             return cfg
     return TuningConfig(64, 2, 1, num_ctas, decode_wgs=2, pingpong=True, producer_warps=4)

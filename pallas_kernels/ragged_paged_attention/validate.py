@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_layout import check_kv_scales
+
 
 def check_inputs(
     q: jax.Array,
@@ -13,6 +15,7 @@ def check_inputs(
     page_table: jax.Array,
     cu_q_lens: jax.Array,
     distribution: jax.Array,
+    kv_scales: jax.Array | None = None,
 ) -> None:
     """Raise ValueError naming the bad value; shapes and dtypes only (values are on device)."""
     if q.ndim != 3:
@@ -44,3 +47,4 @@ def check_inputs(
     ):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={x.dtype} must be int32")
+    check_kv_scales(kv_pages, kv_scales)

@@ -9,13 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def abstract_args(*, tokens, pages, seqs, pages_per_seq, head_dim, q_heads=32, kv_heads=8):
-    """The kernel's positional arguments as ShapeDtypeStructs (bf16, page 16), for tracing and
+def abstract_args(
+    *, tokens, pages, seqs, pages_per_seq, head_dim, q_heads=32, kv_heads=8, kv_dtype=jnp.bfloat16
+):
+    """The kernel's positional arguments as ShapeDtypeStructs (bf16 q, page 16), for tracing and
     lowering without data."""
     sds = jax.ShapeDtypeStruct
     return (
         sds((tokens, q_heads, head_dim), jnp.bfloat16),
-        sds((pages, kv_heads, 2, 16, head_dim), jnp.bfloat16),
+        sds((pages, kv_heads, 2, 16, head_dim), kv_dtype),
         sds((seqs,), jnp.int32),
         sds((seqs, pages_per_seq), jnp.int32),
         sds((seqs + 1,), jnp.int32),

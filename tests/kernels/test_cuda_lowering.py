@@ -4,6 +4,8 @@ CI catches what interpret mode cannot; only the final PTX compile needs the GPU.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 from kernel_cases import abstract_args
 
@@ -55,5 +57,38 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
     args = abstract_args(tokens=64, pages=256, seqs=16, pages_per_seq=64, head_dim=head_dim)
     traced = ragged_paged_attention_pallas.trace(
         *args, sm_scale=head_dim**-0.5, tuning=tuning, interpret=False
+    )
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "tuning, head_dim, kv_dtype",
+    [
+        (TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4), 128, "e4m3"),
+        (TuningConfig(64, 3, 2, 132), 128, "e5m2"),  # split decode
+        (
+            TuningConfig(
+                128, 2, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
+            ),
+            64,
+            "e4m3",
+        ),
+        (TuningConfig(128, 2, 1, 132, pingpong=True), 32, "e5m2"),
+    ],
+    ids=["default-form-e4m3", "split-decode-e5m2", "compute-wgs-3-e4m3", "head-dim-32-e5m2"],
+)
+def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):
+    """fp8 pages: 8-bit stages, the float16 dequantization in registers (Mosaic GPU's layouts and
+    conversions are checked here), the scales read from GMEM."""
+    dtype = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[kv_dtype]
+    args = abstract_args(
+        tokens=64, pages=256, seqs=16, pages_per_seq=64, head_dim=head_dim, kv_dtype=dtype
+    )
+    traced = ragged_paged_attention_pallas.trace(
+        *args,
+        sm_scale=head_dim**-0.5,
+        kv_scales=jax.ShapeDtypeStruct((2,), jnp.float32),
+        tuning=tuning,
+        interpret=False,
     )
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()

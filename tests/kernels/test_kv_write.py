@@ -1,4 +1,5 @@
-"""The step's K/V into the pages: the packed scatter the engine uses against a plain loop."""
+"""The step's K/V into the pages: the packed scatter the engine uses against a plain loop; fp8
+pages: quantization and its round trip on hand-made values."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_layout import KVLayout, write_kv, write_kv_packed, write_kv_reference
+from pallas_kernels.kv_layout import (
+    KVLayout,
+    calibrate_kv_scales,
+    dequantize_kv,
+    kv_page_dtype,
+    quantize_kv,
+    write_kv,
+    write_kv_packed,
+    write_kv_reference,
+)
 
 
 def _slots(rng, num_pages: int, page_size: int, num_valid: int, num_tokens: int) -> np.ndarray:
@@ -66,3 +76,91 @@ def test_bad_shapes_name_the_value():
         write_kv_packed(pages, k, k, jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="k.shape"):
         write_kv_packed(pages, k[:, :1], k[:, :1], jnp.zeros((5,), jnp.int32))
+
+
+# fp8 pages (kv_layout.py): values / scale, saturated, rounded to nearest even; x * scale back.
+E4M3_CASES = [  # (value, scale, stored value)
+    (0.0, 1.0, 0.0),
+    (1.0, 1.0, 1.0),
+    (-1.0, 1.0, -1.0),
+    (0.3, 1.0, 0.3125),  # 1.2 x 2^-2: 1.25 is nearer than 1.125
+    (1.0625, 1.0, 1.0),  # halfway between 1.0 and 1.125: the even mantissa
+    (1.1875, 1.0, 1.25),  # halfway between 1.125 and 1.25: the even mantissa
+    (2.0**-9, 1.0, 2.0**-9),  # the smallest subnormal
+    (448.0, 1.0, 448.0),  # the largest finite value
+    (500.0, 1.0, 448.0),  # saturates (e4m3fn has no infinity)
+    (-1e9, 1.0, -448.0),
+    (3.0, 2.0, 1.5),
+    (-7.0, 0.5, -14.0),
+]
+E5M2_CASES = [
+    (1.0, 1.0, 1.0),
+    (500.0, 1.0, 512.0),  # two mantissa bits: 448 or 512, 512 is nearer
+    (57344.0, 1.0, 57344.0),  # the largest finite value
+    (1e6, 1.0, 57344.0),  # saturates instead of becoming infinity
+    (0.3, 1.0, 0.3125),
+    (6.0, 4.0, 1.5),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, cases", [(jnp.float8_e4m3fn, E4M3_CASES), (jnp.float8_e5m2, E5M2_CASES)]
+)
+def test_quantize_dequantize_exact_values(dtype, cases):
+    x = jnp.asarray([c[0] for c in cases], jnp.float32)
+    scale = jnp.asarray([c[1] for c in cases], jnp.float32)
+    stored = quantize_kv(x, scale, dtype)
+    assert stored.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(stored, np.float32), [c[2] for c in cases])
+    back = dequantize_kv(stored, scale)
+    np.testing.assert_array_equal(np.asarray(back), [c[2] * c[1] for c in cases])
+
+
+def test_calibrated_scales_map_the_largest_value_onto_the_format():
+    k = jnp.asarray([[0.5, -896.0], [3.0, 1.0]])
+    v = jnp.zeros((2, 2))
+    np.testing.assert_array_equal(np.asarray(calibrate_kv_scales(k, v, jnp.float8_e4m3fn)), [2, 1])
+    scales = calibrate_kv_scales(k, k * 0.25, jnp.float8_e5m2)
+    np.testing.assert_allclose(np.asarray(scales), [896 / 57344, 224 / 57344])
+    # With calibrated scales nothing saturates: the extremes come back exactly.
+    assert float(dequantize_kv(quantize_kv(k[0, 1], scales[0], jnp.float8_e5m2), scales[0])) == -896
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_write_stores_quantized_values_in_every_slot(dtype):
+    """write_kv_packed (the engine's form) and write_kv_reference quantize K with k_scale and V
+    with v_scale; without scales, DEFAULT_KV_SCALE."""
+    layout = KVLayout(num_pages=6, num_kv_heads=2, page_size=16, head_dim=32)
+    rng = np.random.default_rng(5)
+    pages = jnp.asarray(rng.standard_normal(layout.shape), dtype)
+    t = 21
+    k, v = (jnp.asarray(rng.standard_normal((t, 2, 32)) * 40, jnp.bfloat16) for _ in "kv")
+    slots = jnp.asarray(_slots(rng, 6, 16, num_valid=t - 2, num_tokens=t))
+    for scales in (jnp.asarray([0.25, 4.0], jnp.float32), None):
+        ks, vs = (1.0, 1.0) if scales is None else (0.25, 4.0)
+        expected = np.array(pages.astype(jnp.float32))
+        for tok, slot in enumerate(np.asarray(slots)[: t - 2]):
+            page, offset = divmod(int(slot), 16)
+            expected[page, :, 0, offset] = np.asarray(quantize_kv(k[tok], ks, dtype), np.float32)
+            expected[page, :, 1, offset] = np.asarray(quantize_kv(v[tok], vs, dtype), np.float32)
+        for write in (write_kv_packed, write_kv_reference):
+            got = write(pages, k, v, slots, scales)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], expected[1:])
+
+
+def test_page_dtype_names_and_scale_errors():
+    assert kv_page_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert kv_page_dtype("fp8", jnp.bfloat16) == jnp.float8_e4m3fn
+    assert kv_page_dtype("fp8_e4m3", jnp.float16) == jnp.float8_e4m3fn
+    assert kv_page_dtype("fp8_e5m2", jnp.float32) == jnp.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        kv_page_dtype("int8", jnp.bfloat16)
+    k = jnp.zeros((5, 2, 8))
+    slots = jnp.zeros((5,), jnp.int32)
+    bf16_pages = jnp.zeros((3, 2, 2, 4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="fp8 pages only"):
+        write_kv_packed(bf16_pages, k, k, slots, jnp.ones(2, jnp.float32))
+    fp8_pages = bf16_pages.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_scales.shape"):
+        write_kv_packed(fp8_pages, k, k, slots, jnp.ones(3, jnp.float32))

@@ -1,12 +1,13 @@
 """The Mosaic GPU ragged paged attention kernel against the jnp reference (CPU: GPU interpret mode).
 
-Interpret mode is slow (seconds per call), so the product of page size {16, 32, 64, 128, 256} x
-q heads per kv head {1, 3, 4, 8, 64; MQA among them} x head dim {64, 128} x dtype {bf16, f32} x
-step kind {decode, prefill, mixed} is covered pairwise for every pair that involves the step kind,
-the dtype or the group (page size x group only partly). The cases also vary the soft cap, the KV
-block (smaller than, equal to and larger than a page) and the decode splits, and every case carries
-the edge lengths: 1, page boundary -1/0/+1, several KV blocks, an empty chunk, padding sequences and
-padding tokens.
+Interpret mode costs seconds per call, so the kernel's parameters are covered by a strength-2
+covering design (covering.py) instead of their product: for every two parameters of FACTORS, every
+pair of values the constraints allow is in some case. The parameters: page size, q heads per kv
+head (MQA and MHA among them), kv heads, head dim, dtype, step kind (decode, prefill, mixed), soft
+cap, and the tuning's forms (KV block smaller than, equal to and larger than a page, stages,
+decode splits, decode warpgroups, ping-pong, producer warps, three compute warpgroups, row sums on
+the tensor cores, CTA count). Every case carries the edge lengths of its kind: 1, page boundary
+-1/0/+1, several KV blocks, an empty chunk, padding sequences and padding tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import pairwise, uncovered_pairs
 from kernel_cases import make_step
 
-from pallas_kernels.kv_layout import write_kv_reference
+from pallas_kernels.kv_layout import (
+    calibrate_kv_scales,
+    dequantize_kv,
+    quantize_kv,
+    write_kv_reference,
+)
 from pallas_kernels.ragged_paged_attention import api, schedule
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -26,91 +33,100 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
 pytestmark = pytest.mark.timeout(300)  # interpret mode: fail fast rather than hang a CI job
 
 # Max |kernel - reference| over max |reference|, per dtype (bf16: P and O are rounded to bf16).
-TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 2e-5}
+TOLERANCE = {
+    jnp.dtype(jnp.bfloat16): 2e-2,
+    jnp.dtype(jnp.float16): 4e-3,
+    jnp.dtype(jnp.float32): 2e-5,
+}
 
 
-def lengths(kind: str, ps: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """Edge lengths of one step kind: 1, page boundary -1/0/+1, several blocks, an empty chunk."""
+def lengths(kind: str, ps: int, group: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Edge lengths of one step kind: KV lengths 1, page boundary -1/0/+1 and several blocks; a
+    chunk from position 0 over two KV blocks and two tiles, chunks after a cached prefix, a
+    one-token chunk and an empty one. Interpret mode pays per (token, q head) row, so chunk
+    lengths do not grow with the page size and shrink with large groups (a tile holds 64 rows:
+    with 64 q heads per kv head, one token per warpgroup)."""
+    long = 130 if group == 1 else 70 if group <= 8 else 16  # crosses two tiles of any tuning
+    mid = 66 if group <= 8 else 8
     decode = [1, ps - 1, ps, ps + 1, 2 * ps + 70]
-    prefill = [(ps + 1, ps + 1), (3, 2 * ps - 1), (0, 0), (70, 70 + ps)]
+    prefill = [(long, long), (3, 2 * ps - 1), (0, 0), (mid, mid + ps), (1, ps + 1)]
     if kind == "decode":
         return decode, []
     if kind == "prefill":
         return [], prefill
-    return decode[::2], prefill[::2] + [(ps - 1, 2 * ps)]
+    return decode[::2], [(long, long), (0, 0), (17, 2 * ps)]
 
 
-# (page_size, q heads, kv heads, head_dim, dtype, kind, soft_cap, tuning)
-CASES = [
-    (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 1, 3)),
-    (16, 3, 1, 128, jnp.float32, "prefill", 20.0, TuningConfig(64, 3, 1, 2)),
-    (32, 4, 1, 128, jnp.float32, "decode", None, TuningConfig(64, 2, 3, 3)),
-    (32, 2, 2, 64, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 3)),
-    (64, 16, 2, 64, jnp.bfloat16, "decode", 20.0, TuningConfig(64, 2, 2, 2)),
-    (64, 4, 4, 128, jnp.float32, "mixed", None, TuningConfig(64, 2, 1, 3)),
-    (256, 8, 1, 64, jnp.float32, "mixed", None, TuningConfig(64, 2, 1, 3)),
-    (256, 9, 3, 128, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 2)),
-    (128, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 1, 3)),
-    (16, 4, 4, 128, jnp.bfloat16, "decode", None, TuningConfig(64, 3, 2, 3)),
-    (32, 3, 1, 64, jnp.bfloat16, "mixed", 20.0, TuningConfig(64, 2, 1, 2)),
-    (64, 8, 2, 128, jnp.bfloat16, "prefill", None, TuningConfig(128, 2, 1, 3)),
-    (256, 2, 2, 64, jnp.float32, "decode", None, TuningConfig(128, 2, 2, 3)),
-    (32, 8, 1, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3)),
-    (16, 64, 1, 32, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 2, 3)),  # one token per tile
-    # decode_wgs=2: decode items alternate between the compute warpgroups; splits 1 (output staged
-    # in the Q slot) and 3 (each warpgroup's own f32 staging), and a mixed step, where prefill
-    # tiles share the Q slots with decode items.
-    (16, 8, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 1, 3, decode_wgs=2)),
-    (32, 4, 1, 128, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 3, 2, decode_wgs=2)),
-    (16, 6, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 3, 2, 3, decode_wgs=2)),
-    # pingpong: prefill tiles' warpgroups take turns on a rendezvous barrier; a tile whose second
-    # warpgroup has no tokens, causal blocks one computes and the other skips, decode items (which
-    # never take turns) in the same step, and a soft cap.
-    (16, 8, 2, 64, jnp.bfloat16, "prefill", None, TuningConfig(64, 2, 1, 3, pingpong=True)),
-    (32, 4, 1, 128, jnp.float32, "mixed", 20.0, TuningConfig(64, 3, 2, 2, pingpong=True)),
-    (64, 9, 3, 64, jnp.bfloat16, "mixed", None, TuningConfig(128, 2, 1, 3, 2, pingpong=True)),
-    # producer_warps=4: the producer's warps share the copies; two page lanes (8 pages a block,
-    # decode items in the step), one lane (a block is one page), and blocks inside a page.
-    (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(128, 2, 1, 3, producer_warps=4)),
-    (64, 4, 1, 128, jnp.float32, "prefill", None, TuningConfig(64, 3, 1, 2, producer_warps=4)),
-    (256, 6, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 2, 3, producer_warps=4)),
-    # compute_wgs=3: 192-row prefill tiles (a tile whose third warpgroup has no tokens, causal
-    # blocks two compute and one skips), decode items (split or whole) on warpgroup 0 or on
-    # warpgroups 0 and 1 (warpgroup 2 only releases their stages), four producer warps, soft cap.
-    (16, 8, 2, 64, jnp.bfloat16, "mixed", None, TuningConfig(64, 2, 2, 3, compute_wgs=3)),
-    (32, 4, 1, 64, jnp.float32, "prefill", 20.0, TuningConfig(64, 3, 1, 2, compute_wgs=3)),
-    (
-        *(16, 9, 3, 64, jnp.bfloat16, "mixed", None),
-        TuningConfig(128, 2, 1, 3, compute_wgs=3, decode_wgs=2, producer_warps=4),
-    ),
-    (64, 9, 3, 64, jnp.bfloat16, "decode", None, TuningConfig(128, 2, 3, 3, compute_wgs=3)),
-    # mma_row_sums: softmax denominators from P @ ones on the tensor cores; the head_dim-64
-    # prefill default (three warpgroups, causal blocks one warpgroup skips, whole decode on two
-    # warpgroups in the same step), split decode (empty splits' sums are 0), ping-pong with a
-    # soft cap, float32 (tf32 sums) and block_kv 64.
-    (
-        *(16, 9, 3, 64, jnp.bfloat16, "mixed", None),
-        TuningConfig(
-            128, 2, 1, 3, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
-        ),
-    ),
-    (32, 8, 2, 64, jnp.bfloat16, "decode", None, TuningConfig(64, 2, 3, 3, mma_row_sums=True)),
-    (
-        *(16, 4, 1, 128, jnp.bfloat16, "mixed", 20.0),
-        TuningConfig(64, 2, 1, 2, pingpong=True, mma_row_sums=True),
-    ),
-    (64, 4, 2, 64, jnp.float32, "prefill", None, TuningConfig(64, 3, 1, 3, mma_row_sums=True)),
+FACTORS = {
+    "page_size": (16, 32, 64, 128, 256),
+    "group": (1, 3, 4, 8, 64),  # q heads per kv head
+    "kv_heads": (1, 2, 3),
+    "head_dim": (16, 32, 64, 128),
+    "dtype": (jnp.bfloat16, jnp.float16, jnp.float32),
+    "kind": ("decode", "prefill", "mixed"),
+    "soft_cap": (None, 20.0),
+    "block_kv": (64, 128),
+    "num_stages": (2, 3),
+    "decode_splits": (1, 2, 3),
+    "decode_wgs": (1, 2),
+    "pingpong": (False, True),
+    "producer_warps": (1, 4),
+    "compute_wgs": (2, 3),
+    "mma_row_sums": (False, True),
+    "num_ctas": (2, 3),
+    "pages": ("same", jnp.float8_e4m3fn, jnp.float8_e5m2),  # the page dtype: q's, or fp8
+}
+# (parameter, parameter, pair allowed): what the kernel supports, and values that change nothing
+# in a step kind (no decode items in a prefill step, no prefill tiles in a decode step).
+CONSTRAINTS = [
+    ("compute_wgs", "head_dim", lambda wgs, d: wgs == 2 or d <= 64),  # 160 registers each
+    ("compute_wgs", "pingpong", lambda wgs, pp: wgs == 2 or not pp),
+    ("kind", "decode_splits", lambda kind, k: kind != "prefill" or k == 1),
+    ("kind", "decode_wgs", lambda kind, w: kind != "prefill" or w == 1),
+    ("kind", "pingpong", lambda kind, pp: kind != "decode" or not pp),
+    ("group", "kv_heads", lambda g, h: g < 64 or h == 1),  # 64 q heads per kv head: one is enough
+    ("pages", "head_dim", lambda p, d: p == "same" or d >= 32),  # fp8 rows of 16 bytes: no tiling
 ]
 
 
+def allowed(case) -> bool:
+    return all(ok(case[a], case[b]) for a, b, ok in CONSTRAINTS if a in case and b in case)
+
+
+CASES = pairwise(FACTORS, allowed)
+
+TUNING_FIELDS = ("block_kv", "num_stages", "decode_splits", "num_ctas", "decode_wgs", "pingpong",
+                 "producer_warps", "compute_wgs", "mma_row_sums")  # fmt: skip
+
+
+def _tuning(case) -> TuningConfig:
+    return TuningConfig(**{name: case[name] for name in TUNING_FIELDS})
+
+
 def _case_id(c) -> str:
-    ps, hq, hkv, d, dt, kind, cap, tn = c
-    name = f"ps{ps}-g{hq // hkv}x{hkv}-d{d}-{jnp.dtype(dt).name}-{kind}-cap{cap}"
-    pp = "-pingpong" if tn.pingpong else ""
-    pw = f"-pw{tn.producer_warps}" * (tn.producer_warps > 1)
-    cw = f"-cw{tn.compute_wgs}" * (tn.compute_wgs != 2)
-    rs = "-mma-row-sums" * tn.mma_row_sums
-    return f"{name}-bk{tn.block_kv}s{tn.decode_splits}wg{tn.decode_wgs}{pp}{pw}{cw}{rs}"
+    tn = _tuning(c)
+    flags = [
+        f"bk{tn.block_kv}x{tn.num_stages}",
+        f"s{tn.decode_splits}",
+        f"wg{tn.decode_wgs}",
+        "pp" * tn.pingpong,
+        f"pw{tn.producer_warps}",
+        f"cw{tn.compute_wgs}",
+        "mrs" * tn.mma_row_sums,
+        f"ctas{tn.num_ctas}",
+    ]
+    pages = "" if c["pages"] == "same" else f"-{jnp.dtype(c['pages']).name}"
+    return (
+        f"ps{c['page_size']}-g{c['group']}x{c['kv_heads']}-d{c['head_dim']}-"
+        f"{jnp.dtype(c['dtype']).name}{pages}-{c['kind']}-cap{c['soft_cap']}-"
+        + "-".join(filter(None, flags))
+    )
+
+
+def test_cases_cover_every_allowed_pair():
+    assert not uncovered_pairs(CASES, FACTORS, allowed)
+    assert len(CASES) < 40  # the point of the design: far fewer cases than the product
+    assert {c["pages"] for c in CASES} == set(FACTORS["pages"])
 
 
 def _check(out, ref, dtype):
@@ -121,23 +137,34 @@ def _check(out, ref, dtype):
     assert err < TOLERANCE[jnp.dtype(dtype)], err
 
 
+def fp8_pages(step, dtype):
+    """The step's arguments with its pages quantized to `dtype` (e4m3 / e5m2), and their scales:
+    calibrated on K and V scaled apart (K x 3, V x 0.5), so that k_scale != v_scale != 1."""
+    kv = step.kv_pages.astype(jnp.float32) * jnp.asarray([3.0, 0.5])[:, None, None]
+    scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
+    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
+    return (step.q, pages, *step.args[2:]), scales
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernel_matches_reference(case):
-    ps, hq, hkv, d, dtype, kind, soft_cap, tuning = case
-    dec, pre = lengths(kind, ps)
+    ps, d, dtype = case["page_size"], case["head_dim"], case["dtype"]
+    dec, pre = lengths(case["kind"], ps, case["group"])
     step = make_step(
         sum(map(ord, _case_id(case))),
         decode_kv_lens=dec,
         prefill=pre,
         page_size=ps,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
+        num_q_heads=case["group"] * case["kv_heads"],
+        num_kv_heads=case["kv_heads"],
         head_dim=d,
         dtype=dtype,
     )
-    kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap)
-    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
-    ref = ragged_paged_attention_reference(*step.args, **kw)
+    args, kw = step.args, dict(sm_scale=d**-0.5, soft_cap=case["soft_cap"])
+    if case["pages"] != "same":
+        args, kw["kv_scales"] = fp8_pages(step, case["pages"])
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=_tuning(case))
+    ref = ragged_paged_attention_reference(*args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _check(out, ref, dtype)
     # Padding tokens are exactly zero.
@@ -192,8 +219,10 @@ def test_split_prefill_tiles_match_reference(case):
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
-def test_attention_step_writes_kv_exactly_and_attends():
-    """backend="pallas": the written pages equal write_kv_reference bit for bit, then attention."""
+@pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_attention_step_writes_kv_exactly_and_attends(pages):
+    """backend="pallas": the written pages equal write_kv_reference bit for bit (fp8 pages:
+    quantized with the step's scales), then attention."""
     ps, hq, hkv, d = 16, 4, 2, 64
     step = make_step(
         7,
@@ -205,6 +234,8 @@ def test_attention_step_writes_kv_exactly_and_attends():
         head_dim=d,
         dtype=jnp.bfloat16,
     )
+    kv_pages = step.kv_pages.astype(pages)
+    scales = jnp.asarray([0.05, 0.02], jnp.float32) if pages != jnp.bfloat16 else None
     t = step.q.shape[0]
     rng = np.random.default_rng(1)
     k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
@@ -217,12 +248,12 @@ def test_attention_step_writes_kv_exactly_and_attends():
             pos = lens[s] - (cu[s + 1] - cu[s]) + i
             slots[tok] = table[s, pos // ps] * ps + pos % ps
     slots = jnp.asarray(slots)
-    kw = dict(sm_scale=d**-0.5, soft_cap=None)
-    out, pages = api.attention_step(
+    kw = dict(sm_scale=d**-0.5, soft_cap=None, kv_scales=scales)
+    out, written = api.attention_step(
         step.q,
         k,
         v,
-        step.kv_pages,
+        kv_pages,
         slots,
         step.kv_lens,
         step.page_table,
@@ -231,10 +262,36 @@ def test_attention_step_writes_kv_exactly_and_attends():
         backend="pallas",
         **kw,
     )
-    expected_pages = write_kv_reference(step.kv_pages, k, v, slots)
-    np.testing.assert_array_equal(np.asarray(pages), np.asarray(expected_pages))
+    expected_pages = write_kv_reference(kv_pages, k, v, slots, scales)
+    assert written.dtype == pages
+    np.testing.assert_array_equal(
+        np.asarray(written.astype(jnp.float32)), np.asarray(expected_pages.astype(jnp.float32))
+    )
     ref = ragged_paged_attention_reference(step.q, expected_pages, *step.args[2:], **kw)
     _check(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_reference_reads_fp8_pages_as_their_dequantized_values(dtype):
+    """The reference on fp8 pages and scales equals a float32 computation on the dequantized
+    values (float32 pages, no scales): the kernel cases above compare against it."""
+    step = make_step(
+        2,
+        decode_kv_lens=[1, 33, 64],
+        prefill=[(20, 50), (5, 5)],
+        page_size=16,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=jnp.float32,
+    )
+    args, scales = fp8_pages(step, dtype)
+    deq = jnp.stack([dequantize_kv(args[1][:, :, i], scales[i]) for i in (0, 1)], axis=2)
+    kw = dict(sm_scale=0.2, soft_cap=None)
+    got = ragged_paged_attention_reference(*args, **kw, kv_scales=scales)
+    want = ragged_paged_attention_reference(step.q, deq, *step.args[2:], **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(want - ragged_paged_attention_reference(*step.args, **kw)).max()) > 1e-3
 
 
 def test_empty_step_is_all_zero():
@@ -293,6 +350,18 @@ def _bad(**changes):
         (dict(distribution=jnp.zeros((3,), jnp.int32)), "distribution"),
         (dict(sm_scale=0.0), "sm_scale"),
         (dict(soft_cap=-1.0), "soft_cap"),
+        (dict(kv_scales=jnp.ones(2, jnp.float32)), "fp8 pages only"),
+        (
+            dict(
+                q=jnp.zeros((4, 4, 16), jnp.bfloat16),
+                kv_pages=jnp.zeros((4, 2, 2, 16, 16), jnp.float8_e4m3fn),
+            ),
+            "head_dim=16 must be one of",
+        ),
+        (
+            dict(kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float8_e5m2), kv_scales=jnp.ones(3)),
+            "kv_scales.shape",
+        ),
     ],
 )
 def test_bad_inputs_raise_value_error(changes, match):

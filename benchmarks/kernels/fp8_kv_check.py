@@ -1,0 +1,245 @@
+"""FP8 KV pages on the GPU in one call: decode and prefill correctness against the reference, then
+decode KV bandwidth with bf16 pages against fp8 pages; table last.
+
+    PYTHONPATH=. python benchmarks/kernels/fp8_kv_check.py --out DIR
+
+Correctness: mixed steps (decode rows and prefill chunks after cached prefixes) and a decode-only
+and a prefill-only bucket, for e4m3 and e5m2 pages with calibrated scales; the kernel against the
+reference on the same fp8 pages (relative L2 error; bf16 pages run the same check as a baseline),
+and the fp8 reference against the bf16 reference on the unquantized values (what quantization
+costs). Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
+default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
+of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
+at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_kv
+from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bench import (  # noqa: E402
+    LAYOUTS,
+    back_to_back,
+    build_step,
+    measure_ceilings,
+    rel_err,
+)
+
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+ROWS: list[dict] = []
+
+
+def log(**row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def to_fp8(kv: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """bf16 pages [P, Hkv, 2, PS, D] as fp8 pages with calibrated (k, v) scales."""
+    scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
+    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
+    return pages, scales
+
+
+def step_of(rng, layout, seqs, page_size, extra_seqs=2):
+    """build_step over (q_len, kv_len) pairs, decode rows (q_len 1) first."""
+    hq, hkv, d = LAYOUTS[layout]
+    q_lens = [a for a, _ in seqs]
+    kv_lens = [b for _, b in seqs]
+    return build_step(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_seqs=len(seqs) + extra_seqs,
+        num_tokens=max(16, sum(q_lens)),
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        page_size=page_size,
+        pages_per_seq=-(-max(kv_lens) // page_size) + 1,
+        num_decode=sum(1 for a in q_lens if a == 1),
+        rotations=1,
+    )
+
+
+CHECKS = [  # (name, layout, page size, (q_len, kv_len) per sequence)
+    ("mixed", "32q/8kv/128", 16, [(1, 700), (1, 33), (1, 1), (300, 300), (129, 1000), (0, 0)]),
+    ("mixed", "9q/3kv/64", 64, [(1, 64), (1, 65), (200, 455), (17, 17)]),
+    ("mixed", "32q/8kv/64", 16, [(1, 300), (1, 17), (1900, 2500), (150, 150)]),  # 3 warpgroups
+    ("decode", "32q/8kv/128", 16, [(1, 1024 + 37 * i) for i in range(64)]),
+    ("prefill", "9q/3kv/64", 16, [(4096, 4096)]),
+]
+
+
+def run_checks(rng) -> None:
+    for kind, layout, ps, seqs in CHECKS:
+        p = step_of(rng, layout, seqs, ps)
+        d = LAYOUTS[layout][2]
+        args = (p["q"], p["kv"], p["kv_lens"], p["tables"][0], p["cu"], p["dist"])
+        kw = dict(sm_scale=d**-0.5)
+        ref16 = ragged_paged_attention_reference(*args, **kw)
+        for name in ("bf16", *FP8):
+            row = dict(kind="check", step=kind, layout=layout, page=ps, pages=name)
+            try:
+                if name == "bf16":
+                    a, extra = args, {}
+                else:
+                    pages, scales = to_fp8(p["kv"], FP8[name])
+                    a, extra = (args[0], pages, *args[2:]), {"kv_scales": scales}
+                out = ragged_paged_attention_pallas(*a, **kw, **extra)
+                ref = ragged_paged_attention_reference(*a, **kw, **extra)
+                n = int(np.asarray(p["cu"])[int(np.asarray(p["dist"])[1])])
+                row.update(
+                    err_vs_ref=rel_err(out[:n], ref[:n]),
+                    quant_err_vs_bf16=rel_err(ref[:n], ref16[:n]),
+                    pad_rows_zero=bool(jnp.all(out[n:] == 0)),
+                )
+            except Exception as e:  # noqa: BLE001 - report and go on
+                row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
+                traceback.print_exc()
+            log(**row)
+
+
+def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
+    hq, hkv, d = LAYOUTS[layout]
+    p = step_of(rng, layout, [(1, ctx)] * batch, args.page_size, extra_seqs=0)
+    pages8, scales = to_fp8(p["kv"], jnp.float8_e4m3fn)
+    forms = {"bf16": (p["kv"], None), "fp8_e4m3": (pages8, scales)}
+    fns = {}
+    for name, (pages, sc) in forms.items():
+        extra = {} if sc is None else {"kv_scales": sc}
+
+        def call(pt, pages=pages, extra=extra):
+            return ragged_paged_attention_pallas(
+                p["q"], pages, p["kv_lens"], pt, p["cu"], p["dist"], sm_scale=d**-0.5, **extra
+            )
+
+        fns[name] = call
+    tables = [p["tables"][0]] * args.reps
+    times = {name: [] for name in forms}
+    errs = {}
+    n = min(8, batch)
+    for name, fn in fns.items():  # compile, check the first n sequences' rows
+        out = jax.block_until_ready(fn(p["tables"][0]))
+        pages, sc = forms[name]
+        ref = ragged_paged_attention_reference(
+            p["q"][:n],
+            pages,
+            p["kv_lens"][:n],
+            p["tables"][0][:n],
+            jnp.arange(n + 1, dtype=jnp.int32),
+            jnp.asarray([n, n], jnp.int32),
+            sm_scale=d**-0.5,
+            kv_scales=sc,
+        )
+        errs[name] = rel_err(out[:n], ref)
+    for _ in range(args.alternations):  # A B A B
+        for name, fn in fns.items():
+            times[name].append(back_to_back(fn, tables, args.trials))
+    for name in forms:
+        t = float(np.median(times[name]))
+        itemsize = 1 if name != "bf16" else 2
+        kv_bytes = batch * ctx * hkv * 2 * d * itemsize
+        log(
+            kind="decode",
+            layout=layout,
+            batch=batch,
+            ctx=ctx,
+            pages=name,
+            ms=t * 1e3,
+            ms_each=[x * 1e3 for x in times[name]],
+            tbs=kv_bytes / t / 1e12,
+            pct_copy=100 * kv_bytes / t / 1e12 / ceil["copy_bw_tbs"],
+            tokens_per_s=batch / t,
+            err=errs[name],
+        )
+    bf16 = ROWS[-2]["ms"]
+    ROWS[-1]["speedup"] = bf16 / ROWS[-1]["ms"]
+
+
+def print_table(ceil) -> None:
+    print(f"\nceilings: copy {ceil['copy_bw_tbs']:.2f} TB/s")
+    print(f"{'check':44s} {'pages':9s} {'err vs ref':>11s} {'fp8 vs bf16':>12s}  pad=0")
+    for r in ROWS:
+        if r["kind"] != "check":
+            continue
+        case = f"{r['step']} {r['layout']} p{r['page']}"
+        if "error" in r:
+            print(f"{case:44s} {r['pages']:9s} ERROR {r['error'][:70]}")
+        else:
+            print(
+                f"{case:44s} {r['pages']:9s} {r['err_vs_ref']:11.1e} "
+                f"{r['quant_err_vs_bf16']:12.1e}  {r['pad_rows_zero']}"
+            )
+    print(f"\n{'decode':32s} {'pages':9s} {'ms':>8s} {'TB/s':>6s} {'%copy':>6s} {'speedup':>8s}")
+    for r in ROWS:
+        if r["kind"] == "decode":
+            case = f"B={r['batch']} ctx={r['ctx']} {r['layout']}"
+            speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+            print(
+                f"{case:32s} {r['pages']:9s} {r['ms']:8.3f} {r['tbs']:6.2f} {r['pct_copy']:6.1f}"
+                f" {speed:>8s}  err {r['err']:.1e}"
+            )
+        elif r["kind"] == "decode_error":
+            print(f"B={r['batch']} ctx={r['ctx']} {r['layout']}: ERROR {r['error'][:80]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--alternations", type=int, default=2)
+    ap.add_argument(
+        "--decode-list",
+        default=";".join(
+            f"{layout},{b},1024"
+            for layout in ("32q/8kv/128", "9q/3kv/64")
+            for b in (256, 512, 1024)
+        ),
+        help='"layout,batch,ctx;..."',
+    )
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--dry", action="store_true", help="CPU syntax check: tiny shapes")
+    args = ap.parse_args()
+    if args.dry:
+        global CHECKS
+        CHECKS = [("mixed", "9q/3kv/64", 16, [(1, 40), (1, 17), (30, 50), (0, 0)])]
+        args.decode_list, args.reps, args.trials, args.alternations = "9q/3kv/64,4,64", 2, 1, 1
+    os.makedirs(args.out, exist_ok=True)
+    log(kind="env", device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    if not args.skip_checks:
+        run_checks(rng)
+    ceil = measure_ceilings(args.trials, dry=args.dry)
+    for case in filter(None, args.decode_list.split(";")):
+        layout, batch, ctx = case.split(",")
+        try:
+            run_decode(rng, ceil, args, layout, int(batch), int(ctx))
+        except Exception as e:  # noqa: BLE001
+            log(kind="decode_error", layout=layout, batch=batch, ctx=ctx, error=str(e)[:400])
+            traceback.print_exc()
+    log(kind="wall", seconds=time.perf_counter() - t0)
+    with open(os.path.join(args.out, "fp8_kv_check.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+    print_table(ceil)
+
+
+if __name__ == "__main__":
+    main()
