@@ -10,8 +10,11 @@ API; the HTTP server (serve/) is a thin layer over it.
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
         print(out.new_text, end="")
 
-If the loop dies (an exception in `step()`), every request in flight gets an `EngineDeadError`,
-new requests an `EngineStoppedError`, and `is_healthy` turns False for good.
+A request the engine fails alone (its settings could not enter the step's arrays, or handling its
+outputs raised: finish reason "error") ends with a `RequestFailedError`; the others go on. If the
+loop itself dies (an exception in `step()` that no request is to blame for), every request in
+flight gets an `EngineDeadError`, new requests an `EngineStoppedError`, and `is_healthy` turns
+False for good (the engine-core process of `nori-jax serve` is restarted instead: core_client.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class EngineStoppedError(RuntimeError):
 
 class RequestTimeoutError(TimeoutError):
     """The request ran past its deadline and was aborted."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (finish reason "error"); the others went on."""
 
 
 @dataclasses.dataclass
@@ -380,15 +387,20 @@ def deliver(
 ) -> None:
     """Hand a step's outputs to their streams: one wake-up of each event loop per step. A
     stream's entry goes with its finished output."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
     with lock or contextlib.nullcontext():
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
+            item: RequestOutput | BaseException = out
             if out.finished:
                 del streams[out.request_id]
-            by_loop.setdefault(stream._loop, []).append((stream, out))
+                if out.finish_reason == "error":
+                    item = RequestFailedError(
+                        f"request {out.request_id} failed in the engine: {out.error}"
+                    )
+            by_loop.setdefault(stream._loop, []).append((stream, item))
     for loop, items in by_loop.items():
         _call_soon(loop, _put_all, items)
 
@@ -399,7 +411,7 @@ def fail_streams(streams: list[RequestStream], make_error: Callable[[], BaseExce
         _call_soon(stream._loop, stream._put, make_error())
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     for stream, out in items:
         stream._put(out)
 

@@ -61,6 +61,7 @@ def _optional_commands(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(bench_sub)
     add_bench_offline_parser(bench_sub)
+    importlib.import_module("nori_jax.plan.cli").add_plan_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,8 +12,14 @@ either:
         print(out.new_text, end="")
 
 A reader thread receives the core's messages, runs the output processor and hands each step's
-outputs to the event loop in one call. If the core process dies, every request in flight gets an
-EngineDeadError (a JSON error at the HTTP layer) and `is_healthy` turns False.
+outputs to the event loop in one call.
+
+Recovery: if the core process dies (killed, crashed, or ended by an exception no request is to
+blame for), every request in flight gets an EngineDeadError (a JSON error at the HTTP layer),
+`is_healthy` turns False, and the reader thread starts a new core process (its programs come from
+the persistent compilation cache, so that takes seconds) and serves again. `nori:engine_restarts`
+counts the restarts and `nori:engine_recovery_seconds` times the last one. After `max_restarts`
+deaths within `restart_window_s` the client gives up and stays unhealthy.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import zmq
 from nori_jax.async_engine import (
     EngineDeadError,
     EngineStoppedError,
+    RequestFailedError,
     RequestStream,
     deliver,
     fail_streams,
@@ -55,74 +62,121 @@ from nori_jax.engine_core_process import (
     EngineInfo,
     Failed,
     Ready,
+    Rejection,
     Shutdown,
     StepMessage,
 )
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
-from nori_jax.sampling_params import SamplingParams
+from nori_jax.sampling_params import ParameterError, SamplingParams
 from nori_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+_decode_message = msgspec.msgpack.Decoder(CoreMessage).decode
+
+
+class _CoreProcess:
+    """One engine-core process and the two sockets to it (fresh ones per process, so nothing
+    queued for a dead process reaches its successor)."""
+
+    def __init__(self, zctx: zmq.Context, config: EngineConfig, directory: str, n: int, level):
+        self.paths = [os.path.join(directory, f"{name}-{n}") for name in ("in", "out")]
+        self.to_core = zctx.socket(zmq.PUSH)
+        self.to_core.bind(f"ipc://{self.paths[0]}")
+        self.from_core = zctx.socket(zmq.PULL)
+        self.from_core.bind(f"ipc://{self.paths[1]}")
+        # A fresh interpreter (not multiprocessing): JAX is not fork-safe, and spawn would run
+        # the caller's main module again in the child.
+        cmd = [sys.executable, "-m", "nori_jax.engine_core_process"]
+        cmd += [f"ipc://{p}" for p in self.paths] + [level]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        self.proc.stdin.write(pickle.dumps(config))
+        self.proc.stdin.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self.from_core.poll(200):
+                msg = _decode_message(self.from_core.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                if isinstance(msg, Failed):
+                    raise RuntimeError(f"the engine core failed to start: {msg.reason}")
+            if not self.alive:
+                raise RuntimeError(
+                    f"the engine core process exited during start-up (code {self.proc.returncode})"
+                )
+            if cancelled():
+                raise RuntimeError("start-up cancelled: the client is stopping")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
+
+    def close(self) -> None:
+        """Kill the process if it still runs, close the sockets, remove their files."""
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait()
+        for sock in (self.to_core, self.from_core):
+            sock.close(linger=0)
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 class EngineCoreClient:
     def __init__(
-        self, config: EngineConfig, *, startup_timeout_s: float | None = None, log_level=None
+        self,
+        config: EngineConfig,
+        *,
+        startup_timeout_s: float | None = None,
+        log_level=None,
+        max_restarts: int = 5,
+        restart_window_s: float = 600.0,
     ):
         self.config = config
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
+        self._level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self._dir = tempfile.mkdtemp(prefix="nori-core-")
         self._zmq = zmq.Context()
-        self._to_core = self._zmq.socket(zmq.PUSH)
-        self._to_core.bind(f"ipc://{self._dir}/in")
-        self._from_core = self._zmq.socket(zmq.PULL)
-        self._from_core.bind(f"ipc://{self._dir}/out")
-        self._send_lock = threading.Lock()
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
-        level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        # A fresh interpreter (not multiprocessing): JAX is not fork-safe, and spawn would run
-        # the caller's main module again in the child.
-        cmd = [sys.executable, "-m", "nori_jax.engine_core_process"]
-        cmd += [f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", level]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
-        self._proc.stdin.write(pickle.dumps(config))
-        self._proc.stdin.close()
-        self.info = self._wait_ready(startup_timeout_s)
+        self._generation = 0
+        self._core = self._spawn()
+        try:
+            self.info = self._core.wait_ready(startup_timeout_s, lambda: False)
+        except BaseException:
+            self._core.close()
+            self._zmq.term()
+            raise
         tok = self.info.tokenizer
         self.tokenizer: Tokenizer | None = Tokenizer.from_state(tok) if tok else None
         self.max_model_len = self.info.max_model_len
         self.metrics = EngineMetrics()
         self.metrics.set_model_config(self.info.model_config_info)
+        self._send_lock = threading.Lock()
+        self._encode = msgspec.msgpack.Encoder().encode
         self._processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}  # guarded by _lock
         self._acks: dict[str, concurrent.futures.Future[None]] = {}
         self._lock = threading.Lock()
         self._accepting = False
-        self._dead: str | None = None
+        self._down: str | None = None  # why the engine is not serving now (None: it is)
         self._stopping = False
+        self._closed = False
+        self._restart_times: list[float] = []
+        self.last_recovery_s: float | None = None
+        self._num_restarts = 0
         self._reader: threading.Thread | None = None
         self._rng = np.random.default_rng(config.seed)
 
-    def _wait_ready(self, timeout_s: float | None) -> EngineInfo:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            if self._from_core.poll(200):
-                msg = self._decode(self._from_core.recv())
-                if isinstance(msg, Ready):
-                    return msg.info
-                if isinstance(msg, Failed):
-                    self._close()
-                    raise RuntimeError(f"the engine core failed to start: {msg.reason}")
-            if not self._alive():
-                self._close()
-                raise RuntimeError(
-                    f"the engine core process exited during start-up (code {self._proc.returncode})"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                self._proc.kill()
-                self._close()
-                raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
+    def _spawn(self) -> _CoreProcess:
+        self._generation += 1
+        return _CoreProcess(self._zmq, self.config, self._dir, self._generation, self._level)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -140,29 +194,32 @@ class EngineCoreClient:
 
     @property
     def is_healthy(self) -> bool:
-        return self._accepting and self._dead is None and self._alive()
+        return self._accepting and self._down is None and self._core.alive
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead
+        return self._down
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _alive(self) -> bool:
-        return self._proc.poll() is None
-
     @property
     def pid(self) -> int | None:
-        """The engine-core process's id."""
-        return self._proc.pid
+        """The current engine-core process's id."""
+        return self._core.proc.pid
+
+    @property
+    def num_restarts(self) -> int:
+        return self._num_restarts
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
-        """Refuse new requests, let those in flight finish (up to the timeout), stop the core."""
+        """Refuse new requests, let those in flight finish (up to the timeout), stop the core.
+
+        Requests still running after the timeout end with EngineStoppedError. Idempotent."""
         self._accepting = False
         deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
-        while self._streams and self._dead is None:
+        while self._streams and self._down is None:
             if deadline is not None and time.monotonic() >= deadline:
                 logger.warning(
                     "drain timeout: stopping with %d requests in flight", len(self._streams)
@@ -172,32 +229,32 @@ class EngineCoreClient:
         await asyncio.to_thread(self.stop)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the core now; requests in flight end with EngineStoppedError."""
-        self._accepting = False
-        self._stopping = True
-        if self._alive():
+        """Stop the core now; requests in flight end with EngineStoppedError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._accepting = False
+            self._stopping = True
+            core = self._core  # the reader installs no other from here on
+        if core.alive:
             self._send(Shutdown())
             try:
-                self._proc.wait(timeout_s)
+                core.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-        if self._dead is None:
-            self._dead = "the engine was stopped"
+                pass  # close() kills it
+        if self._down is None:
+            self._down = "the engine was stopped"
         self._fail_all(lambda: EngineStoppedError("the engine was stopped"))
         if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(5)
-        self._close()
-
-    def _close(self) -> None:
-        for sock in (self._to_core, self._from_core):
-            sock.close(linger=0)
+            self._reader.join(10)
+        core.close()
         self._zmq.term()
 
     # ---- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Validate and encode a prompt (ValueError on bad input)."""
+        """Validate and encode a prompt (ParameterError on bad input)."""
         return encode_prompt(self.tokenizer, prompt, self.info.vocab_size, self.max_model_len)[0]
 
     async def add_request(
@@ -210,13 +267,15 @@ class EngineCoreClient:
     ) -> RequestStream:
         """Queue a request; returns once the core has accepted it.
 
-        Raises ValueError (bad input), QueueFullError (waiting queue full), EngineStoppedError.
-        `timeout_s` bounds the whole request, queueing included. Without `stream` the stream
-        yields only the finished output.
+        Raises ParameterError / ValueError (bad input), QueueFullError (waiting queue full),
+        EngineStoppedError (stopping, or the core is being restarted). `timeout_s` bounds the
+        whole request, queueing included. Without `stream` the stream yields only the finished
+        output.
         """
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         params.validate()
+        params.check_vocab(self.info.vocab_size)
         token_ids, text = encode_prompt(
             self.tokenizer, prompt, self.info.vocab_size, self.max_model_len
         )
@@ -226,18 +285,20 @@ class EngineCoreClient:
         rid = request_id or f"req-{uuid.uuid4().hex}"
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         request = EngineCoreRequest(rid, token_ids, params, seed, self.info.eos_token_ids, arrival)
+        # Encoded before anything is registered: a request that cannot be sent leaves no trace.
+        data = self._encode(AddRequests([msgspec.Raw(self._encode(request))]))
         out_stream = RequestStream(rid, self, deadline)
         out_stream._timeout_s = timeout_s
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
-            if not self._accepting or self._dead is not None:
+            if not self._accepting or self._down is not None:
                 raise EngineStoppedError(self._refusal())
             if rid in self._streams:
                 raise ValueError(f"request_id={rid!r} is already in use")
             self._streams[rid] = out_stream
             self._acks[rid] = ack
             self._processor.add(rid, text, token_ids, params, tuple(request.eos_token_ids), stream)
-        self._send(AddRequests([request]))
+        self._send_bytes(data)
         try:
             await asyncio.wrap_future(ack)
         except asyncio.CancelledError:
@@ -251,15 +312,15 @@ class EngineCoreClient:
         return out_stream
 
     def _refusal(self) -> str:
-        if self._dead is not None:
-            return f"the engine core has died ({self._dead})"
+        if self._down is not None:
+            return f"the engine is not serving ({self._down})"
         return (
             "the engine is not started" if self._reader is None else "the engine is shutting down"
         )
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
-        if self._dead is None:
+        if self._down is None:
             self._send(AbortRequests([request_id]))
 
     async def generate(
@@ -281,36 +342,48 @@ class EngineCoreClient:
         return self.metrics.as_dict()
 
     def _send(self, msg) -> None:
-        data = self._encode(msg)
+        self._send_bytes(self._encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             try:
-                self._to_core.send(data, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # closed, or the core stopped reading
+                self._core.to_core.send(data, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # closed, restarting, or the core stopped reading
                 logger.warning("could not reach the engine core: %s", e)
 
     # ---- the reader thread ------------------------------------------------------------------
 
     def _read(self) -> None:
+        """Serve the current core until it dies; then fail what was in flight and restart it."""
+        while True:
+            reason = self._serve_core(self._core)
+            if reason is None:
+                return  # stopping
+            died = time.monotonic()
+            self._die(reason)
+            if not self._restart(reason, died):
+                return
+
+    def _serve_core(self, core: _CoreProcess) -> str | None:
+        """Handle the core's messages; return why it died, or None once the client stops."""
         try:
             while True:
-                if not self._from_core.poll(100):
+                if not core.from_core.poll(100):
                     if self._stopping:
-                        return
-                    if not self._alive():
-                        self._die(f"the engine core process exited (code {self._proc.returncode})")
-                        return
+                        return None
+                    if not core.alive:
+                        return f"the engine core process exited (code {core.proc.returncode})"
                     continue
-                msg = self._decode(self._from_core.recv())
+                msg = _decode_message(core.from_core.recv())
                 if isinstance(msg, Failed):
-                    self._die(f"the engine core died: {msg.reason}")
-                    return
+                    return f"the engine core died: {msg.reason}"
                 if isinstance(msg, StepMessage):
                     self._handle(msg)
         except zmq.ZMQError:
-            return  # closed by stop()
+            return None if self._stopping else "the engine core's socket failed"
         except BaseException as e:  # noqa: BLE001 - a broken reader must fail every request
-            logger.exception("engine core reader died")
-            self._die(f"{type(e).__name__}: {e}")
+            logger.exception("engine core reader failed")
+            return f"the client's reader failed: {type(e).__name__}: {e}"
 
     def _handle(self, msg: StepMessage) -> None:
         for rid in msg.accepted:
@@ -320,20 +393,59 @@ class EngineCoreClient:
         for rej in msg.rejected:
             fut = self._acks.pop(rej.request_id, None)
             if fut is not None and not fut.done():
-                kind = QueueFullError if rej.kind == "queue_full" else ValueError
-                fut.set_exception(kind(rej.message))
+                fut.set_exception(_rejection_error(rej))
         with self._lock:
-            outputs, stopped = self._processor.process(msg.outputs)
-        if stopped:
-            self._send(AbortRequests(stopped, "stop"))
+            outputs, ended = self._processor.process(msg.outputs)
+        for reason in set(ended.values()):
+            self._send(AbortRequests([r for r, why in ended.items() if why == reason], reason))
         self.metrics.observe(msg.outputs)
         deliver(self._streams, outputs, self._lock)
 
     def _die(self, reason: str) -> None:
-        self._dead = reason
-        self._accepting = False
+        self._down = reason
         logger.error("%s", reason)
         self._fail_all(lambda: EngineDeadError(reason))
+
+    def _restart(self, reason: str, died: float) -> bool:
+        """Replace the dead core with a new process; False if the client gives up (or stops)."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.restart_window_s]
+        if len(self._restart_times) >= self.max_restarts:
+            self._down = (
+                f"{reason}; not restarted: {len(self._restart_times)} restarts within "
+                f"{self.restart_window_s:g} s"
+            )
+            logger.error("%s", self._down)
+            return False
+        self._restart_times.append(now)
+        self._down = f"restarting the engine core after: {reason}"
+        logger.warning("%s", self._down)
+        with self._send_lock:
+            self._core.close()
+        try:
+            core = self._spawn()
+            core.wait_ready(self.startup_timeout_s, lambda: self._stopping)
+        except Exception as e:  # noqa: BLE001
+            core.close()
+            self._down = f"{reason}; the restart failed: {e}"
+            logger.error("%s", self._down)
+            return False
+        with self._lock:
+            if self._stopping:
+                core.close()
+                return False
+            with self._send_lock:
+                self._core = core
+            self._processor = OutputProcessor(self.tokenizer)  # the dead core's requests failed
+            self._down = None
+        self.last_recovery_s = time.monotonic() - died
+        self._num_restarts += 1
+        self.metrics.engine_restarts.inc()
+        self.metrics.engine_recovery.set(self.last_recovery_s)
+        logger.warning(
+            "engine core restarted in %.2f s (process %d)", self.last_recovery_s, core.proc.pid
+        )
+        return True
 
     def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
         with self._lock:
@@ -345,11 +457,14 @@ class EngineCoreClient:
         fail_streams(streams, make_error)
 
     def __del__(self) -> None:
-        if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
-            self._proc.kill()
-        if getattr(self, "_dir", None):
-            for name in ("in", "out"):
-                try:
-                    os.unlink(os.path.join(self._dir, name))
-                except OSError:
-                    pass
+        core = getattr(self, "_core", None)
+        if core is not None and core.alive:
+            core.proc.kill()
+
+
+def _rejection_error(rej: Rejection) -> Exception:
+    if rej.kind == "queue_full":
+        return QueueFullError(rej.message)
+    if rej.kind == "invalid":
+        return ParameterError(rej.param, rej.message) if rej.param else ValueError(rej.message)
+    return RequestFailedError(f"request {rej.request_id} failed in the engine: {rej.message}")

@@ -271,9 +271,9 @@ class LLMEngine:
         return self._process(self.core.drain())
 
     def _process(self, outs: EngineCoreOutputs) -> list[RequestOutput]:
-        outputs, stopped = self.processor.process(outs)
-        for request_id in stopped:  # stop strings: the core finishes them now
-            finished = self.core.abort(request_id, "stop")
+        outputs, ended = self.processor.process(outs)
+        for request_id, reason in ended.items():  # stop strings, errors: the core finishes them
+            finished = self.core.abort(request_id, reason)
             if finished is not None:
                 outs.finished.append(finished)
                 outputs.append(self.processor.finish(finished))

@@ -10,6 +10,12 @@ talk over ZeroMQ (PUSH/PULL on IPC sockets) with msgspec msgpack messages:
 
 Between two steps the core drains every message waiting, so adds and aborts arrive in batches;
 when it has nothing to run it blocks on its socket. The client side is core_client.py.
+
+One request cannot end the process: each arrives as its own msgpack document and is decoded,
+vetted and queued alone, and whatever that raises rejects that request only (the client hears
+why, with the field at fault). Inside a step, the core fails a request alone where its settings
+enter the step (`EngineCore`); any other exception ends the process with a `Failed` message, and
+the client restarts it.
 """
 
 from __future__ import annotations
@@ -27,12 +33,20 @@ from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
+from nori_jax.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
-    requests: list[EngineCoreRequest]
+    requests: list[msgspec.Raw]  # each an encoded EngineCoreRequest, decoded on its own
+
+
+class _RequestId(msgspec.Struct, array_like=True):
+    """The leading field of an encoded EngineCoreRequest: enough to reject one that will not
+    decode."""
+
+    request_id: str
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -46,8 +60,9 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 class Rejection(msgspec.Struct, array_like=True):
     request_id: str
-    kind: str  # "queue_full" | "invalid"
+    kind: str  # "queue_full" | "invalid" (bad input: `param` names the field) | "failed"
     message: str
+    param: str | None = None
 
 
 class EngineInfo(msgspec.Struct):
@@ -150,14 +165,12 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, AddRequests):
-                    for r in msg.requests:
-                        try:
-                            core.add_request(r)
-                            accepted.append(r.request_id)
-                        except QueueFullError as e:
-                            rejected.append(Rejection(r.request_id, "queue_full", str(e)))
-                        except ValueError as e:
-                            rejected.append(Rejection(r.request_id, "invalid", str(e)))
+                    for raw in msg.requests:
+                        rid, rejection = _add(core, raw)
+                        if rejection is not None:
+                            rejected.append(rejection)
+                        elif rid is not None:
+                            accepted.append(rid)
                 else:
                     for rid in msg.request_ids:
                         finished = core.abort(rid, msg.reason)
@@ -172,6 +185,35 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
         out.finished.extend(aborted)
         if out.request_ids or out.finished or accepted or rejected or out.stats is not None:
             outputs.send(encode(StepMessage(out, accepted, rejected)), copy=False)
+
+
+_decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+_decode_request_id = msgspec.msgpack.Decoder(_RequestId).decode
+
+
+def _add(core, raw: msgspec.Raw) -> tuple[str | None, Rejection | None]:
+    """Decode, vet and queue one request: (its id, None), or (its id, why it was refused)."""
+    try:
+        rid = _decode_request_id(raw).request_id
+    except Exception as e:  # noqa: BLE001
+        logger.error("dropped an add without a request id: %s", e)
+        return None, None  # nobody to answer (the client never sends one)
+    try:
+        core.add_request(_decode_request(raw))
+    except QueueFullError as e:
+        return rid, Rejection(rid, "queue_full", str(e))
+    except ParameterError as e:
+        return rid, Rejection(rid, "invalid", str(e), e.param)
+    except msgspec.ValidationError as e:  # SamplingParams' own checks raise while decoding
+        cause = e.__cause__
+        param = cause.param if isinstance(cause, ParameterError) else None
+        return rid, Rejection(rid, "invalid", str(cause or e), param)
+    except ValueError as e:
+        return rid, Rejection(rid, "invalid", str(e))
+    except Exception as e:  # noqa: BLE001 - this request's fault or not, it fails alone
+        logger.exception("request %s could not be added", rid)
+        return rid, Rejection(rid, "failed", f"{type(e).__name__}: {e}")
+    return rid, None
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ _STEP_BUCKETS = (
     1.024,
     2.048,
 )
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:
@@ -137,6 +137,15 @@ class EngineMetrics:
         )
         self.prefix_queries = Counter(
             "nori:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        # The server's engine-core process: restarts after it died, and how long the last took.
+        self.engine_restarts = Counter(
+            "nori:engine_restarts", "Engine restarts after the engine died.", registry=r
+        )
+        self.engine_recovery = Gauge(
+            "nori:engine_recovery_seconds",
+            "Seconds from the engine's death to serving again, for the last restart.",
+            registry=r,
         )
         # Exposed as nori:model_config_info{dtype=...,quantization=...,weights=...} 1
         self.model_config = Info(

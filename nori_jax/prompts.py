@@ -1,40 +1,78 @@
-"""A prompt's validation and encoding, the same in every frontend (LLMEngine, the core client)."""
+"""A prompt's validation and encoding, the same in every frontend (LLMEngine, the core client).
+
+Errors are `ParameterError("prompt", ...)`. A text prompt far longer than the model length is
+refused before it is tokenized (`max_prompt_bytes`), so a huge prompt costs a length check, not
+seconds of tokenizer time.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from nori_jax.sampling_params import ParameterError
 from nori_jax.tokenizer import Tokenizer
+
+# Normalizers may compose characters (NFC/NFKC: a letter and its combining accent become one), so
+# a text's UTF-8 length can exceed the sum of its tokens' lengths; this factor leaves room for it.
+_NORMALIZATION_SLACK = 4
+
+
+def max_prompt_bytes(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """A text longer than this (in UTF-8 bytes) cannot encode to fewer than max_model_len tokens."""
+    return max_model_len * tokenizer.longest_token_bytes * _NORMALIZATION_SLACK
 
 
 def encode_prompt(
     tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int, max_model_len: int
 ) -> tuple[list[int], str | None]:
-    """(token ids, text or None) of a text or token-id prompt; ValueError naming what is wrong."""
+    """(token ids, text or None) of a text or token-id prompt; ParameterError naming the fault."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise ParameterError("prompt", "prompt is empty")
         if tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            raise ParameterError(
+                "prompt", "this model has no tokenizer: pass prompts as lists of token ids"
+            )
+        check_text_length(tokenizer, prompt, max_model_len)
         token_ids, text = tokenizer.encode(prompt), prompt
     else:
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            raise ParameterError(
+                "prompt",
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
             )
         if not prompt:
-            raise ValueError("prompt is empty (no token ids)")
+            raise ParameterError("prompt", "prompt is empty (no token ids)")
+        check_length(len(prompt), max_model_len)
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            raise ParameterError(
+                "prompt",
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
             )
         token_ids, text = [int(t) for t in prompt], None
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} leaves no room "
-            f"to generate"
-        )
+    check_length(len(token_ids), max_model_len)
     return token_ids, text
+
+
+def check_text_length(tokenizer: Tokenizer, text: str, max_model_len: int) -> None:
+    """Refuse, without tokenizing it, a text too long to fit the model length."""
+    # A character is at most 4 UTF-8 bytes: most texts pass on their length alone.
+    limit = max_prompt_bytes(tokenizer, max_model_len)
+    if len(text) * 4 > limit and len(text.encode()) > limit:
+        raise ParameterError(
+            "prompt",
+            f"the prompt has {len(text.encode())} bytes of text, more than {max_model_len} "
+            f"tokens (max_model_len) can hold",
+        )
+
+
+def check_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ParameterError(
+            "prompt",
+            f"prompt has {num_tokens} tokens; max_model_len={max_model_len} leaves no room "
+            f"to generate",
+        )

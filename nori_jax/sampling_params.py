@@ -1,4 +1,10 @@
-"""Per-request sampling settings, with vLLM's field names. None changes a compiled program."""
+"""Per-request sampling settings, with vLLM's field names. None changes a compiled program.
+
+`validate()` is the engine's boundary for them: every number must fit the array the engine keeps it
+in (int32 token ids, seeds and top-k, float32 temperature and top-p), and the stop conditions are
+bounded, so no setting can overflow an array of the step loop or make one request's stop-string
+matching slow the others. A bad value raises `ParameterError`, which names the field.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,29 @@ import dataclasses
 
 # Logprob of the sampled token is the only logprob the step returns (one number per row).
 MAX_LOGPROBS = 1
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# Stop strings are matched against each new piece of text of the request, stop token ids against
+# each new token: bounded, so their cost stays a small multiple of a plain request's.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class ParameterError(ValueError):
+    """A request's setting is out of range; `param` is the field's name, `str()` says why."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass
@@ -32,6 +61,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) and self.stop is not None:
+            raise ParameterError("stop", f"stop={self.stop!r} must be a string or a list of them")
+        if not isinstance(self.stop_token_ids, (list, tuple)) and self.stop_token_ids is not None:
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be a list"
+            )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -39,25 +74,68 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not 0.0 <= self.temperature:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(
-                f"top_k={self.top_k!r} must be 0 or -1 (disabled) or a positive integer"
+        """Raise ParameterError naming the first setting the engine cannot hold."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ParameterError(
+                "max_tokens", f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31)"
             )
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**31):
-            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**31)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)"
+        t = self.temperature
+        if not _is_number(t) or not 0.0 <= t <= FLOAT32_MAX:  # NaN fails both comparisons
+            raise ParameterError("temperature", f"temperature={t!r} must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ParameterError("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ParameterError(
+                "top_k",
+                f"top_k={self.top_k!r} must be 0 or -1 (disabled) or a positive integer < 2**31",
+            )
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= INT32_MAX):
+            raise ParameterError("seed", f"seed={self.seed!r} must be an integer in [0, 2**31)")
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ParameterError(
+                "logprobs",
+                f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)",
+            )
+        self._validate_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterError(name, f"{name}={getattr(self, name)!r} must be a boolean")
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParameterError(
+                "stop", f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop={self.stop!r} must hold non-empty strings")
+                raise ParameterError("stop", f"stop={self.stop!r:.200} must hold non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ParameterError(
+                    "stop",
+                    f"a stop string of {len(s)} characters; at most {MAX_STOP_STRING_CHARS} "
+                    f"are allowed",
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ParameterError(
+                "stop_token_ids",
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed",
+            )
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must hold token ids >= 0")
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise ParameterError(
+                    "stop_token_ids",
+                    f"stop_token_ids={self.stop_token_ids!r:.200} must hold token ids in "
+                    f"[0, 2**31)",
+                )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The stop token ids are ids of the model's vocabulary (ParameterError otherwise)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ParameterError(
+                "stop_token_ids",
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+            )

@@ -70,6 +70,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """UTF-8 length of the vocabulary's longest token text, special tokens included: a
+        text's length bounds its token count from below without encoding it."""
+        pieces = self.backend.decode_batch(
+            [[i] for i in range(self.vocab_size)], skip_special_tokens=False
+        )
+        return max(max((len(p.encode()) for p in pieces), default=1), 1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")

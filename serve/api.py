@@ -1,53 +1,36 @@
-"""The FastAPI app: routes, auth, error handlers, and the engine thread's life inside the server's.
+"""The FastAPI app: routes, guards, error handlers, and the engine's life inside the server's.
 
     app = create_app(EngineCoreClient(config), ServerSettings(model_name="m"))
     # or AsyncEngine(LLMEngine(config)): the same engine stepped by a thread of this process
 
-Start-up starts the engine thread (the engine is compiled before the app exists, so the server
-never listens before it can serve). Shutdown refuses new requests, lets those in flight finish
-(uvicorn already waits for open responses), then stops the thread.
+Start-up starts the engine (it is compiled before the app exists, so the server never listens
+before it can serve). Shutdown is serve/server.py's drain; the lifespan's end stops the engine if
+the drain did not.
 """
 
 from __future__ import annotations
 
 import contextlib
-import secrets
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
 from serve import chat, completions, generate
 from serve.context import ServeContext, get_context
-from serve.errors import ApiError, install_error_handlers
+from serve.errors import install_error_handlers
+from serve.guards import RequestGuard
+from serve.openapi import install_openapi
 from serve.settings import ServerSettings
-
-
-def require_api_key(request: Request) -> None:
-    key = get_context(request).settings.api_key
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
-        token.strip().encode(), key.encode()
-    ):
-        raise ApiError(
-            401,
-            "invalid or missing API key (send 'Authorization: Bearer <key>')",
-            "authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
 
 open_routes = APIRouter()
 
 
 @open_routes.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine loop runs and takes requests; 503 once it died or is shutting down."""
+    """200 while the engine serves; 503 while it restarts, after it died, or while shutting down."""
     engine = get_context(request).engine
     if engine.is_healthy:
         return JSONResponse({"status": "ok"})
@@ -92,8 +75,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Nori-JAX", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(open_routes)
-    guarded = [Depends(require_api_key)]
-    for router in (models_router, completions.router, chat.router, generate.router):
-        app.include_router(router, dependencies=guarded)
+    # The API key and the body's bounds are checked before anything is parsed (serve/guards.py).
+    app.add_middleware(RequestGuard, settings=settings)
+    for router in (open_routes, models_router, completions.router, chat.router, generate.router):
+        app.include_router(router)
+    install_openapi(app)
     return app

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
+from serve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -71,6 +72,27 @@ def add_serve_parser(sub) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, let requests in flight finish for up to this long",
     )
+    g.add_argument(
+        "--max-body-size",
+        type=int,
+        default=ServerSettings.max_body_bytes,
+        metavar="BYTES",
+        help="larger request bodies are refused with 413 before they are read",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ServerSettings.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body must arrive within this (408)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ServerSettings.header_timeout_s,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this (the connection is closed)",
+    )
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument(
         "--engine-in-process",
@@ -110,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from serve.api import create_app
-    from serve.settings import ServerSettings
+    from serve.server import Server, header_timeout_protocol
 
     # Importing orbax makes absl call logging.basicConfig() first, which turns the CLI's own
     # basicConfig into a no-op; without force the start-up progress would not show.
@@ -130,6 +152,9 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
+        max_body_bytes=args.max_body_size,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
     )
     sock = _bind(args.host, args.port)
     if args.engine_in_process:
@@ -143,16 +168,17 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = EngineCoreClient(config)  # starts the engine-core process; returns when ready
         logger.info("engine core running in process %d", engine.pid)
     app = create_app(engine, settings)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            access_log=not args.no_access_log,
-            timeout_graceful_shutdown=int(args.drain_timeout),
-        )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=not args.no_access_log,
+        http=header_timeout_protocol(settings.header_timeout_s),
+        # After the drain (server.py) every response has its last bytes: a few seconds to write.
+        timeout_graceful_shutdown=5,
     )
+    server = Server(config, engine, settings.drain_timeout_s)
     logger.info("serving %r on http://%s:%d", settings.model_name, args.host, args.port)
     # uvicorn handles SIGINT/SIGTERM (drain, then stop) and afterwards re-raises the signal to
     # the handler that was there before it; a no-op one makes a drained shutdown exit with 0

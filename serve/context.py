@@ -11,9 +11,9 @@ from fastapi import Request
 from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine_client import EngineClient
-from nori_jax.sampling_params import SamplingParams
+from nori_jax.sampling_params import ParameterError, SamplingParams
 from nori_jax.tokenizer import Tokenizer
-from serve.errors import api_error_from
+from serve.errors import api_error_from, bad_request
 from serve.settings import ServerSettings
 from serve.streaming import result_unless_disconnected
 
@@ -35,13 +35,20 @@ class ServeContext:
         return cls(engine, settings, tok, engine.max_model_len)
 
     async def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_param: str = "prompt",
     ) -> RequestStream:
-        """Hand a request to the engine; its refusal (429, 503, ...) becomes the HTTP error."""
+        """Hand a request to the engine; its refusal (400, 429, 503, ...) becomes the HTTP error,
+        a prompt's fault named as `prompt_param`."""
         try:
             return await self.engine.add_request(
                 prompt_ids, params, request_id, self.settings.request_timeout_s
             )
+        except ParameterError as e:
+            raise bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None
         except Exception as e:
             raise api_error_from(e, self.settings.retry_after_s) from None
 

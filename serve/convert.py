@@ -1,7 +1,8 @@
 """Validated request bodies -> (prompt token ids, SamplingParams), or a 400/404 ApiError.
 
 Everything that can be checked before the engine sees the request is checked here, so a bad
-request costs the engine nothing and can never disturb the requests in flight.
+request costs the engine nothing and can never disturb the requests in flight. Errors carry their
+field as data: `ParameterError.param`, or the `param` given to `bad_request`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from typing import Any
 
 import jinja2
 
+from nori_jax.prompts import check_text_length
 from nori_jax.sampling_params import SamplingParams
 from serve.context import ServeContext
-from serve.errors import ApiError, api_error_from, bad_request
+from serve.errors import ApiError, bad_request
 from serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,12 +35,8 @@ def check_model(ctx: ServeContext, model: str | None) -> None:
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject what we parse but do not implement, unless it holds its neutral value."""
-    if req.n != 1:
-        raise bad_request(f"n={req.n}: only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", name)
+    """Reject what we parse but do not implement (n, best_of, the penalties and top_logprobs are
+    bounded to their neutral value in protocol.py)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
 
@@ -47,8 +45,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    if req.best_of not in (None, 1):
-        raise bad_request(f"best_of={req.best_of}: only 1 is supported", "best_of")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompt = req.prompt
@@ -59,8 +55,7 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
-    """Render the messages through the chat template and encode them."""
+def check_chat(ctx: ServeContext, req: ChatCompletionRequest) -> None:
     if req.tools:
         raise bad_request("tools are not supported", "tools")
     if ctx.tokenizer is None:
@@ -70,6 +65,9 @@ def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
             "this model has no chat template; start the server with --chat-template FILE",
             "messages",
         )
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -81,22 +79,26 @@ def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
         if m.name is not None:
             msg["name"] = m.name
         messages.append(msg)
+    return messages
+
+
+def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
+    """Render the messages through the chat template and encode them (blocking: run it off the
+    event loop). Messages far too long for the model are refused before rendering."""
+    tok = ctx.tokenizer
+    assert tok is not None  # check_chat
+    messages = chat_messages(req)
+    check_text_length(tok, "".join(m["content"] for m in messages), ctx.max_model_len)
     try:
-        text = ctx.tokenizer.apply_chat_template(
+        text = tok.apply_chat_template(
             messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
         )
-        return ctx.tokenizer.encode(text, add_special_tokens=False)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         # The template's own checks (roles, alternation) and bad chat_template_kwargs: the
         # request's fault, not the server's.
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-
-
-def encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
-    try:
-        return ctx.engine.tokenize(prompt)
-    except ValueError as e:
-        raise api_error_from(e) from None
+    check_text_length(tok, text, ctx.max_model_len)
+    return tok.encode(text, add_special_tokens=False)
 
 
 def max_new_tokens(
@@ -127,6 +129,7 @@ def max_new_tokens(
 def sampling_params(
     req: SamplingFields | GenerateRequest, max_tokens: int, logprobs: int | None = None
 ) -> SamplingParams:
+    """ParameterError (a 400 naming the field) for settings the engine cannot take."""
     extra: dict[str, Any] = {}
     if isinstance(req, SamplingFields):
         extra = dict(
@@ -134,17 +137,14 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
         )
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            seed=req.seed,
-            stop=req.stop,
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            **extra,
-        )
-    except ValueError as e:
-        raise api_error_from(e) from None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        **extra,
+    )

@@ -1,13 +1,14 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
-Engine exceptions map to HTTP statuses here, in one place: bad input 400, full waiting queue 429
-(with Retry-After), request timeout 504, engine not taking requests 503, engine died 500.
+Engine exceptions map to HTTP statuses here, in one place: bad input 400 (`param` from the
+`ParameterError`'s field, or from pydantic's location), full waiting queue 429 (with
+Retry-After), request timeout 504, engine not taking requests 503, engine died 500, a request the
+engine failed alone 500.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,13 +16,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nori_jax.async_engine import EngineDeadError, EngineStoppedError, RequestTimeoutError
+from nori_jax.async_engine import (
+    EngineDeadError,
+    EngineStoppedError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from nori_jax.core.scheduler import QueueFullError
+from nori_jax.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
-
-# The engine's ValueErrors start with `name=value` (or "prompt ..."): that name is the param.
-_PARAM_RE = re.compile(r"^(prompt)\b|^([a-z_]+)=")
 
 
 class ApiError(Exception):
@@ -71,12 +75,21 @@ def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     if isinstance(exc, RequestTimeoutError):
         return ApiError(504, str(exc), "timeout_error", code="request_timeout")
     if isinstance(exc, EngineStoppedError):
-        return ApiError(503, str(exc), "server_error", code="engine_unavailable")
+        return ApiError(
+            503,
+            str(exc),
+            "server_error",
+            code="engine_unavailable",
+            headers={"Retry-After": str(retry_after_s)},
+        )
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), "server_error", code="request_failed")
+    if isinstance(exc, ParameterError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):
-        m = _PARAM_RE.match(str(exc))
-        return bad_request(str(exc), m and (m.group(1) or m.group(2)))
+        return bad_request(str(exc))
     logger.error("unexpected error", exc_info=exc)
     return ApiError(
         500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"
@@ -88,8 +101,11 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 def _is_union_tag(part: str | int) -> bool:
     # pydantic puts the union member tried into the location ("prompt.list[int]"); our field
-    # names are snake_case, the members are builtin types, generics or model classes.
-    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part[:1].isupper())
+    # names are snake_case, the members are builtin types, generics, constrained types
+    # ("constrained-str") or model classes.
+    return isinstance(part, str) and (
+        "[" in part or "-" in part or part in _TYPE_NAMES or part[:1].isupper()
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -106,7 +122,10 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
             )
         tags = [i for i, x in enumerate(loc) if _is_union_tag(x)]
         field = ".".join(str(x) for x in loc[: tags[0] if tags else len(loc)])
-        by_field.setdefault(field, []).append(str(e.get("msg")))
+        msg = str(e.get("msg"))
+        if e.get("type") == "extra_forbidden":
+            msg = "this field is not supported by this server"
+        by_field.setdefault(field, []).append(msg)
     parts = []
     for field, msgs in by_field.items():
         # A union field reports each member's complaint; one line says it better.

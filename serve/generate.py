@@ -12,53 +12,49 @@ is one line `{"error": {...}}`.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
-from serve import convert
+from serve import generation
 from serve.context import get_context
 from serve.protocol import GenerateRequest
 from serve.responses import stage_metrics, usage
-from serve.streaming import (
-    EngineStreamingResponse,
-    ndjson,
-    stream_events,
-)
+from serve.streaming import ndjson, stream_events
 
 router = APIRouter()
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    ctx = get_context(request)
-    prompt_ids = convert.encode(ctx, body.prompt)
-    max_tokens = convert.max_new_tokens(
-        ctx, len(prompt_ids), body.max_tokens, "max_tokens", "prompt"
-    )
-    params = convert.sampling_params(body, max_tokens)
-    stream = await ctx.submit(prompt_ids, params, f"gen-{uuid.uuid4().hex}")
-    if body.stream:
-        return EngineStreamingResponse(
-            stream_events(
-                stream, _lines, encode_error=ndjson, retry_after_s=ctx.settings.retry_after_s
-            ),
-            stream,
-            "application/x-ndjson",
-        )
-    out = await ctx.final_output(request, stream)
-    return JSONResponse(
-        {
+    return await generation.handle(Generate(get_context(request), body), request)
+
+
+class Generate(generation.GenerationRoute):
+    id_prefix = "gen"
+    media_type = "application/x-ndjson"
+    body: GenerateRequest
+
+    def prompt_ids(self) -> list[int]:
+        return self.ctx.engine.tokenize(self.body.prompt)
+
+    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+        return {
             "text": out.text,
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,
             "usage": usage(out),
             "metrics": stage_metrics(out),
         }
-    )
+
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+        return stream_events(
+            stream, _lines, encode_error=ndjson, retry_after_s=self.ctx.settings.retry_after_s
+        )
 
 
 def _lines(out: RequestOutput) -> Iterable[str]:

@@ -1,20 +1,42 @@
 """Request bodies (pydantic): OpenAI's fields plus vLLM's extensions (top_k, ignore_eos, ...).
 
-Unknown fields are ignored, as vLLM and OpenAI do (clients send `user`, `metadata`, ...). Sampling
-fields are nullable because some clients send null for "default". Fields we parse but do not
-implement (penalties, logit_bias, echo, best_of, tools) are rejected in convert.py unless they
-hold their neutral value, so a client never gets silently different behaviour.
+Strict, as the OpenAI API defines its types: no coercion (`"4"` is not a number, `"yes"` not a
+boolean, `1e10` not an integer), no NaN or infinity, numbers within what the engine's arrays hold.
+A field this server does not implement is refused (400 naming it) rather than ignored, so a client
+never gets silently different behaviour; `user` is accepted because it changes no output. Fields
+implemented only at their neutral value say so in their range (`n` 1, penalties 0, ...), so
+/openapi.json describes what is accepted; logit_bias, echo, suffix and tools are checked in
+convert.py. Sampling fields are nullable because some clients send null for "default".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nori_jax.sampling_params import (
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
+Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
+One = Annotated[int, Field(ge=1, le=1)]  # n, best_of: one sequence per request
+Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -25,34 +47,37 @@ class SamplingFields(_Body):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    n: int = 1
-    stream: bool = False
+    n: One | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stop = None
+    presence_penalty: Zero | None = None
+    frequency_penalty: Zero | None = None
     logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own records: no effect on output
     # vLLM extensions
-    top_k: int | None = None
+    top_k: TopK | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
+    best_of: One | None = None
     suffix: str | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(BaseModel):
+    # Other part types (images, audio) parse, so the answer can say they are not supported.
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -65,10 +90,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to the model length
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: MaxTokens | None = None  # None: up to the model length
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # the sampled token only
     tools: list[dict[str, Any]] | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
@@ -78,12 +103,12 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(_Body):
     """/generate: the simple shape, with the sampling extras of the OpenAI routes."""
 
-    prompt: str | list[int]
-    max_tokens: int = 16
+    prompt: str | list[TokenId]
+    max_tokens: MaxTokens = 16
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: Stop = None
     ignore_eos: bool = False

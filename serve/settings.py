@@ -13,6 +13,9 @@ class ServerSettings:
     request_timeout_s: float | None = None  # per request, queueing included; None: no limit
     retry_after_s: int = 1  # the Retry-After header of a 429 (waiting queue full)
     drain_timeout_s: float = 30.0  # shutdown waits this long for requests in flight
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413, unread
+    body_timeout_s: float = 30.0  # a request body must arrive within this (408)
+    header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -23,3 +26,8 @@ class ServerSettings:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1")
+        for name in ("body_timeout_s", "header_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")

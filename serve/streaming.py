@@ -26,8 +26,13 @@ from serve.errors import ApiError, api_error_from
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw in a string that line splitters still break on (Python's
+# str.splitlines, some SSE and NDJSON readers); escaped, every event stays one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
 
 
 def sse(obj: Any) -> str:

@@ -8,6 +8,13 @@ strings and user-facing outputs belong to the output processor, in the caller's 
 With `async_scheduling` (the default) the step launched by one call is fetched by the next: the
 host schedules and builds step N+1, launches it, then post-processes step N while the device runs
 N+1, so outputs trail the device by one step.
+
+No request can take the loop down with it. `add_request` vets each request against what the
+core's arrays hold (a copy of its settings, so a caller changing them later changes nothing here),
+and a request's settings enter the step's arrays at one point, its slot's `Acquire` event: an
+exception there finishes that request alone (finish reason "error", with the error's text) and
+the step goes on. An exception anywhere else in a step is the engine's, not a request's, and
+propagates: the frontend treats the engine as dead (the server restarts the engine-core process).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from nori_jax.core.outputs import (
 from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.request import Request, RequestTimes
 from nori_jax.core.scheduler import Scheduler, StepUpdate
+from nori_jax.core.scheduler_output import Acquire, SchedulerOutput
 from nori_jax.core.step_plan import StepPlan
-from nori_jax.sampling_params import SamplingParams
+from nori_jax.sampling_params import INT32_MAX, ParameterError, SamplingParams
 
 
 class Executor(Protocol):
@@ -78,14 +86,33 @@ def request_metrics(req: Request) -> RequestMetrics:
     )
 
 
-def finished_request(req: Request) -> FinishedRequest:
+def finished_request(req: Request, error: str | None = None) -> FinishedRequest:
     return FinishedRequest(
         req.request_id,
         req.finish_reason or "abort",
         req.num_prompt_tokens,
         len(req.output_token_ids),
         request_metrics(req),
+        error,
     )
+
+
+def vetted_params(r: EngineCoreRequest, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """A validated copy of the request's settings; ParameterError for anything the engine's arrays
+    cannot hold (the frontends check the same, this is the core's own boundary)."""
+    ids = r.prompt_token_ids
+    if not 0 < len(ids) < max_model_len:
+        raise ParameterError(
+            "prompt", f"prompt has {len(ids)} tokens; it must have 1 to {max_model_len - 1}"
+        )
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= vocab_size:
+        raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    if not 0 <= r.seed <= INT32_MAX:
+        raise ParameterError("seed", f"seed={r.seed} must be in [0, 2**31)")
+    params = dataclasses.replace(r.params)  # runs validate(); copies the stop lists
+    params.check_vocab(vocab_size)
+    return params
 
 
 class EngineCore:
@@ -108,12 +135,14 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Queue a request; ValueError for a duplicate id, QueueFullError when the queue is full."""
+        """Queue a request; ParameterError for settings the engine cannot hold, ValueError for a
+        duplicate id, QueueFullError when the queue is full."""
+        params = vetted_params(r, self.builder.vocab_size, self.scheduler.config.max_model_len)
         self.scheduler.add_request(
             Request(
                 request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                params=r.params,
+                prompt_token_ids=list(r.prompt_token_ids),
+                params=params,
                 seed=r.seed,
                 eos_token_ids=tuple(r.eos_token_ids),
                 times=RequestTimes(r.arrival_time),
@@ -141,7 +170,11 @@ class EngineCore:
         """Run one engine iteration; return the tokens it delivered and who finished."""
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        plan = None if scheduled is None else self.builder.build(scheduled)
+        failed: list[FinishedRequest] = []
+        plan = None
+        if scheduled is not None:
+            failed = self._apply_batch_events(scheduled)
+            plan = self.builder.build(scheduled)
         t1 = time.perf_counter()
         launched = None if plan is None else (scheduled, self.executor.launch(plan))
         t2 = time.perf_counter()
@@ -156,6 +189,7 @@ class EngineCore:
             t3 = time.perf_counter()
             out = self._outputs(self.scheduler.update(done[0], tokens, logprobs))
             t4 = time.perf_counter()
+        out.finished.extend(failed)
         st = self.step_times
         if plan is not None:
             st.steps += 1
@@ -182,6 +216,26 @@ class EngineCore:
             out = self._outputs(self.scheduler.update(done[0], *self.executor.fetch(done[1])))
         out.stats = self._stats(len(out.request_ids), 0.0, 0.0, 0)
         return out
+
+    def _apply_batch_events(self, scheduled: SchedulerOutput) -> list[FinishedRequest]:
+        """Hand the step's batch events to the plan builder one by one. An admission whose settings
+        the builder cannot write finishes that request ("error"); its row in this step computes
+        into pages it no longer owns and its sample is discarded, as for any request finished
+        between planning and fetching a step."""
+        events, scheduled.events = scheduled.events, []
+        failed = []
+        for ev in events:
+            try:
+                self.builder.apply([ev])
+            except Exception as e:
+                req = self.scheduler.slots.requests[ev.slot] if isinstance(ev, Acquire) else None
+                if req is None or req.pages != ev.pages:
+                    raise  # not a request's settings: the engine's own fault
+                error = f"{type(e).__name__}: {e}"
+                failed.append(
+                    finished_request(self.scheduler.finish_request(req.request_id, "error"), error)
+                )
+        return failed
 
     def _outputs(self, upd: StepUpdate) -> EngineCoreOutputs:
         return EngineCoreOutputs(

@@ -5,7 +5,8 @@ offline), never inside the step loop. Per request it keeps the output token ids;
 incrementally only for requests that stream or have stop strings, and otherwise once, lazily, when
 the finished output's `text` is first read. A stop string found here finishes the request: the
 processor returns its id for the caller to abort in the core, holds the cut text, and emits the
-final output when the core confirms the finish.
+final output when the core confirms the finish. An exception while handling one request's tokens
+(its detokenizer, its stop strings) finishes that request alone the same way, with reason "error".
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class _Stream:
     max_stop_len: int = 0
     num_reported: int = 0  # output tokens already handed out
     num_pieces_reported: int = 0  # released text pieces already handed out
-    stopped: bool = False  # a stop string ended it; the core's finish is awaited
+    stopped: bool = False  # a stop string (or an error) ended it; the core's finish is awaited
+    error: str | None = None  # handling its outputs raised: it ends with reason "error"
 
 
 class OutputProcessor:
@@ -70,15 +72,17 @@ class OutputProcessor:
             self.tokenizer, s.prompt_token_ids, s.params.skip_special_tokens
         )
 
-    def process(self, outs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs: (user outputs, request ids a stop string has finished).
+    def process(self, outs: EngineCoreOutputs) -> tuple[list[RequestOutput], dict[str, str]]:
+        """Apply one step's outputs: (user outputs, {request id: reason} of the requests this
+        processor has ended: "stop" for a stop string, "error" for a failure of its own).
 
-        The caller aborts the returned ids in the core (reason "stop"); their final outputs come
-        with the core's FinishedRequest, through `finish`.
+        The caller finishes those in the core with that reason; their final outputs come with the
+        core's FinishedRequest, through `finish`.
         """
         streams = self._streams
         finished = {f.request_id: f for f in outs.finished}
-        touched: list[_Stream] = []
+        touched: dict[str, _Stream] = {}
+        ended: dict[str, str] = {}
         lp = outs.logprobs
         for rid, tok in zip(outs.request_ids, outs.token_ids.tolist(), strict=True):
             s = streams.get(rid)
@@ -89,36 +93,53 @@ class OutputProcessor:
                 s.logprobs.append(lp.get(rid, 0.0))
             if s.detok is not None:
                 f = finished.get(rid)
-                if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
-                    s.held += s.detok.add(tok)
-                touched.append(s)
+                try:
+                    if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
+                        s.held += s.detok.add(tok)
+                except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                    self._fail(s, e, ended)
+                    continue
+                touched[rid] = s
             elif s.stream:
-                touched.append(s)
-        outputs, stopped = [], []
-        for s in touched:
-            if s.request_id in finished:
+                touched[rid] = s
+        outputs = []
+        for s in touched.values():
+            if s.request_id in finished or s.stopped:
                 continue  # its final output follows
-            if s.params.stop and self._cut_at_stop_string(s):
-                s.stopped = True
-                stopped.append(s.request_id)
+            try:
+                if s.params.stop and self._cut_at_stop_string(s):
+                    s.stopped = True
+                    ended[s.request_id] = "stop"
+                    continue
+                self._release(s)
+                out = self._delta(s) if s.stream else None
+            except Exception as e:  # noqa: BLE001
+                self._fail(s, e, ended)
                 continue
-            self._release(s)
-            if s.stream:
-                out = self._delta(s)
-                if out is not None:
-                    outputs.append(out)
-        for f in outs.finished:
-            out = self.finish(f)
             if out is not None:
                 outputs.append(out)
-        return outputs, stopped
+        for f in outs.finished:
+            try:
+                out = self.finish(f)
+            except Exception as e:  # noqa: BLE001
+                out = _failed_output(f, e)
+            if out is not None:
+                outputs.append(out)
+        return outputs, ended
+
+    @staticmethod
+    def _fail(s: _Stream, e: Exception, ended: dict[str, str]) -> None:
+        s.stopped, s.error = True, f"{type(e).__name__}: {e}"
+        s.detok = None  # what it would still release is not trusted
+        ended[s.request_id] = "error"
 
     def finish(self, f: FinishedRequest) -> RequestOutput | None:
         """The final output of a request the core has finished (None if not ours)."""
         s = self._streams.pop(f.request_id, None)
         if s is None:
             return None
-        reason = "stop" if s.stopped else f.finish_reason
+        error = s.error or f.error
+        reason = "error" if error else "stop" if s.stopped else f.finish_reason
         if s.detok is not None:
             if not s.stopped:  # a stop string's cut text is final; else check the tail once
                 self._cut_at_stop_string(s)
@@ -137,8 +158,9 @@ class OutputProcessor:
             token_ids=s.token_ids,
             logprobs=s.logprobs,
             metrics=f.metrics,
+            error=error,
         )
-        if s.detok is not None:
+        if s.detok is not None or error:
             out._text = "".join(s.released)
         elif self.tokenizer is not None:
             out._decode = self._final_text(s, reason)
@@ -214,3 +236,22 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its caller has gone)."""
         self._streams.pop(request_id, None)
+
+
+def _failed_output(f: FinishedRequest, e: Exception) -> RequestOutput:
+    """The final output of a request whose own final output could not be made."""
+    out = RequestOutput(
+        request_id=f.request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=None,
+        finished=True,
+        finish_reason="error",
+        token_ids=[],
+        metrics=f.metrics,
+        error=f"{type(e).__name__}: {e}",
+    )
+    out._text = ""
+    return out

@@ -37,10 +37,11 @@ class RequestMetrics(NamedTuple):
 
 class FinishedRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_output_tokens: int
     metrics: RequestMetrics
+    error: str | None = None  # finish_reason "error": what this request made fail
 
 
 class FirstToken(msgspec.Struct, array_like=True, gc=False):
@@ -90,11 +91,12 @@ class RequestOutput:
     new_text: str  # text released since the last output (held back while it may begin a stop)
     new_logprobs: list[float] | None  # logprobs of new_token_ids, when asked for
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     # On the finished output only (None before): the whole output.
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None  # finish_reason "error": why the engine failed this request alone
     _text: str | None = dataclasses.field(default=None, repr=False)
     _decode: Callable[[], str] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -22,6 +22,8 @@ from nori_jax.engine import LLMEngine
 from nori_jax.engine_client import EngineClient
 from nori_jax.engine_config import EngineConfig
 from serve.api import create_app
+from serve.server import Server as DrainingServer
+from serve.server import header_timeout_protocol
 from serve.settings import ServerSettings
 
 MODEL_NAME = "tiny"
@@ -36,7 +38,7 @@ CHAT_TEMPLATE = (
 class Server:
     url: str
     engine: EngineClient
-    uvicorn: uvicorn.Server
+    uvicorn: DrainingServer
     thread: threading.Thread
 
     @property
@@ -73,16 +75,20 @@ def running_server(
     """A server over `engine`, by default the tiny-cpu engine stepped by a thread here."""
     if engine is None:
         engine = AsyncEngine(LLMEngine(engine_config(**engine_overrides)))
-    app = create_app(
-        engine,
-        ServerSettings(
-            **({"model_name": MODEL_NAME, "chat_template": CHAT_TEMPLATE} | (settings or {}))
-        ),
+    server_settings = ServerSettings(
+        **({"model_name": MODEL_NAME, "chat_template": CHAT_TEMPLATE} | (settings or {}))
     )
+    app = create_app(engine, server_settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other tests
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+        http=header_timeout_protocol(server_settings.header_timeout_s),
+    )
+    server = DrainingServer(config, engine, server_settings.drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -1,12 +1,14 @@
 """The server over the engine core in its own process (what `nori-jax serve` runs).
 
-Same greedy tokens as the in-process engine; outputs streamed across the process boundary; and
-when the engine-core process dies, every request in flight ends with a JSON error and /health
-turns 503.
+Same greedy tokens as the in-process engine; outputs streamed across the process boundary; a
+request the core cannot take is refused alone; and when the engine-core process dies, every
+request in flight ends with a JSON error, /health turns 503, and the client starts a new core
+process and serves again (the restart counted in /metrics).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -14,12 +16,14 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 from openai import OpenAI
 from serve_harness import MODEL_NAME, Server, client, engine_config, running_server
 
 from nori_jax import LLM, SamplingParams
 from nori_jax.core_client import EngineCoreClient
+from nori_jax.engine_core_process import AddRequests
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], list(range(100, 160))]
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -31,10 +35,19 @@ def server():
         yield s
 
 
+_EXPECTED: list[list[int]] = []
+
+
+def _expected_tokens() -> list[list[int]]:
+    if not _EXPECTED:
+        llm = LLM.from_config(engine_config())
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        _EXPECTED.extend(o.token_ids for o in llm.generate(PROMPTS, params))
+    return _EXPECTED
+
+
 def test_greedy_tokens_match_the_in_process_engine(server: Server) -> None:
-    llm = LLM.from_config(engine_config())
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    expected = _expected_tokens()
     with client(server) as c:
         got = [
             c.post("/generate", json={"prompt": p, **GREEDY}).json()["token_ids"] for p in PROMPTS
@@ -62,6 +75,31 @@ def test_streams_through_the_openai_client(server: Server) -> None:
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "nori:generation_tokens_total" in metrics and "nori:recompiles_total 0.0" in metrics
     assert 'nori:model_config_info{dtype="float32",quantization="none"' in metrics  # from the core
+
+
+def test_the_core_process_refuses_a_bad_request_alone(server: Server) -> None:
+    """Requests that skipped every client-side check (sent as raw bytes) are refused by the core
+    one by one, with the field at fault, and the core process lives on."""
+    engine: EngineCoreClient = server.engine
+    pid = engine.pid
+    enc = msgspec.msgpack.Encoder().encode
+    docs = {  # EngineCoreRequest's fields: id, prompt ids, params, seed, eos ids, arrival time
+        "bad-max": (["bad-max", [1, 2], {"max_tokens": 0}, 0, [2], 0.0], "max_tokens"),
+        "bad-ids": (["bad-ids", [1, 10**6], {"max_tokens": 4}, 0, [2], 0.0], "prompt"),
+        "bad-seed": (["bad-seed", [1, 2], {"max_tokens": 4}, 2**40, [2], 0.0], "seed"),
+        "bad-shape": (["bad-shape", "not a list of ids"], None),
+    }
+    futures = {rid: concurrent.futures.Future() for rid in docs}
+    engine._acks.update(futures)
+    raws = [msgspec.Raw(enc(doc)) for doc, _ in docs.values()]
+    engine._send_bytes(enc(AddRequests(raws)))  # one message: each request refused alone
+    for rid, (_, param) in docs.items():
+        with pytest.raises(ValueError) as e:
+            futures[rid].result(timeout=30)
+        assert getattr(e.value, "param", None) == param, (rid, e.value)
+    assert engine.pid == pid and engine.is_healthy
+    with client(server) as c:
+        assert c.post("/generate", json={"prompt": [5, 6], **GREEDY}).status_code == 200
 
 
 def test_engine_process_death_fails_every_request_in_flight(server: Server) -> None:
@@ -92,7 +130,8 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
     while server.engine.num_in_flight < len(jobs) or not all(e.is_set() for e in started):
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    os.kill(server.engine.pid, signal.SIGKILL)
+    killed = server.engine.pid
+    os.kill(killed, signal.SIGKILL)
     for t in jobs:
         t.join(30)
         assert not t.is_alive()
@@ -106,4 +145,21 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
     assert health.status_code == 503 and "exited" in health.json()["reason"]
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "after", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert "retry-after" in r.headers
     assert server.engine.num_in_flight == 0
+
+    # Recovery: a new core process, the same answers, the restart counted.
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine core was not restarted"
+        time.sleep(0.1)
+    assert server.engine.pid != killed
+    with client(server) as c:
+        got = [
+            c.post("/generate", json={"prompt": p, **GREEDY}).json()["token_ids"] for p in PROMPTS
+        ]
+    assert got == _expected_tokens()
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "nori:engine_restarts_total 1.0" in metrics
+    recovery = server.engine.get_metrics()["nori:engine_recovery_seconds"]
+    assert recovery == server.engine.last_recovery_s > 0

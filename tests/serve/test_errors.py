@@ -1,13 +1,16 @@
 """Every failure path over HTTP gives an OpenAI-style error body, and none disturbs other requests.
 
-This module's server requires an API key and times requests out after 2 s.
+This module's server requires an API key, times requests out after 2 s, takes bodies of up to
+64 KiB read within 1 s, and headers within 1 s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -15,11 +18,19 @@ from serve_harness import MODEL_NAME, Server, client, running_server
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server({"api_key": KEY, "request_timeout_s": 2.0}) as s:
+    settings = {
+        "api_key": KEY,
+        "request_timeout_s": 2.0,
+        "max_body_bytes": MAX_BODY,
+        "body_timeout_s": 1.0,
+        "header_timeout_s": 1.0,
+    }
+    with running_server(settings) as s:
         yield s
 
 
@@ -201,3 +212,206 @@ def test_chat_without_a_template(server: Server, c: httpx.Client, monkeypatch) -
     body = {"messages": [{"role": "user", "content": "hi"}]}
     err = assert_error(c.post("/v1/chat/completions", json=body), 400, "messages")
     assert "--chat-template" in err["message"]
+
+
+# ---- strict types and bounds: no input gets a 5xx or reaches the engine's arrays unchecked ----
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": "4"}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
+        ("/v1/completions", b'{"prompt": "x", "top_k": 1e10}', "top_k"),
+        ("/v1/completions", b'{"prompt": "x", "seed": 100000.0}', "seed"),
+        ("/v1/completions", b'{"prompt": "x", "ignore_eos": 1}', "ignore_eos"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": 1e309}', "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": NaN}', "top_p"),
+        ("/v1/completions", b'{"prompt": [1, true]}', "prompt"),
+        ("/generate", b'{"prompt": "x", "max_tokens": 2.0}', "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', None),
+    ],
+)
+def test_no_coercion(c: httpx.Client, path: str, raw: bytes, param: str | None) -> None:
+    err = assert_error(post_raw(c, path, raw), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 2**31}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids.0"),
+        ({"stop_token_ids": [512]}, "stop_token_ids"),  # outside the vocabulary [0, 512)
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"logprobs": 2**40}, "logprobs"),
+        ({"n": 2**70}, "n"),
+        ({"prompt": [2**40]}, "prompt"),
+        ({"temperature": 1e39}, None),  # a finite double, infinite as float32
+    ],
+)
+def test_numbers_out_of_the_engines_range(server: Server, c: httpx.Client, body, param) -> None:
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2} | body)
+    if param is None:  # accepted or refused, never a 5xx, and the engine lives on
+        assert r.status_code in (200, 400), r.text
+    else:
+        assert_error(r, 400, param)
+    assert server.engine.is_healthy
+
+
+def test_top_k_beyond_the_vocabulary_is_served(server: Server, c: httpx.Client) -> None:
+    """The report that opened the robustness issue: top_k 1e10 or 2**31 killed the engine loop.
+    Integers up to 2**31 - 1 are valid (top-k over the whole vocabulary); beyond, a 400."""
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_k": 2**31 - 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert_error(c.post("/v1/completions", json={"prompt": "hi", "top_k": 1e10}), 400, "top_k")
+    assert server.engine.is_healthy
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/completions", {"response_format": {"type": "json_object"}}),
+        ("/v1/completions", {"min_tokens": 3}),
+        ("/v1/completions", {"repetition_penalty": 1.2}),
+        ("/v1/completions", {"min_p": 0.1}),
+        ("/v1/chat/completions", {"tool_choice": "auto"}),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+        ("/generate", {"n": 1}),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(c: httpx.Client, path: str, field: dict) -> None:
+    body = {"prompt": "x", "max_tokens": 2}
+    if path == "/v1/chat/completions":
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    name = next(iter(field))
+    err = assert_error(c.post(path, json=body | field), 400, name)
+    assert "not supported" in err["message"]
+
+
+def test_fields_without_effect_are_accepted(c: httpx.Client) -> None:
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "u-1", "n": None})
+    assert r.status_code == 200, r.text
+
+
+# ---- bounds on the request itself ----------------------------------------------------------
+
+
+def _raw_exchange(server: Server, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send raw bytes, then read whatever comes back until the server closes or wait_s passes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+                if b"\r\n\r\n" in b"".join(chunks) and b'"error"' in b"".join(chunks):
+                    break
+        except TimeoutError:
+            pass
+    return b"".join(chunks)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server: Server) -> None:
+    # Headers announcing a gigabyte, and no body at all: the answer comes at once.
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000000000\r\n\r\n"
+    )
+    answer = _raw_exchange(server, head)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_too_large"
+    assert server.engine.is_healthy
+
+
+def test_a_chunked_body_over_the_limit_is_refused(c: httpx.Client) -> None:
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(2 * MAX_BODY // 1024):
+            yield b"y" * 1024
+        yield b'"}'
+
+    r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert_error(r, 413, code="request_too_large")
+
+
+def test_the_api_key_is_checked_before_the_body_is_read(server: Server) -> None:
+    # No key, and a body that never arrives: 401 at once, not a body timeout.
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    answer = _raw_exchange(server, head)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+
+
+def test_a_body_that_does_not_arrive_times_out(server: Server) -> None:
+    head = (
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    )
+    answer = _raw_exchange(server, head)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_headers_that_do_not_arrive_close_the_connection(server: Server) -> None:
+    started = time.monotonic()
+    answer = _raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\n", wait_s=10)
+    assert answer == b""  # closed by the server, well before our own 10 s
+    assert time.monotonic() - started < 8
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_it(server: Server, c, monkeypatch) -> None:
+    tok = server.llm_engine.tokenizer
+    real_encode = tok.encode
+    seen: list[int] = []
+
+    def encode(text, *args, **kwargs):
+        seen.append(len(text))
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    huge = "z" * (MAX_BODY - 100)  # within the body limit, far beyond 256 tokens
+    assert_error(c.post("/v1/completions", json={"prompt": huge}), 400, "prompt")
+    chat = {"messages": [{"role": "user", "content": huge}]}
+    assert_error(c.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert max(seen, default=0) < len(huge)
+
+
+def test_tokenization_runs_off_the_event_loop(server: Server, c, monkeypatch) -> None:
+    """A prompt whose tokenization blocks does not stop the server from answering others."""
+    tok = server.llm_engine.tokenizer
+    real_encode = tok.encode
+    release = threading.Event()
+
+    def encode(text, *args, **kwargs):
+        if text == "block me":
+            assert release.wait(30)
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    result = {}
+
+    def blocked() -> None:
+        with client(server, headers=AUTH) as other:
+            result["r"] = other.post("/generate", json={"prompt": "block me", "max_tokens": 2})
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    try:
+        assert c.get("/health", timeout=5).status_code == 200
+        assert c.post("/generate", json={"prompt": "free", "max_tokens": 2}, timeout=10).is_success
+    finally:
+        release.set()
+        t.join(30)
+    assert result["r"].status_code == 200

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The planner against the H200 (issue 26's validation): calibrate the SmolLM2-135M and
+# Llama-3.2-1B shapes, measure offline runs and served sweeps of the same workload, and print
+# predicted against measured. Each part fits in one 10-minute device call:
+#   PARTS=calibrate OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh   # both calibrations
+#   PARTS="offline sweep135" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh
+#   PARTS=sweep1b OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh
+#   PARTS=compare OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh     # CPU is enough
+# Then copy $OUT/calibration/*.yaml to configs/calibration/ (it replaces the derived 135M file).
+# Needs the bench extra, and the wheels the GPU image lacks on PYTHONPATH.
+set -u
+OUT=${OUT:-/tmp/plan}
+export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
+SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
+RATES_135M=${RATES_135M:-24,48,96,144}
+RATES_1B=${RATES_1B:-12,24,48,96}
+N=${N:-1000}
+here=$(dirname "$0")
+quiet() { grep -v "^W1\|^I0000\|INFO"; }
+mkdir -p "$OUT/calibration"
+cal() { echo "$OUT/calibration/$1_bfloat16_kv-bfloat16_nvidia-h200_tp1.yaml"; }
+for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+  calibrate)
+    for m in smollm2-135m llama3.2-1b; do
+      timeout 280 python3 -m nori_jax.cli --log-level WARNING plan calibrate \
+        --config h200-throughput --model "$m" $SHAPES --out "$OUT/calibration/" 2>&1 | quiet
+    done ;;
+  offline)
+    for m in smollm2-135m llama3.2-1b; do
+      n=$([ "$m" = smollm2-135m ] && echo 2000 || echo 1000)
+      timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput --model "$m" \
+        $SHAPES --num-prompts "$n" --result-json "$OUT/offline_$m.json" 2>&1 | quiet | \
+        grep -E "Total token|Steps|p50 / p99"
+      python3 -m nori_jax.cli plan simulate --calibration "$(cal "$m")" --num-prompts "$n" \
+        --request-rate inf 2>&1 | grep -E "Total token|Median|P99 T|Simulated: steps"
+    done ;;
+  sweep135)
+    OUT="$OUT/serve_smollm2-135m" MODEL=smollm2-135m RATES=$RATES_135M N=$N EXTRA="$SHAPES" \
+      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
+  sweep1b)
+    OUT="$OUT/serve_llama3.2-1b" MODEL=llama3.2-1b RATES=$RATES_1B N=$N EXTRA="$SHAPES" \
+      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
+  compare)
+    for m in smollm2-135m llama3.2-1b; do
+      [ -f "$OUT/serve_$m/sweep.json" ] || { echo "no measured sweep of $m"; continue; }
+      python3 -m nori_jax.cli plan sweep --calibration "$(cal "$m")" --num-prompts "$N" \
+        --measured "$OUT/serve_$m/sweep.json" --plot "$OUT/plan_vs_measured_$m.png" \
+        --result-json "$OUT/plan_vs_measured_$m.json" 2>&1 | tail -14
+    done ;;
+  *) echo "unknown part $part" ;;
+  esac
+done
+echo "=== done ($(date +%T))"

@@ -1,0 +1,645 @@
+"""`nori-jax plan`: calibrate, simulate, sweep, size (docs/planning.md).
+
+Registered by the engine's CLI through `add_plan_parser`. Building the parser imports nothing
+heavy; the commands import the simulator when they run. The simulator reports with `bench
+serve`'s metric code, whose modules import the bench extra's HTTP client, so the commands need
+`pip install 'nori-jax[bench]'` (and its matplotlib for --plot); `plan calibrate` needs a device
+the engine runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from nori_jax.bench.workload import HelpFormatter, add_workload_args, workload_from_args
+
+_NEEDS = ("aiohttp",)  # imported by nori_jax.bench.client, which the metrics module imports
+
+
+def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="capacity planning: the scheduler in simulated time over a calibrated step model",
+        description="Predict throughput, latency, the knee and the GPUs a workload needs; "
+        "see docs/planning.md.",
+    )
+    plan_sub = p.add_subparsers(dest="plan_command", required=True)
+    _add_calibrate(plan_sub)
+    _add_simulate(plan_sub)
+    _add_sweep(plan_sub)
+    _add_size(plan_sub)
+    return p
+
+
+# ---- flags ----------------------------------------------------------------------------------
+
+
+def _add_calibration_args(p: argparse.ArgumentParser, many: bool = False) -> None:
+    g = p.add_argument_group("calibration")
+    g.add_argument(
+        "--calibration",
+        action="append",
+        metavar="FILE",
+        help="calibration YAML (repeatable for size: one per mesh layout); default: the one in "
+        "--calibration-dir matching --model/--dtype/--kv-dtype/--device/--tp",
+    )
+    from nori_jax.plan.calibration import CALIBRATION_DIR
+
+    g.add_argument("--calibration-dir", default=str(CALIBRATION_DIR), help="where to look")
+    g.add_argument("--model", help="model shape preset the calibration must be of")
+    g.add_argument("--dtype", help="weights' dtype (bfloat16, float32)")
+    g.add_argument("--kv-dtype", help="KV pages' dtype (bfloat16; fp8 where calibrated)")
+    g.add_argument("--device", help="accelerator, e.g. nvidia-h200 or cpu")
+    g.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel devices per replica"
+        + (" (default: every calibrated layout)" if many else ""),
+    )
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p, ("lognormal", "fixed"), "--seed", warmup=0)
+    g = p.add_argument_group("workload shapers (as bench offline)")
+    g.add_argument("--shared-prefix-len", type=int, default=0, help="prompt start shared by all")
+    g.add_argument("--long-prompts", type=int, default=0, help="very long prompts mixed in")
+    g.add_argument("--long-len", type=int, default=6000, help="length of those long prompts")
+
+
+def _add_whatif(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what-if (default: the calibrated engine's, else the scheduler's)")
+    g.add_argument("--page-size", type=int, help="KV page size (same KV memory, other pages)")
+    g.add_argument("--num-pages", type=int, help="KV pages (default: the calibrated KV memory)")
+    g.add_argument("--kv-headroom", type=float, help="share of pages admission keeps free")
+    g.add_argument("--max-num-seqs", type=int, help="running sequences")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token (chunk) budget per step")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--long-prefill-threshold", type=int, help="isolate prompts this long (0: no isolation)"
+    )
+    g.add_argument("--long-prefill-token-share", type=float)
+    g.add_argument("--max-num-long-prefills", type=int)
+    g.add_argument("--max-num-waiting", type=int, help="queue bound (beyond: 429, failed)")
+    g.add_argument("--sync-scheduling", action="store_true", help="no host/device overlap")
+    g.add_argument(
+        "--frontend-us-per-token",
+        type=float,
+        default=0.0,
+        help="API server process cost per streamed token (0: not modelled)",
+    )
+    g.add_argument(
+        "--frontend-ms-per-step", type=float, default=0.0, help="and per engine step's output"
+    )
+    g.add_argument(
+        "--disaggregate",
+        metavar="P:D",
+        help="prefill on P replicas, decode on D, the KV moved between them (default: off)",
+    )
+    g.add_argument(
+        "--kv-transfer-gbps",
+        type=float,
+        help="KV transfer bandwidth in GB/s (default: the calibration's measured one)",
+    )
+    g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
+
+
+def _add_results(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("results")
+    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    g.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    g.add_argument(
+        "--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50"
+    )
+    g.add_argument("--result-json", help="write the result here (default: none)")
+
+
+def _add_common(p: argparse.ArgumentParser, many: bool = False) -> None:
+    _add_calibration_args(p, many)
+    _add_workload(p)
+    _add_whatif(p)
+    _add_results(p)
+
+
+def _add_calibrate(sub: Any) -> None:
+    from nori_jax.engine_args import add_engine_args
+
+    p = sub.add_parser(
+        "calibrate",
+        help="record step profiles on this machine's engine and fit the step model",
+        formatter_class=HelpFormatter,
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("profiles")
+    g.add_argument(
+        "--batches", default="1,16,64,256,1024", help="decode batch sizes (up to max_num_seqs)"
+    )
+    g.add_argument("--contexts", default="256,1024,4096", help="decode context lengths")
+    g.add_argument("--prefill-lens", default="128,1024,4096,8000", help="prompts prefilled")
+    g.add_argument("--mixed-batch", type=int, default=32, help="decoders beside the prompts")
+    g.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
+    g.add_argument(
+        "--out", help="YAML file or directory/ to write (default: configs/calibration/<key>.yaml)"
+    )
+    p.set_defaults(func=_calibrate)
+
+
+def _add_simulate(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate", help="one simulated bench serve run", formatter_class=HelpFormatter
+    )
+    _add_common(p)
+    p.set_defaults(func=_simulate)
+
+
+def _add_sweep(sub: Any) -> None:
+    p = sub.add_parser(
+        "sweep", help="a simulated rate sweep and its knee", formatter_class=HelpFormatter
+    )
+    _add_common(p)
+    g = p.add_argument_group("sweep")
+    g.add_argument("--sweep", help="R1,R2,... or auto (default: the measured rates, else auto)")
+    g.add_argument(
+        "--sweep-start-rate",
+        type=float,
+        help="first rate of auto (default: an eighth of the rate served with every request "
+        "queued at once)",
+    )
+    g.add_argument("--sweep-max-steps", type=int, default=12, help="most runs of auto")
+    g.add_argument("--knee-min-gain", type=float, default=0.5)
+    g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
+    g.add_argument("--measured", help="a bench serve sweep JSON to compare with and plot beside")
+    g.add_argument("--plot", help="PNG of the sweep (needs matplotlib: the bench extra)")
+    p.set_defaults(func=_sweep)
+
+
+def _add_size(sub: Any) -> None:
+    p = sub.add_parser(
+        "size",
+        help="replicas (and GPUs) that serve a rate within SLOs, and the cost per token",
+        formatter_class=HelpFormatter,
+    )
+    _add_common(p, many=True)
+    g = p.add_argument_group("sizing")
+    g.add_argument("--target-rate", type=float, required=True, help="req/s to serve")
+    g.add_argument(
+        "--slo", nargs="+", required=True, metavar="NAME:MS", help="e.g. ttft:500 tpot:50"
+    )
+    g.add_argument("--slo-percentile", type=float, default=99.0, help="percentile the SLOs bound")
+    g.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour (default: no cost)")
+    g.add_argument(
+        "--search-start-rate",
+        type=float,
+        help="the ramp's first rate (default: an eighth of the rate served with every request "
+        "queued at once)",
+    )
+    g.add_argument("--sweep-max-steps", type=int, default=12, help="most doublings of the ramp")
+    g.add_argument("--knee-min-gain", type=float, default=0.5)
+    g.add_argument("--knee-min-latency-rise", type=float, default=0.2)
+    p.set_defaults(func=_size)
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} wants comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    values = _floats(text, flag)
+    if any(v != int(v) for v in values):
+        raise ValueError(f"{flag} wants whole numbers, got {text!r}")
+    return tuple(int(v) for v in values)
+
+
+def _bounds(texts: list[str], flag: str) -> dict[str, float]:
+    out = {}
+    for text in texts:
+        name, sep, value = text.partition(":")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise ValueError(f"{flag} wants NAME:MS (e.g. ttft:500), got {text!r}")
+    return out
+
+
+def _query(args: argparse.Namespace):
+    from nori_jax.plan.calibration import CalibrationQuery
+
+    return CalibrationQuery(args.model, args.dtype, args.kv_dtype, args.device, args.tp)
+
+
+def _calibrations(args: argparse.Namespace, many: bool = False):
+    from nori_jax.plan.calibration import find_calibration, find_calibrations
+
+    query = _query(args)
+    if args.calibration:
+        if len(args.calibration) > 1 and not many:
+            raise ValueError("give one --calibration (several are for plan size)")
+        return [c for path in args.calibration for c in find_calibrations(query, path)]
+    if many:
+        return find_calibrations(query, directory=args.calibration_dir)
+    return [find_calibration(query, directory=args.calibration_dir)]
+
+
+def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = ()):
+    from nori_jax.bench.offline import OfflineConfig
+    from nori_jax.plan.calibration import KVTransfer
+    from nori_jax.plan.planner import PlanSettings
+    from nori_jax.plan.simulator import Frontend
+    from nori_jax.plan.whatif import WhatIf
+
+    whatif = WhatIf(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_headroom=args.kv_headroom,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+        long_prefill_threshold=args.long_prefill_threshold,
+        long_prefill_token_share=args.long_prefill_token_share,
+        max_num_long_prefills=args.max_num_long_prefills,
+        max_num_waiting=args.max_num_waiting,
+        async_scheduling=False if args.sync_scheduling else None,
+    )
+    disaggregate = None
+    if args.disaggregate:
+        p, sep, d = args.disaggregate.partition(":")
+        if not (sep and p.isdigit() and d.isdigit()):
+            raise ValueError(f"--disaggregate wants P:D (e.g. 1:3), got {args.disaggregate!r}")
+        disaggregate = (int(p), int(d))
+    transfer = None
+    if args.kv_transfer_gbps is not None:
+        transfer = KVTransfer(
+            args.kv_transfer_gbps * 1e9, args.kv_transfer_latency_ms / 1e3, "given"
+        )
+    percentiles = _floats(args.metric_percentiles, "--metric-percentiles")
+    percentiles += tuple(p for p in (99.0, *extra_percentiles) if p not in percentiles)
+    return PlanSettings(
+        shaping=OfflineConfig(
+            workload_from_args(args), args.shared_prefix_len, args.long_prompts, args.long_len
+        ),
+        whatif=whatif,
+        percentiles=percentiles,
+        goodput_slos_ms=_bounds(args.goodput, "--goodput"),
+        frontend=Frontend(args.frontend_ms_per_step / 1e3, args.frontend_us_per_token / 1e6),
+        disaggregate=disaggregate,
+        kv_transfer=transfer,
+    )
+
+
+def _bench_config(args: argparse.Namespace, settings):
+    """`bench serve`'s config, only to print a run as bench serve prints it."""
+    from nori_jax.bench.config import BenchConfig
+
+    return BenchConfig(
+        base_url="http://simulated",
+        workload=settings.shaping.workload,
+        percentile_metrics=tuple(m for m in args.percentile_metrics.split(",") if m),
+        metric_percentiles=settings.percentiles,
+        goodput_slos_ms=settings.goodput_slos_ms,
+    )
+
+
+def _missing_extra() -> list[str]:
+    return [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+
+
+def _run(fn, args: argparse.Namespace) -> int:
+    missing = _missing_extra()
+    if missing:
+        print(
+            f"error: nori-jax plan reports with bench serve's metrics, whose modules need the "
+            f"bench extra (missing: {', '.join(missing)}): pip install 'nori-jax[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _write_json(path: str, obj: Any) -> None:
+    Path(path).write_text(json.dumps(_finite_only(obj), indent=2, allow_nan=False) + "\n")
+
+
+def _finite_only(x: Any) -> Any:
+    """inf and NaN (a knee's latency rise from 0, say) as null: JSON has neither."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_only(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite_only(v) for v in x]
+    return x
+
+
+def _finite(x: float) -> float | str:
+    return x if math.isfinite(x) else "inf"
+
+
+def _header(planner) -> None:
+    cal = planner.cal
+    e = planner.engine
+    s = e.scheduler
+    print(f"Calibration: {cal.key.describe()} ({cal.path})")
+    print(f"  {cal.source}")
+    print(
+        f"Simulated engine: page {s.page_size}, {e.num_pages} KV pages, {s.max_num_seqs} "
+        f"sequences, {s.max_num_batched_tokens} tokens per step, headroom {s.kv_headroom:g}, "
+        f"prefix caching {'on' if s.enable_prefix_caching else 'off'}, long-prompt isolation "
+        f"{s.long_prefill_threshold or 'off'}, {'overlapped' if e.async_scheduling else 'sync'} "
+        "scheduling"
+        + (f"; disaggregated {planner.settings.disaggregate[0]}:{planner.settings.disaggregate[1]}"
+           if planner.settings.disaggregate else "")
+    )  # fmt: skip
+    for w in planner.warnings:
+        print(f"WARNING: {w}")
+
+
+def _start_rate(planner, needed: bool) -> float:
+    """An eighth of the request rate served with every request queued at once: a ramp from
+    there reaches the knee in a few doublings, without the long runs of rates far below it."""
+    if not needed:
+        return 1.0  # unused: the sweep has its rates
+    served = planner.run_at(math.inf).run.metrics["request_throughput"]
+    start = float(f"{served / 8:.2g}")
+    print(f"Ramp from {start:g} req/s (an eighth of {served:.3g} req/s with all queued at once)")
+    return start
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    parts = []
+    for k, v in summary.items():
+        parts.append(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}")
+    return "Simulated: " + ", ".join(parts)
+
+
+def _calibration_dict(cal) -> dict[str, Any]:
+    return {"key": dataclasses.asdict(cal.key), "path": cal.path, "source": cal.source}
+
+
+def _run_dict(outcome) -> dict[str, Any]:
+    run = outcome.run
+    return {
+        "request_rate": _finite(run.request_rate),
+        **{k: v for k, v in run.metrics.items() if k != "output_lens"},
+        "simulated": outcome.summary,
+        "warnings": run.warnings,
+    }
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    try:
+        from nori_jax.engine_args import engine_config_from_args
+        from nori_jax.plan.calibrate import ProfileGrid, calibrate, write
+
+        config = engine_config_from_args(args)
+        grid = ProfileGrid(
+            _ints(args.batches, "--batches"),
+            _ints(args.contexts, "--contexts"),
+            _ints(args.prefill_lens, "--prefill-lens"),
+            args.mixed_batch,
+            args.steps,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cal, profiles = calibrate(config, grid, log=print)
+    path = write(cal, args.out)
+    print(f"{len(profiles)} profiles; fit (relative errors, median / p90 / max):")
+    for stage, q in cal.quality.items():
+        print(
+            f"  {stage:<12} {q['median_rel_error']:6.1%} / {q['p90_rel_error']:6.1%} / "
+            f"{q['max_rel_error']:6.1%}   r2 {q['r2']:.3f}"
+        )
+    for c in cal.check:
+        print(
+            f"  check {c['shape']}: measured {c['measured_ms']:.2f} ms/step overlapped, "
+            f"model {c['predicted_ms']:.2f}"
+        )
+    t = cal.kv_transfer
+    print(f"  KV transfer ({t.path}): {t.bytes_per_s / 1e9:.2f} GB/s + {1e3 * t.latency_s:.3f} ms")
+    print(f"Wrote {path}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    return _run(_simulate_inner, args)
+
+
+def _simulate_inner(args: argparse.Namespace) -> int:
+    from nori_jax.bench import report
+    from nori_jax.plan.planner import Planner
+
+    settings = _settings(args)
+    planner = Planner(_calibrations(args)[0], settings)
+    _header(planner)
+    rate = settings.shaping.workload.request_rate
+    outcome = planner.run_at(rate)
+    bcfg = _bench_config(args, settings)
+    print(report.load_header(bcfg, rate))
+    report.print_run(bcfg, outcome.run, sys.stdout)
+    print(_summary_line(outcome.summary))
+    if args.result_json:
+        _write_json(
+            args.result_json,
+            {
+                "calibration": _calibration_dict(planner.cal),
+                "engine": dataclasses.asdict(planner.engine),
+                "planner_warnings": planner.warnings,
+                **_run_dict(outcome),
+            },
+        )
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    return _run(_sweep_inner, args)
+
+
+def _sweep_inner(args: argparse.Namespace) -> int:
+    from nori_jax.bench import report
+    from nori_jax.bench.sweep import SweepConfig, find_knee, run_sweep
+    from nori_jax.plan.compare import comparison, comparison_table, load_measured_sweep
+    from nori_jax.plan.planner import Planner
+
+    measured = load_measured_sweep(args.measured) if args.measured else None
+    if args.sweep and args.sweep != "auto":
+        rates = _floats(args.sweep, "--sweep")
+    elif measured is not None and not args.sweep:
+        rates = tuple(r.request_rate for r in measured)
+    else:
+        rates = None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib (the bench extra): pip install 'nori-jax[bench]'")
+    settings = _settings(args)
+    planner = Planner(_calibrations(args)[0], settings)
+    _header(planner)
+    cfg = SweepConfig(
+        rates=rates,
+        start_rate=args.sweep_start_rate or _start_rate(planner, rates is None),
+        max_steps=args.sweep_max_steps,
+        min_gain=args.knee_min_gain,
+        min_latency_rise=args.knee_min_latency_rise,
+    )
+    outcomes = {}
+
+    def run_at(rate: float):
+        outcomes[rate] = planner.run_at(rate)
+        return outcomes[rate].run
+
+    runs, knee, reason = run_sweep(cfg, run_at)
+    print(report.sweep_table(runs))
+    if knee is None:
+        print(f"Knee: not found within the simulated rates ({reason})")
+    else:
+        print(
+            f"Knee: {knee.rate:g} req/s (throughput efficiency {knee.efficiency:.2f} and "
+            f"P99 TTFT {knee.ttft_rise:+.0%} / TPOT {knee.tpot_rise:+.0%} at {knee.next_rate:g})"
+        )
+    compute_s = sum(o.summary["compute_s"] for o in outcomes.values())
+    simulated_s = sum(o.run.metrics["duration"] for o in outcomes.values())
+    print(f"Simulated {simulated_s:.0f} s of traffic in {compute_s:.1f} s")
+    rows, measured_knee = [], None
+    if measured is not None:
+        measured_knee = find_knee(measured, cfg)
+        rows = comparison(runs, measured)
+        if rows:
+            print(comparison_table(rows))
+        print(
+            "Measured knee: "
+            + (f"{measured_knee.rate:g} req/s" if measured_knee else "not found")
+            + " (the bench's rule on the measured runs)"
+        )
+    if args.plot:
+        title = f"{planner.cal.key.model} on {planner.cal.key.device} (simulated)"
+        if measured is not None:
+            from nori_jax.plan.plot import plot_against_measured
+
+            plot_against_measured(runs, knee, measured, measured_knee, args.plot, title)
+        else:
+            from nori_jax.bench.plot import plot_sweep
+
+            plot_sweep(runs, knee, args.plot, title)
+        print(f"Plot: {args.plot}")
+    if args.result_json:
+        _write_json(
+            args.result_json,
+            {
+                "calibration": _calibration_dict(planner.cal),
+                "engine": dataclasses.asdict(planner.engine),
+                "planner_warnings": planner.warnings,
+                "knee_request_rate": knee.rate if knee else None,
+                "knee": dataclasses.asdict(knee) if knee else None,
+                "stop_reason": reason,
+                "request_rates": [r.request_rate for r in runs],
+                "runs": [_run_dict(outcomes[r.request_rate]) for r in runs],
+                "measured": args.measured,
+                "measured_knee_request_rate": measured_knee.rate if measured_knee else None,
+                "comparison": rows,
+            },
+        )
+    return 0
+
+
+def _size(args: argparse.Namespace) -> int:
+    return _run(_size_inner, args)
+
+
+def _size_inner(args: argparse.Namespace) -> int:
+    from nori_jax.bench.sweep import SweepConfig
+    from nori_jax.plan.planner import Planner
+    from nori_jax.plan.sizing import Slo, capacity, size
+
+    slo = Slo(_bounds(args.slo, "--slo"), args.slo_percentile)
+    settings = _settings(args, extra_percentiles=(slo.percentile,))
+    rows = []
+    for cal in _calibrations(args, many=True):
+        planner = Planner(cal, settings)
+        _header(planner)
+        sweep = SweepConfig(
+            start_rate=args.search_start_rate or _start_rate(planner, True),
+            max_steps=args.sweep_max_steps,
+            min_gain=args.knee_min_gain,
+            min_latency_rise=args.knee_min_latency_rise,
+        )
+        best = capacity(slo, lambda r, p=planner: p.run_at(r).run, sweep)
+        sizing = size(
+            args.target_rate, best.rate, planner.gpus, planner.tokens_per_request,
+            args.gpu_hour_price,
+        )  # fmt: skip
+        at_share = planner.run_at(sizing.rate_per_replica).run.metrics
+        rows.append((cal, planner, best, sizing, at_share))
+        knee = f"knee {best.knee.rate:.3g} req/s" if best.knee else "no knee on the ramp"
+        limit = "SLOs" if best.limited_by == "slo" else "knee"
+        print(
+            f"  one replica ({planner.gpus} GPU{'s' if planner.gpus > 1 else ''}): capacity "
+            f"{best.rate:.3g} req/s, limited by the {limit} (past it at {best.broken_at:.3g}; "
+            f"{knee}; {best.runs} runs)"
+        )
+    pw = slo.key
+    print(" Sizing ".center(100, "="))
+    print(
+        f"{'layout':<32} {'req/s/replica':>13} {'replicas':>8} {'GPUs':>5} "
+        + "".join(f" {name.upper() + ' P' + f'{slo.percentile:g}':>10}" for name in slo.limits_ms)
+        + f" {'$/h':>8} {'$/M tok':>8} {'$/M out':>8}"
+    )
+    for cal, _, best, s, m in sorted(rows, key=lambda r: r[3].gpus):
+        money = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
+        print(
+            f"{cal.key.device + ' tp' + str(cal.key.tp) + ' ' + cal.key.kv_dtype:<32} "
+            f"{best.rate:>13.3g} {s.replicas:>8} {s.gpus:>5} "
+            + "".join(f" {m[pw(name)]:>10.1f}" for name in slo.limits_ms)
+            + f" {money(s.cost_per_hour):>8} {money(s.cost_per_million_tokens):>8} "
+            f"{money(s.cost_per_million_output_tokens):>8}"
+        )
+    cheapest = min(rows, key=lambda r: r[3].gpus)
+    print(
+        f"{args.target_rate:g} req/s within {' '.join(args.slo)} (P{slo.percentile:g}): "
+        f"{cheapest[3].replicas} replicas, {cheapest[3].gpus} GPUs ({cheapest[0].key.device} "
+        f"tp{cheapest[0].key.tp})"
+    )
+    if args.result_json:
+        _write_json(
+            args.result_json,
+            {
+                "target_rate": args.target_rate,
+                "slo_ms": dict(slo.limits_ms),
+                "slo_percentile": slo.percentile,
+                "gpu_hour_price": args.gpu_hour_price,
+                "layouts": [
+                    {
+                        "calibration": _calibration_dict(cal),
+                        "max_rate_per_replica": best.rate,
+                        "limited_by": best.limited_by,
+                        "knee_request_rate": best.knee.rate if best.knee else None,
+                        "broken_at": _finite(best.broken_at),
+                        **dataclasses.asdict(s),
+                        "metrics_at_share": {k: v for k, v in m.items() if k != "output_lens"},
+                        "planner_warnings": planner.warnings,
+                    }
+                    for cal, planner, best, s, m in rows
+                ],
+            },
+        )
+    return 0

@@ -1,0 +1,84 @@
+"""The skeleton the three generation routes share (/v1/completions, /v1/chat/completions,
+/generate):
+
+    check the body -> prompt token ids (off the event loop) -> generation budget ->
+    SamplingParams -> hand to the engine -> a stream of events, or the whole answer
+
+A route says only what differs (a `GenerationRoute`): how its body becomes a prompt, which field
+names the prompt and the budget, and the shape of its answer and of its stream. Every error on
+the way is an ApiError whose `param` names the route's own field.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nori_jax.async_engine import RequestStream
+from nori_jax.core.outputs import RequestOutput
+from nori_jax.sampling_params import ParameterError, SamplingParams
+from serve import convert
+from serve.context import ServeContext
+from serve.errors import bad_request
+from serve.streaming import EngineStreamingResponse
+
+
+class GenerationRoute(abc.ABC):
+    id_prefix: str  # of the request id: "cmpl", "chatcmpl", "gen"
+    media_type: str = "text/event-stream"  # of a streamed answer
+    prompt_param: str = "prompt"  # the field a prompt error names
+
+    def __init__(self, ctx: ServeContext, body: Any):
+        self.ctx, self.body = ctx, body
+
+    def check(self) -> None:  # noqa: B027 - an optional hook
+        """Refuse what the body asks for and this route cannot do (an ApiError)."""
+
+    @abc.abstractmethod
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids (blocking: tokenization and templating run in a worker thread)."""
+
+    def max_tokens(self) -> tuple[int | None, str]:
+        """The budget asked for (None: all the room the model length leaves) and its field."""
+        return self.body.max_tokens, "max_tokens"
+
+    def logprobs(self) -> int | None:
+        return None
+
+    @abc.abstractmethod
+    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+        """The whole answer's JSON body."""
+
+    @abc.abstractmethod
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+        """The streamed answer's body."""
+
+    def sampling_params(self, prompt_len: int) -> SamplingParams:
+        asked, param = self.max_tokens()
+        budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
+        return convert.sampling_params(self.body, budget, self.logprobs())
+
+
+async def handle(route: GenerationRoute, request: Request) -> Response:
+    ctx, body = route.ctx, route.body
+    convert.check_model(ctx, getattr(body, "model", None))
+    route.check()
+    try:
+        prompt_ids = await asyncio.to_thread(route.prompt_ids)
+        params = route.sampling_params(len(prompt_ids))
+    except ParameterError as e:
+        raise bad_request(str(e), route.prompt_param if e.param == "prompt" else e.param) from None
+    request_id = f"{route.id_prefix}-{uuid.uuid4().hex}"
+    stream = await ctx.submit(prompt_ids, params, request_id, route.prompt_param)
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.settings.model_name}
+    if body.stream:
+        return EngineStreamingResponse(route.events(head, stream), stream, route.media_type)
+    out = await ctx.final_output(request, stream)
+    return JSONResponse(route.answer(head, out))

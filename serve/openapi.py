@@ -1,0 +1,200 @@
+"""/openapi.json as the server really answers: the error object on every status a route can give
+(400, never FastAPI's 422), the streaming media types, the generation routes' JSON bodies."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class StageMetrics(BaseModel):
+    """The `metrics` extension field: the request's stage timings in seconds."""
+
+    queue_time: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    time_to_first_token: float | None
+    e2e_latency: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: StageMetrics
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[Any]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: StageMetrics
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    metrics: StageMetrics
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    reason: str | None = None
+
+
+_ANSWERS = {  # path -> the model of its 200 JSON body
+    "/v1/completions": CompletionResponse,
+    "/v1/chat/completions": ChatCompletionResponse,
+    "/generate": GenerateResponse,
+    "/v1/models": ModelList,
+    "/health": Health,
+}
+
+
+_STATUS = {
+    "400": "invalid request: bad JSON, a field of the wrong type or out of range, an "
+    "unsupported field, a prompt that does not fit (param names the field)",
+    "401": "missing or wrong API key (when the server has one)",
+    "404": "the model named is not served",
+    "408": "the request body did not arrive in time",
+    "413": "the request body is larger than the server takes",
+    "429": "the waiting queue is full (see Retry-After)",
+    "500": "the engine died while the request was in flight, or failed this request",
+    "503": "the engine is not serving: shutting down or restarting (see Retry-After)",
+    "504": "the request ran past the server's request timeout",
+}
+_GENERATION = {  # path -> the media type of its stream
+    "/v1/completions": "text/event-stream",
+    "/v1/chat/completions": "text/event-stream",
+    "/generate": "application/x-ndjson",
+}
+
+
+def install_openapi(app: FastAPI) -> None:
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _build(app)
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
+
+
+def _build(app: FastAPI) -> dict[str, Any]:
+    spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = spec.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    _, defs = models_json_schema(
+        [(m, "serialization") for m in (ErrorResponse, *_ANSWERS.values())],
+        ref_template="#/components/schemas/{model}",
+    )
+    components.update(defs["$defs"])
+    error = _json_ref("ErrorResponse")
+    for path, ops in spec["paths"].items():
+        for op in ops.values():
+            responses = op["responses"]
+            responses.pop("422", None)
+            if path in _ANSWERS:
+                responses["200"]["content"] |= _json_ref(_ANSWERS[path].__name__)
+            if path == "/health":
+                codes = []
+                responses["503"] = {"description": _STATUS["503"], "content": _json_ref("Health")}
+            elif path in ("/metrics", "/openapi.json"):
+                codes = []
+            elif path in _GENERATION:
+                codes = list(_STATUS)
+                ok = responses["200"]["content"]
+                ok[_GENERATION[path]] = {"schema": {"type": "string"}}
+            else:
+                codes = ["401"]
+            for code in codes:
+                responses[code] = {"description": _STATUS[code], "content": error}
+    spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
+        "text/plain": {"schema": {"type": "string"}}
+    }
+    return spec
+
+
+def _json_ref(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}

@@ -1,0 +1,79 @@
+"""`plan calibrate` on the CPU engine (tiny-cpu preset, a handful of shapes): the profiles hold
+the shapes asked for, the file loads, and the simulator runs on it. The fitted numbers are CPU
+timings and are not asserted (speed is measured, never asserted by tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nori_jax.bench.offline import OfflineConfig
+from nori_jax.bench.workload import WorkloadConfig
+from nori_jax.engine_config import EngineConfig
+from nori_jax.plan.calibrate import ProfileGrid, calibrate, write
+from nori_jax.plan.calibration import CalibrationQuery, find_calibration, load_calibration
+from nori_jax.plan.planner import Planner, PlanSettings
+
+GRID = ProfileGrid(
+    batches=(1, 4), contexts=(16, 48), prefill_lens=(40, 150), mixed_batch=2, steps=3
+)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    config = EngineConfig.from_yaml("tiny-cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    return calibrate(config, GRID, log=lambda _: None)
+
+
+def test_profiles_hold_the_requested_shapes(calibrated):
+    cal, profiles = calibrated
+    decode = [p for p in profiles if p.phase == "decode"]
+    assert len(decode) == len(GRID.batches) * len(GRID.contexts) * GRID.steps
+    shapes = set()
+    for p in decode:
+        f = p.features
+        assert f.prefill_tokens == 0 and f.num_decodes == f.num_rows
+        # Every row decodes at its context plus the tokens generated so far.
+        context = next(c for c in GRID.contexts if f.decode_kv_tokens <= f.num_rows * (c + 12))
+        assert f.decode_kv_tokens >= f.num_rows * (context + 1)
+        shapes.add((f.num_rows, context))
+    assert shapes == {(b, c) for b in GRID.batches for c in GRID.contexts}
+    # The 150-token prompt runs as chunks of the 64-token budget: 64, 64, 22, the later ones
+    # attending to what the earlier wrote.
+    pairs = {p.features.prefill_pairs for p in profiles if p.phase == "prefill"}
+    assert 64 * 128 - 64 * 63 // 2 in pairs
+    assert any(p.features.prefill_tokens and p.features.num_decodes for p in profiles)  # mixed
+    for p in profiles:
+        assert min(p.schedule_s, p.launch_s, p.device_s, p.postprocess_s) >= 0
+
+
+def test_the_calibration_file_describes_the_engine_and_loads(calibrated, tmp_path):
+    cal, profiles = calibrated
+    path = write(cal, tmp_path / "cal.yaml")
+    back = load_calibration(path)
+    assert back.key.describe() == "model=tiny-llama dtype=float32 kv_dtype=float32 device=cpu tp=1"
+    assert find_calibration(CalibrationQuery(model="tiny-llama"), directory=tmp_path).path == str(
+        path
+    )
+    e = back.engine
+    assert (e.page_size, e.num_pages, e.max_num_seqs, e.max_num_batched_tokens) == (16, 128, 8, 64)
+    assert e.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x dim x fp32
+    assert back.feature_max["num_rows"] == max(p.features.num_rows for p in profiles)
+    assert back.quality["device"]["profiles"] == len(profiles)
+    assert 0.0 <= back.costs.launch_wait <= 1.0
+    assert [c["shape"] for c in back.check] == [
+        f"decode {b} x {c}" for c in GRID.contexts for b in GRID.batches
+    ]
+    assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in back.check)
+    assert back.kv_transfer.bytes_per_s > 0 and back.kv_transfer.path == "device-host-device"
+    assert "plan calibrate" in back.source and not back.derived
+
+
+def test_the_simulator_runs_on_a_fresh_calibration(calibrated):
+    cal, _ = calibrated
+    w = WorkloadConfig(dataset="fixed", num_prompts=20, input_len=40, output_len=8)
+    for rate in (10.0, math.inf):
+        out = Planner(cal, PlanSettings(OfflineConfig(w))).run_at(rate)
+        assert out.run.metrics["completed"] == 20
+        assert out.run.metrics["mean_ttft_ms"] > 0
