@@ -12,13 +12,17 @@ the minor one, which the fp8 GEMM requires), `scale[out, in // group]` (`[out, 1
 and, only for offset layouts, `offset[out, in // group]`; the weight is
 `qvalue * scale (+ offset)` with the scale broadcast over each group. Embeddings, the LM head and
 the norms stay in the compute dtype (as vLLM keeps them).
+
+JAX-free (ml_dtypes' types are JAX's): EngineConfig validates against this module in processes
+that never load JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 QUANTIZATION_MODES = ("fp8", "int8", "int4")
 DEFAULT_GROUP_SIZE = {"fp8": None, "int8": None, "int4": 128}
@@ -51,10 +55,10 @@ class WeightQuantization:
     def qtype(self):
         """The stored values' dtype."""
         if self.mode == "fp8":
-            return jnp.float8_e4m3fn
+            return ml_dtypes.float8_e4m3fn
         if self.mode == "int8":
-            return jnp.int8
-        return jnp.int4
+            return np.int8
+        return ml_dtypes.int4
 
     @property
     def quantizes_activations(self) -> bool:
@@ -63,7 +67,7 @@ class WeightQuantization:
     def scale_dtype(self, compute_dtype):
         """fp8 scales multiply the float32 GEMM output, so they stay float32; the weight-only
         modes dequantize into the compute dtype, which is the scales' dtype (qwix's rule)."""
-        return jnp.float32 if self.mode == "fp8" else compute_dtype
+        return np.float32 if self.mode == "fp8" else compute_dtype
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -80,7 +84,7 @@ class WeightQuantization:
     def describe(self) -> str:
         layout = "per channel" if self.group_size is None else f"groups of {self.group_size}"
         extra = ", float offset" if self.offset else ""
-        return f"{self.mode} ({jnp.dtype(self.qtype).name}, {layout}{extra}; {self.source})"
+        return f"{self.mode} ({np.dtype(self.qtype).name}, {layout}{extra}; {self.source})"
 
 
 def default_scheme(mode: str) -> WeightQuantization:
