@@ -157,6 +157,7 @@ class EngineCoreClient:
         self.tokenizer: Tokenizer | None = Tokenizer.from_state(tok) if tok else None
         self.max_model_len = self.info.max_model_len
         self.metrics = EngineMetrics()
+        self.metrics.set_model_config(self.info.model_config_info)
         self._send_lock = threading.Lock()
         self._encode = msgspec.msgpack.Encoder().encode
         self._processor = OutputProcessor(self.tokenizer)

@@ -108,6 +108,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         seed=config.seed,
         tokenizer=config.tokenizer,
         param_cache=config.param_cache,
+        quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
     mcfg = model.config
@@ -139,11 +140,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
     )
     logger.info(
-        "engine ready in %.1fs: %s, %s, max_model_len %d, %d sequences, %d KV pages of %d "
-        "tokens, buckets %s, attention=%s",
+        "engine ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
+        "of %d tokens, buckets %s, attention=%s",
         time.perf_counter() - started,
         model.source,
-        getattr(model.dtype, "__name__", model.dtype),
+        model.describe_weights(),
+        model.weight_bytes / 2**30,
         scfg.max_model_len,
         scfg.max_num_seqs,
         num_pages,
@@ -168,6 +170,7 @@ class LLMEngine:
         self.load_seconds = parts.load_seconds
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
+        self.metrics.set_model_config(parts.model.model_config_info)
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._eos = parts.eos_token_ids

@@ -16,6 +16,7 @@ import yaml
 from nori_jax.config_field import option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.mesh_config import MeshConfig
+from nori_jax.quantization.scheme import QUANTIZATION_MODES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
@@ -36,6 +37,12 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto", help="parameter dtype; auto: bfloat16 on GPU, float32 on CPU", choices=DTYPES
+    )
+    quantization: str | None = option(
+        None,
+        help="store the decoder's linear weights quantized: fp8 (fp8 matmuls), int8 / int4 "
+        "(weight-only); a GGUF file's own Q8_0/Q4_0/Q4_1 blocks are kept (none: the dtype)",
+        choices=QUANTIZATION_MODES,
     )
     load_format: str = option(
         "auto", help="weights format; dummy: random weights of a shape preset", choices=LOAD_FORMATS
@@ -88,6 +95,10 @@ class EngineConfig:
         for name, kind in _NESTED.items():
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
+            )
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:

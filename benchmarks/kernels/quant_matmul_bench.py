@@ -1,0 +1,194 @@
+"""Speed of the quantized linear layers (models/linear.py) against bf16, on Llama-3.1-8B shapes.
+
+    python benchmarks/kernels/quant_matmul_bench.py [--tokens 16,256,1024,4096] [--json out.json]
+
+Each variant multiplies x[T, K] by L distinct weights of one shape in one jitted call (L chosen so
+the weights exceed the 50 MB L2 and no dequantization can be hoisted or cached), so the time per
+matmul is device time with the launch amortized. Variants:
+
+    bf16            x @ w[K, N], the float engine's kernel layout
+    fp8             QuantizedLinear fp8: per-token quantization of x + fp8 x fp8 dot (f32 out)
+    fp8 (x given)   the fp8 dot alone, x already fp8: what the per-token quantization costs
+    int8            QuantizedLinear int8: dequantize (convert * scale) into the dot's operand
+    int8 epilogue   (x @ convert(q)) * scale: the per-channel scale after the dot instead
+    int4 g128       QuantizedLinear int4, groups of 128
+    int4 g32+off    the GGUF Q4_1 layout: groups of 32 and a float offset
+
+`lowering` names what XLA made of the dot (cuBLASLt fp8 gemm, a Triton gemm fusion that reads
+the quantized weight, or a cuBLAS gemm fed by a separate dequantizing fusion, which writes the
+bf16 weight to memory every call: where a Pallas kernel would pay). Prints one table; weight
+TB/s counts the stored bytes of the weights (values + scales) read once per matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nori_jax.models.linear import COLUMN, QuantizedLinear
+from nori_jax.quantization.quantize import quantize_array, stored_bytes
+from nori_jax.quantization.scheme import WeightQuantization, default_scheme
+
+SHAPES = {  # name: (K = in, N = out)
+    "qkv-q 4096x4096": (4096, 4096),
+    "kv 4096x1024": (4096, 1024),
+    "gate/up 4096x14336": (4096, 14336),
+    "down 14336x4096": (14336, 4096),
+}
+CONTRACT_IN = (((1,), (1,)), ((), ()))
+
+
+def _layers(scheme: WeightQuantization, k: int, n: int, count: int, key) -> list:
+    out = []
+    for i in range(count):
+        w = 0.02 * jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32)
+        layer = QuantizedLinear(k, n, jnp.bfloat16, COLUMN, scheme, f"w{i}")
+        if scheme.offset:
+            leaves = quantize_array(w, WeightQuantization("int4", scheme.group_size), jnp.bfloat16)
+            leaves["offset"] = jnp.full(layer.offset.shape, 0.001, jnp.bfloat16)
+        else:
+            leaves = quantize_array(w, scheme, scheme.scale_dtype(jnp.bfloat16))
+        for name, value in leaves.items():
+            getattr(layer, name).set_value(value)
+        out.append(layer)
+    return out
+
+
+def variants(k: int, n: int, count: int):
+    """name -> (fn(x, weights) -> the outputs, weights, stored bytes of one weight). Outputs are
+    returned, not summed: a sum would add a pass over every [T, N] output."""
+    key = jax.random.key(0)
+    bf16 = [
+        (0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32)).astype(
+            jnp.bfloat16
+        )
+        for i in range(count)
+    ]
+    out = {"bf16": (lambda x, ws: [x @ w for w in ws], bf16, k * n * 2)}
+    for name, scheme in (
+        ("fp8", default_scheme("fp8")),
+        ("int8", default_scheme("int8")),
+        ("int4 g128", default_scheme("int4")),
+        ("int4 g32+off", WeightQuantization("int4", 32, offset=True, source="bench")),
+    ):
+        layers = _layers(scheme, k, n, count, key)
+        nbytes = stored_bytes([layers[0].qvalue.get_value(), layers[0].scale.get_value()])
+        if scheme.offset:
+            nbytes += stored_bytes([layers[0].offset.get_value()])
+        out[name] = (lambda x, ws: [layer(x) for layer in ws], layers, nbytes)
+        if name == "int8":
+            out["int8 epilogue"] = (_int8_epilogue, layers, nbytes)
+        if name == "fp8":
+            out["fp8 (x given)"] = (_fp8_given, layers, nbytes)
+    return out
+
+
+def _int8_epilogue(x, layers):
+    return [
+        jax.lax.dot_general(x, layer.qvalue[...].astype(x.dtype), CONTRACT_IN)
+        * layer.scale[...][:, 0].astype(x.dtype)
+        for layer in layers
+    ]
+
+
+def _fp8_given(x, layers):
+    xq = x.astype(jnp.float8_e4m3fn)  # one convert of x, shared by every dot
+    out = []
+    for layer in layers:
+        y = jax.lax.dot_general(
+            xq, layer.qvalue[...], CONTRACT_IN, preferred_element_type=jnp.float32
+        )
+        out.append((y * layer.scale[...][:, 0]).astype(x.dtype))
+    return out
+
+
+def lowering(hlo: str) -> str:
+    """What XLA made of the dots in an optimized HLO module."""
+    kinds = []
+    if "__cublas$lt$matmul$f8" in hlo:
+        kinds.append("cublasLt-f8")
+    if re.search(r"__triton_gemm|\"kind\":\"__triton", hlo):
+        kinds.append("triton-gemm")
+    if "__cublas$gemm" in hlo or re.search(r"__cublas\$lt\$matmul\"", hlo):
+        kinds.append("cublas")
+    if re.search(r"__cudnn\$fusion|__cudnn", hlo):
+        kinds.append("cudnn")
+    if not kinds:
+        kinds.append("other")
+    # A dequantizing fusion feeding a cuBLAS gemm materializes the bf16 weight.
+    dequant = r"bf16\[\d+,\d+\]\{[^}]*\} fusion\([^)]*(s8|s4|f8e4m3fn)\[[^)]*\), kind=kLoop"
+    if "cublas" in kinds and re.search(dequant, hlo):
+        kinds.append("+dequant-fusion")
+    return ",".join(kinds)
+
+
+def time_call(fn, *args, iters: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="16,256,1024,4096")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES, comma-separated")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    rows = []
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        count = max(2, int(np.ceil(200e6 / (k * n * 2))))  # > 200 MB of bf16 weights per call
+        vs = variants(k, n, count)
+        for t in (int(s) for s in args.tokens.split(",")):
+            x = (jax.random.normal(jax.random.key(t), (t, k), jnp.float32)).astype(jnp.bfloat16)
+            base = None
+            for name, (fn, ws, nbytes) in vs.items():
+                jitted = jax.jit(fn)
+                hlo = jitted.lower(x, ws[:1]).compile().as_text()
+                sec = time_call(jitted, x, ws) / count
+                base = sec if name == "bf16" else base
+                rows.append(
+                    dict(
+                        shape=shape,
+                        tokens=t,
+                        variant=name,
+                        us=sec * 1e6,
+                        tflops=2 * t * k * n / sec / 1e12,
+                        weight_tbps=nbytes / sec / 1e12,
+                        vs_bf16=base / sec,
+                        lowering=lowering(hlo),
+                    )
+                )
+                r = rows[-1]
+                print(
+                    f"{shape:20s} T={t:5d} {name:14s} {r['us']:9.1f} us "
+                    f"{r['tflops']:7.1f} TFLOP/s {r['weight_tbps']:5.2f} TB/s "
+                    f"x{r['vs_bf16']:.2f} vs bf16  {r['lowering']}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n| shape | T | variant | us | TFLOP/s | weight TB/s | vs bf16 | lowering |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['us']:.1f} | "
+            f"{r['tflops']:.1f} | {r['weight_tbps']:.2f} | {r['vs_bf16']:.2f} | {r['lowering']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

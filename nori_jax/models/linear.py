@@ -1,0 +1,109 @@
+"""The model's linear layers: a float kernel `[in, out]`, or a quantized weight (quantization/).
+
+Tensor parallelism is Megatron's: a COLUMN layer (q/k/v/gate/up) splits its output features over
+the mesh axis `model`, a ROW layer (o/down) its input features. A quantized weight keeps the same
+split, with its scales sharded alongside their channels or groups.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+from nori_jax.quantization.scheme import WeightQuantization
+
+MODEL = "model"  # mesh axis for tensor parallelism
+COLUMN, ROW = "column", "row"
+_CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
+
+
+def param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], dtype, sharding: tuple[str | None, ...], init="normal"
+):
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    # Sharding is metadata here; the loader places each array on the mesh (weights/loader.py).
+    return nnx.Param(value, eager_sharding=False, out_sharding=sharding)
+
+
+class QuantizedLinear(nnx.Module):
+    """`qvalue[out, in]`, `scale[out, groups]` and, for offset layouts, `offset[out, groups]`
+    (quantization/scheme.py). Built under `nnx.eval_shape` only: the loader fills the values."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype,
+        parallel: str,
+        scheme: WeightQuantization,
+        name: str,
+    ):
+        scheme.check_in_features(name, in_features)
+        groups = scheme.num_groups(in_features)
+        w_spec = (MODEL, None) if parallel == COLUMN else (None, MODEL)
+        # A per-channel scale has one column: it cannot be split over the input features.
+        s_spec = (w_spec[0], w_spec[1] if groups > 1 else None)
+        s_dtype = scheme.scale_dtype(dtype)
+
+        def zeros(shape, dt, spec):
+            return nnx.Param(jnp.zeros(shape, dt), eager_sharding=False, out_sharding=spec)
+
+        self.qvalue = zeros((out_features, in_features), scheme.qtype, w_spec)
+        self.scale = zeros((out_features, groups), s_dtype, s_spec)
+        self.offset = zeros((out_features, groups), s_dtype, s_spec) if scheme.offset else None
+        self.scheme = scheme
+        self.parallel = parallel
+        self.layer_name = name
+
+    def weight(self) -> jax.Array:
+        """The dequantized weight [out, in] in the compute dtype (what the weight-only matmul
+        reads; XLA fuses it into the dot's operand)."""
+        w = qwix.dequantize(self._qarray())
+        if self.offset is not None:
+            out, groups = self.offset.shape
+            grouped = w.reshape(out, groups, -1) + self.offset[...][:, :, None]
+            w = grouped.reshape(w.shape)
+        return w
+
+    def _qarray(self) -> qwix.QArray:
+        return qwix.QArray(self.qvalue[...], self.scale[...], None, self.scheme.qtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
+        if self.scheme.quantizes_activations:
+            # Dynamic per-token scales: each row of x gets its own absmax scale.
+            xq = qwix.quantize(x.astype(jnp.float32), self.scheme.qtype, channelwise_axes=(0,))
+            y = qwix.dot_general(
+                xq, self._qarray(), _CONTRACT_IN, preferred_element_type=jnp.float32
+            )
+            return y.astype(x.dtype)
+        return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
+
+
+def linear_weight(
+    rngs: nnx.Rngs,
+    in_features: int,
+    out_features: int,
+    dtype,
+    parallel: str,
+    quantization: WeightQuantization | None,
+    name: str,
+):
+    """A float kernel [in, out] sharded for `parallel`, or a QuantizedLinear (`quantization`)."""
+    if quantization is not None:
+        return QuantizedLinear(in_features, out_features, dtype, parallel, quantization, name)
+    spec = (None, MODEL) if parallel == COLUMN else (MODEL, None)
+    return param(rngs, (in_features, out_features), dtype, spec)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x[T, in] times the weight built by `linear_weight`."""
+    if isinstance(w, QuantizedLinear):
+        return w(x)
+    return x @ w[...]

@@ -1,0 +1,212 @@
+"""The engine in each quantization mode against float32.
+
+On the lookup model (lookup_model.py: greedy tokens with margins of several logits, decided by a
+quantized MLP) the greedy tokens of every mode equal float32's, with zero recompiles; the logits
+stay within two half-steps of the mode's grid (relative to the logits' range: int8 1/255 of it,
+int4 1/15, fp8 1/16) and, for the weight-only modes, equal a float32 model holding the dequantized
+weights. GGUF blocks kept as they are give float32's logits of the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+from gguf.constants import GGMLQuantizationType as Q
+from lookup_model import write_lookup_model
+from model_harness import PagedSequence
+from safetensors.numpy import save_file
+
+from nori_jax import LLM, SamplingParams
+from nori_jax.executor.mesh import make_mesh
+from nori_jax.mesh_config import MeshConfig
+from nori_jax.quantization.quantize import dequantize_leaves
+from nori_jax.weights.loader import load_model
+from tests.weights.tiny_gguf import write_tiny_gguf
+
+MODES = ("fp8", "int8", "int4")
+HALF_STEP = {"int8": 0.5 / 127.5, "int4": 0.5 / 7.5, "fp8": 2.0**-4}  # relative to the range
+SMALL = dict(
+    dtype="float32",
+    page_size=16,
+    num_pages=48,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_model_len=96,
+    param_cache=False,
+)
+# Two prompts of one length (the logit checks feed prompt + output, one compile per model) and a
+# long one whose prefill spans several chunks.
+PROMPTS = [[5, 17, 33, 101, 7], [200, 2, 250, 9, 1], list(range(40, 70))]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lookup(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("lookup")
+    return path, write_lookup_model(path)
+
+
+@pytest.fixture(scope="module")
+def engines(lookup) -> dict[str | None, LLM]:
+    path, _ = lookup
+    return {q: LLM(str(path), quantization=q, **SMALL) for q in (None, *MODES)}
+
+
+@pytest.fixture(scope="module")
+def models(lookup) -> dict:
+    """The lookup model loaded in each mode, for running it directly (model_harness)."""
+    path, _ = lookup
+    return {q: _loaded(path, q) for q in (None, *MODES)}
+
+
+@pytest.fixture(scope="module")
+def greedy(engines) -> dict[str | None, list[list[int]]]:
+    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return {q: [o.token_ids for o in llm.generate(PROMPTS, p)] for q, llm in engines.items()}
+
+
+def _loaded(path, quantization=None):
+    return load_model(
+        str(path),
+        dtype="float32",
+        mesh=make_mesh(MeshConfig()),
+        param_cache=False,
+        quantization=quantization,
+    )
+
+
+def test_float32_tokens_follow_the_quantized_lookup(lookup, greedy):
+    """The premise: float32's tokens are perm[t], which only layer 0's MLP computes."""
+    _, perm = lookup
+    for prompt, out in zip(PROMPTS, greedy[None], strict=True):
+        seq = [prompt[-1], *out]
+        assert [perm[t] for t in seq[:-1]] == seq[1:]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_tokens_equal_float32_with_zero_recompiles(mode, engines, greedy):
+    assert greedy[mode] == greedy[None]
+    assert engines[mode].engine.num_recompiles == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_stay_within_two_half_steps(mode, models, greedy):
+    ref, quant = models[None], models[mode]
+    for prompt, out in zip(PROMPTS[:2], greedy[None], strict=False):
+        ids = prompt + out
+        lf, lq = PagedSequence(ref).feed(ids), PagedSequence(quant).feed(ids)
+        tol = 2 * HALF_STEP[mode] * np.abs(lf).max()
+        err = np.abs(lq - lf).max()
+        assert 0 < err <= tol, (mode, err, tol)
+        top2 = np.sort(lf[len(prompt) - 1 :], axis=-1)[:, -2:]
+        assert (top2[:, 1] - top2[:, 0]).min() > 2 * tol  # so equal tokens are no accident
+
+
+def test_finer_grids_err_less(models, greedy):
+    ids = PROMPTS[0] + greedy[None][0]
+    lf = PagedSequence(models[None]).feed(ids)
+    err = {m: np.abs(PagedSequence(models[m]).feed(ids) - lf).max() for m in MODES}
+    assert err["int8"] < err["fp8"] < err["int4"]
+
+
+def _dequantized_checkpoint(loaded, path: Path) -> Path:
+    """A float32 HF directory holding the quantized model's dequantized weights."""
+    state = nnx.to_pure_dict(loaded.state)
+    hf = {"model.embed_tokens.weight": state["embed_tokens"], "model.norm.weight": state["norm"]}
+    hf["lm_head.weight"] = np.asarray(state["lm_head"]).T
+    hf = {k: np.asarray(v["weight"] if isinstance(v, dict) else v) for k, v in hf.items()}
+    for i, layer in state["layers"].items():
+        p = f"model.layers.{i}."
+        for part in ("self_attn", "mlp"):
+            for name, leaves in layer[part].items():
+                hf[f"{p}{part}.{name}.weight"] = np.asarray(
+                    dequantize_leaves(leaves, loaded.quantization)
+                )
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            hf[f"{p}{norm}.weight"] = np.asarray(layer[norm]["weight"])
+    path.mkdir()
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in hf.items()}, path / "m.st")
+    (path / "m.st").rename(path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_only_modes_compute_the_dequantized_model(mode, lookup, models, tmp_path):
+    path, _ = lookup
+    quant = models[mode]
+    deq = _dequantized_checkpoint(quant, tmp_path / "dequantized")
+    (deq / "config.json").write_text((path / "config.json").read_text())
+    ids = PROMPTS[0] + list(range(100, 112))
+    lq, ld = PagedSequence(quant).feed(ids), PagedSequence(_loaded(deq)).feed(ids)
+    np.testing.assert_allclose(lq, ld, rtol=1e-5, atol=1e-5)
+
+
+def test_metrics_and_log_name_the_weights(lookup, engines, caplog):
+    assert engines["int4"].get_metrics()["nori:model_config_info"] == {
+        "dtype": "float32",
+        "quantization": "int4",
+        "weights": "int4 (int4, groups of 128; quantized at load)",
+    }
+    assert engines[None].get_metrics()["nori:model_config_info"]["quantization"] == "none"
+    text = engines["fp8"].engine.metrics.registry
+    from prometheus_client import generate_latest
+
+    assert (
+        'nori:model_config_info{dtype="float32",quantization="fp8"'
+        in generate_latest(text).decode()
+    )
+    path, _ = lookup
+    with caplog.at_level(logging.INFO, logger="nori_jax.engine"):
+        LLM(str(path), quantization="int8", **SMALL)
+    assert "linear weights int8 (int8, per channel; quantized at load), float32 compute" in (
+        caplog.text
+    )
+
+
+# ---- GGUF files whose blocks fit the mode ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("qtype", "mode", "dtype", "offset"),
+    [
+        (Q.Q4_1, "int4", "int4", True),
+        (Q.Q4_0, "int4", "int4", False),
+        (Q.Q8_0, "int8", "int8", False),
+    ],
+)
+def test_gguf_blocks_load_exactly(qtype, mode, dtype, offset, tmp_path):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype=qtype)
+    ref, quant = _loaded(path), _loaded(path, mode)
+    assert quant.quantization.group_size == 32 and quant.quantization.offset is offset
+    q_proj = quant.state["layers"][0]["self_attn"]["q_proj"]
+    assert q_proj["qvalue"].get_value().dtype.name == dtype
+    assert q_proj["scale"].get_value().shape == (64, 2)  # [out, in / 32]
+    ids = [5, 17, 33, 101, 7, 250, 3, 3, 90]
+    lf, lq = PagedSequence(ref).feed(ids), PagedSequence(quant).feed(ids)
+    np.testing.assert_allclose(lq, lf, rtol=1e-5, atol=1e-5 * np.abs(lf).max())
+
+
+def test_gguf_int4_engine_and_parameter_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORI_JAX_PARAM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-q4_1.gguf"
+    write_tiny_gguf(path, qtype=Q.Q4_1)
+    kw = dict(SMALL, param_cache=True)
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    float_tokens = [o.token_ids for o in LLM(str(path), **kw).generate(PROMPTS, p)]
+    first = LLM(str(path), quantization="int4", **kw)
+    again = LLM(str(path), quantization="int4", **kw)  # restored from the orbax cache
+    assert not first.engine.model.from_cache and again.engine.model.from_cache
+    for llm in (first, again):
+        assert [o.token_ids for o in llm.generate(PROMPTS, p)] == float_tokens
+        assert llm.engine.num_recompiles == 0
+    leaves = lambda llm: nnx.to_pure_dict(llm.engine.model.state)["layers"][1]["mlp"]["up_proj"]  # noqa: E731
+    for name in ("qvalue", "scale", "offset"):
+        a, b = np.asarray(leaves(first)[name]), np.asarray(leaves(again)[name])
+        assert a.dtype == b.dtype and np.array_equal(a.astype(np.float32), b.astype(np.float32))
+    assert json.dumps(first.get_metrics()["nori:model_config_info"]).count("Q4_1 blocks, exact")
