@@ -14,6 +14,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
@@ -34,6 +35,7 @@ from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights.loader import LoadedModel, load_model
+from pallas_kernels.kv_layout import kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,15 @@ class EngineParts:
         return self.model.tokenizer
 
     @property
+    def config_info(self) -> dict[str, str]:
+        """What runs (dtype, weights, KV pages), for the log and nori:model_config_info."""
+        return self.model.model_config_info | {"kv_cache_dtype": self.kv_cache_dtype}
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return jnp.dtype(self.runner.kv_pages[0].dtype).name
+
+    @property
     def eos_token_ids(self) -> list[int]:
         tok = self.model.tokenizer
         return list(tok.eos_token_ids if tok else self.model.config.eos_token_ids)
@@ -115,10 +126,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     config.mesh.check_model(mcfg)
     scfg = config.scheduler.for_model(mcfg.position_limit)
     page_size = scfg.page_size
+    kv_dtype = kv_page_dtype(config.kv_cache_dtype, model.dtype)
     num_pages = config.num_pages or num_pages_for_memory(
         mcfg,
         page_size,
-        model.dtype,
+        kv_dtype,
         mesh,
         config.gpu_memory_utilization,
         config.cpu_kv_cache_gib,
@@ -133,7 +145,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler.buckets,
         mcfg.vocab_size,
     )
-    runner = ModelRunner(model, mesh, num_pages, page_size, builder.layout, scheduler.buckets)
+    runner = ModelRunner(
+        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype
+    )
     runner.compile_all()
     runner.warm_up()
     core = EngineCore(
@@ -141,7 +155,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     logger.info(
         "engine ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
-        "of %d tokens, buckets %s, attention=%s",
+        "of %d tokens in %s, buckets %s, attention=%s",
         time.perf_counter() - started,
         model.source,
         model.describe_weights(),
@@ -150,6 +164,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scfg.max_num_seqs,
         num_pages,
         page_size,
+        jnp.dtype(kv_dtype).name,
         scheduler.buckets,
         attention_backend,
     )
@@ -170,7 +185,7 @@ class LLMEngine:
         self.load_seconds = parts.load_seconds
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
-        self.metrics.set_model_config(parts.model.model_config_info)
+        self.metrics.set_model_config(parts.config_info)
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._eos = parts.eos_token_ids

@@ -17,6 +17,7 @@ from nori_jax.config_field import option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.quantization.scheme import QUANTIZATION_MODES
+from pallas_kernels.page_constants import KV_CACHE_DTYPES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
@@ -43,6 +44,12 @@ class EngineConfig:
         help="store the decoder's linear weights quantized: fp8 (fp8 matmuls), int8 / int4 "
         "(weight-only); a GGUF file's own Q8_0/Q4_0/Q4_1 blocks are kept (none: the dtype)",
         choices=QUANTIZATION_MODES,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        help="KV page dtype: auto (the model's dtype) or 8-bit fp8 pages (fp8 = fp8_e4m3, "
+        "fp8_e5m2), dequantized on the fly by the attention (per-layer scales of 1.0)",
+        choices=KV_CACHE_DTYPES,
     )
     load_format: str = option(
         "auto", help="weights format; dummy: random weights of a shape preset", choices=LOAD_FORMATS
@@ -89,6 +96,7 @@ class EngineConfig:
             ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),
             ("load_format", LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")

@@ -128,7 +128,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
             tok.to_state() if tok is not None else None,
             parts.load_seconds,
             parts.runner.compile_seconds,
-            parts.model.model_config_info,
+            parts.config_info,
         )
         outputs.send(encode(Ready(info)))
         _serve(parts.core, inputs, outputs, encode)

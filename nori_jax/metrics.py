@@ -147,9 +147,11 @@ class EngineMetrics:
             "Seconds from the engine's death to serving again, for the last restart.",
             registry=r,
         )
-        # Exposed as nori:model_config_info{dtype=...,quantization=...,weights=...} 1
+        # nori:model_config_info{dtype=...,quantization=...,weights=...,kv_cache_dtype=...} 1
         self.model_config = Info(
-            "nori:model_config", "Compute dtype and how the weights are stored.", registry=r
+            "nori:model_config",
+            "Compute dtype, how the weights are stored, the KV pages' dtype.",
+            registry=r,
         )
 
     def set_model_config(self, info: dict[str, str]) -> None:

@@ -32,13 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.page_constants import NULL_PAGE  # noqa: F401 (re-exported)
+from pallas_kernels.page_constants import KV_CACHE_DTYPES, NULL_PAGE  # noqa: F401 (re-exported)
 
 K_INDEX = 0
 V_INDEX = 1
 
 FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
+assert KV_CACHE_DTYPES == ("auto", *FP8_DTYPES)
 DEFAULT_KV_SCALE = 1.0
 
 

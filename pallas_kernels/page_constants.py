@@ -5,3 +5,5 @@ It is never handed to a request (see kv_layout.py).
 """
 
 NULL_PAGE = 0
+# The KV cache's page dtypes, as vLLM names them (kv_layout.kv_page_dtype maps them to dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

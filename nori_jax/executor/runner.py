@@ -94,14 +94,17 @@ class ModelRunner:
         page_size: int,
         layout: StepLayout,
         buckets: list[int],
+        kv_dtype=None,
     ):
+        """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages)."""
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
         self.layout = layout
         self.buckets = list(buckets)
         cfg = loaded.config
-        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, loaded.dtype, mesh)
+        kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
+        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
         self._params, treedef = jax.tree.flatten(loaded.state)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
@@ -161,7 +164,8 @@ class ModelRunner:
         def compile_one(key):
             t0 = time.perf_counter()
             exe = lowered[key].compile()
-            name = f"{key[0]} {key[1].name if key[0] == 'sampler' else key[1]}"
+            # "bucket 128" / "sampler GREEDY": the names the start-up log promises the user.
+            name = f"sampler {key[1].name}" if key[0] == "sampler" else f"bucket {key[1]}"
             seconds = time.perf_counter() - t0
             logger.info("%s compiled in %.1fs", name, seconds)
             if on_compiled is not None:
