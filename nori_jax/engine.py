@@ -107,6 +107,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     started = time.perf_counter()
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
+    if config.mesh.num_replicas > 1:
+        raise ValueError(
+            f"mesh {config.mesh.describe()}: build_engine builds one replica; several replicas "
+            "are run by the replica front end"
+        )
     mesh = make_mesh(config.mesh)
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()

@@ -1,11 +1,25 @@
-"""The shape of the device mesh, axes (`data`, `model`): JAX-free, so configs and the CLI load
-without JAX (`executor/mesh.py` builds the mesh itself)."""
+"""How an engine spreads over devices: JAX-free, so configs and the CLI load without JAX
+(`executor/mesh.py` builds the meshes themselves).
+
+Three numbers say it, as vLLM's and SGLang's users know them:
+
+- `model` (`--tensor-parallel-size`): the devices of one engine replica; heads and MLP columns
+  split over its mesh axis `model`.
+- `data` (`--data-parallel-size`): colocated replicas, each on its own `model` devices, behind one
+  front end that routes requests among them.
+- `prefill` / `decode` (`--prefill-replicas` / `--decode-replicas`): disaggregation. Replicas
+  that only prefill and replicas that only decode, each of `model` devices; a request's KV pages
+  move from the first kind to the second after its prefill. Both zero: colocated.
+
+Replica i holds devices [i * model, (i + 1) * model); prefill replicas come before decode ones.
+Presets live in configs/mesh/ (`--mesh tp4`, `LLM(mesh="pd-1-1")`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
@@ -14,34 +28,112 @@ from nori_jax.config_field import option
 if TYPE_CHECKING:
     from nori_jax.model_config import ModelConfig
 
+# The axes of one replica's mesh. `data` stays a (size-1) axis inside a replica so that sharding
+# specs can name it; replicas themselves are separate meshes.
 AXES = ("data", "model")
 MESH_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
+Role = Literal["colocated", "prefill", "decode"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = option(
-        1,
-        help="devices on the mesh axis `data` (parameters and KV pages are replicated over it)",
-        flags=("--mesh-data",),
-    )
     model: int = option(
         1,
-        help="devices on the mesh axis `model` (tensor parallelism: heads and MLP split over them)",
+        help="devices per engine replica (tensor parallelism: heads and MLP split over them)",
         flags=("--tensor-parallel-size", "--tp"),
+    )
+    data: int = option(
+        1,
+        help="colocated engine replicas on disjoint devices behind one front end (data parallel)",
+        flags=("--data-parallel-size", "--dp"),
+    )
+    prefill: int = option(
+        0,
+        help="disaggregated: replicas that only prefill (0 with --decode-replicas 0: colocated)",
+        flags=("--prefill-replicas",),
+    )
+    decode: int = option(
+        0,
+        help="disaggregated: replicas that only decode, fed KV pages by the prefill replicas",
+        flags=("--decode-replicas",),
     )
 
     def __post_init__(self) -> None:
-        if self.data < 1 or self.model < 1:
-            raise ValueError(f"mesh sizes must be >= 1, got data={self.data} model={self.model}")
+        for name in ("model", "data"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mesh {name}={value!r} must be an integer >= 1")
+        for name in ("prefill", "decode"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"mesh {name}={value!r} must be an integer >= 0")
+        if (self.prefill == 0) != (self.decode == 0):
+            raise ValueError(
+                f"mesh prefill={self.prefill} decode={self.decode}: disaggregation needs at "
+                "least one replica of each kind"
+            )
+        if self.disaggregated and self.data != 1:
+            raise ValueError(
+                f"mesh data={self.data} with prefill={self.prefill} decode={self.decode}: "
+                "disaggregated replicas are counted by prefill and decode, leave data at 1"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.prefill + self.decode if self.disaggregated else self.data
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.model
+        return self.num_replicas * self.model
+
+    def roles(self) -> list[Role]:
+        """Each replica's role, in device order."""
+        if self.disaggregated:
+            return ["prefill"] * self.prefill + ["decode"] * self.decode
+        return ["colocated"] * self.data
+
+    def device_indices(self, replica: int) -> range:
+        """The indices (into jax.devices()) of replica `replica`'s devices."""
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica={replica} must be in [0, {self.num_replicas})")
+        return range(replica * self.model, (replica + 1) * self.model)
+
+    def replica(self) -> MeshConfig:
+        """The mesh of one replica on its own (same tensor parallelism, one replica)."""
+        return MeshConfig(model=self.model)
+
+    def describe(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill} prefill + {self.decode} decode replicas x tp{self.model}"
+        return f"{self.data} replica{'s' if self.data > 1 else ''} x tp{self.model}"
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> MeshConfig:
-        return cls(**yaml.safe_load(Path(path).read_text()))
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"mesh config {str(path)!r} must be a mapping of MeshConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"mesh config {str(path)!r}: unknown keys {unknown}")
+        return cls(**values)
+
+    @classmethod
+    def from_name(cls, name_or_path: str | Path) -> MeshConfig:
+        """A preset: a YAML path, or a name in configs/mesh/ (`tp4`, `dp2-tp4`, `pd-1-1`)."""
+        p = Path(name_or_path)
+        if not p.is_file():
+            p = MESH_PRESET_DIR / f"{name_or_path}.yaml"
+        if not p.is_file():
+            raise ValueError(
+                f"mesh {str(name_or_path)!r} not found (neither a file nor one of "
+                f"{mesh_preset_names()})"
+            )
+        return cls.from_yaml(p)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Tensor parallelism splits heads and MLP columns: each must divide evenly."""
@@ -53,3 +145,7 @@ class MeshConfig:
         ):
             if n % tp:
                 raise ValueError(f"mesh model={tp} does not divide {name}={n}")
+
+
+def mesh_preset_names() -> list[str]:
+    return sorted(p.stem for p in MESH_PRESET_DIR.glob("*.yaml"))

@@ -1,4 +1,5 @@
-"""Device mesh with axes (`data`, `model`): one device by default, tensor parallel over `model`."""
+"""The device mesh of one engine replica, axes (`data`, `model`): its `model` devices, tensor
+parallel over `model` (mesh_config.py says which devices each replica holds)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nori_jax.mesh_config import AXES, MeshConfig
 
 
-def make_mesh(config: MeshConfig) -> Mesh:
-    devices = jax.devices()
+def make_mesh(config: MeshConfig, replica: int = 0, devices: list | None = None) -> Mesh:
+    """Replica `replica`'s mesh, shape (1, config.model), over `devices` (default jax.devices())."""
+    devices = jax.devices() if devices is None else devices
     if config.num_devices > len(devices):
         raise ValueError(
-            f"mesh data={config.data} x model={config.model} needs {config.num_devices} devices; "
-            f"{len(devices)} available"
+            f"mesh {config.describe()} needs {config.num_devices} devices; {len(devices)} available"
         )
-    grid = np.asarray(devices[: config.num_devices]).reshape(config.data, config.model)
-    return Mesh(grid, AXES)
+    picked = [devices[i] for i in config.device_indices(replica)]
+    return Mesh(np.asarray(picked).reshape(1, config.model), AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
