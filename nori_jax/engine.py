@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
@@ -30,6 +31,7 @@ from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
+from nori_jax.mesh_config import Role
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
@@ -102,17 +104,28 @@ class EngineParts:
         return list(tok.eos_token_ids if tok else self.model.config.eos_token_ids)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    """Load the model, size the KV pool, compile and warm every program, wire the core."""
+def build_engine(
+    config: EngineConfig, mesh: Mesh | None = None, role: Role = "colocated"
+) -> EngineParts:
+    """Load the model, size the KV pool, compile and warm every program, wire the core.
+
+    A disaggregated mesh builds every replica and the KV mover between them (disaggregated.py).
+    `mesh` builds one replica on that mesh; `role` "prefill" makes its scheduler hand each
+    request off after its first token.
+    """
+    if mesh is None and config.mesh.disaggregated:
+        from nori_jax.disaggregated import build_disaggregated
+
+        return build_disaggregated(config)
     started = time.perf_counter()
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
-    if config.mesh.num_replicas > 1:
+    if mesh is None and config.mesh.num_replicas > 1:
         raise ValueError(
             f"mesh {config.mesh.describe()}: build_engine builds one replica; several replicas "
             "are run by the replica front end"
         )
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh) if mesh is None else mesh
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()
     model = load_model(
@@ -141,7 +154,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.cpu_kv_cache_gib,
     )
     allocator = PageAllocator(num_pages, page_size, scfg.enable_prefix_caching)
-    scheduler = Scheduler(scfg, allocator)
+    scheduler = Scheduler(scfg, allocator, hand_off=role == "prefill")
     builder = PlanBuilder(
         scfg.max_num_seqs,
         scfg.max_pages_per_seq,
@@ -208,7 +221,7 @@ class LLMEngine:
     @property
     def num_recompiles(self) -> int:
         """XLA programs built inside this engine's steps since warm-up; anything but 0 is a bug."""
-        return self.core.executor.num_recompiles
+        return self.core.num_recompiles
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -25,11 +25,17 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        mesh: MeshConfig | dict | str | None = None,
+        **kwargs: Any,
     ):
         given = dict(kwargs)
         if model is not None:
             given["model"] = model
+        if isinstance(mesh, str):  # a preset name or YAML path: "tp2", "pd-1-1"
+            mesh = MeshConfig.from_name(mesh)
         if mesh is not None:
             given["mesh"] = mesh
         self.engine = LLMEngine(resolve_engine_config(None, given))

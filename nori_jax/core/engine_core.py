@@ -155,6 +155,11 @@ class EngineCore:
         return None if req is None else finished_request(req)
 
     @property
+    def num_recompiles(self) -> int:
+        """Programs the executor built after warm-up; anything but 0 is a bug."""
+        return self.executor.num_recompiles
+
+    @property
     def has_in_flight(self) -> bool:
         """A launched step has not been fetched yet (see `drain`)."""
         return self._in_flight is not None
