@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
+
 from nori_jax.core.disaggregated_core import DisaggregatedCore
 from nori_jax.engine import EngineParts, build_engine
 from nori_jax.engine_config import EngineConfig
@@ -35,6 +37,11 @@ def build_disaggregated(config: EngineConfig) -> EngineParts:
         parts[role].append(build_engine(replica_config, make_mesh(mesh_config, i), role))
     prefill, decode = parts["prefill"], parts["decode"]
     first = decode[0]
+    # 8-bit pages are stored scaled: a page moved between pools of different scales would decode
+    # to other values. The same weights and calibration tokens give the same scales; check it.
+    scales = [p.runner.kv_scales for p in prefill + decode]
+    if scales[0] is not None and not all(np.array_equal(s, scales[0]) for s in scales):
+        raise RuntimeError("the replicas calibrated different KV scales; pages cannot move")
     mover = KVMover(
         [p.runner for p in prefill],
         [p.runner for p in decode],
