@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: prefill engine cores hand each request, once its first token is
 sampled, to a decode engine core, its KV pages moved between their pools.
 
-JAX-free, like the engine cores it drives: the move itself is a `KVMover`'s
+JAX-free, like the engine cores it drives: the move itself is a `PageMover`'s
 (executor/kv_transfer.py on devices; a fake in tests). It offers the engine core's interface
 (add_request / step / drain / abort / has_unfinished / has_in_flight), so the frontends
 (`LLMEngine`, the engine-core process) run it unchanged.
@@ -35,14 +35,12 @@ import dataclasses
 import time
 from typing import Any, Protocol
 
-import numpy as np
-
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, KVTransfer, StepStats
 from nori_jax.core.request import Request
 
 
-class KVMover(Protocol):
+class PageMover(Protocol):
     num_recompiles: int  # programs built after warm-up; anything but 0 is a bug
     bytes_per_page: int  # one page index, all layers
 
@@ -95,7 +93,7 @@ class DisaggregatedCore:
         self,
         prefill: list[EngineCore],
         decode: list[EngineCore],
-        mover: KVMover,
+        mover: PageMover,
         *,
         max_transfer_attempts: int = 3,
     ):
@@ -275,7 +273,7 @@ class DisaggregatedCore:
                 num_recompiles=total("num_recompiles") + compiles - self._seen_mover_compiles,
                 schedule_seconds=total("schedule_seconds"),
                 step_seconds=step_s,
-                num_steps=int(np.max([s.num_steps for s in stats])),
+                num_steps=max(s.num_steps for s in stats),
             )
             self._seen_mover_compiles = compiles
         return merged

@@ -37,6 +37,10 @@ def _scatter(pages: list[jax.Array], ids: jax.Array, moved: list[jax.Array]) -> 
     return [p.at[ids].set(m) for p, m in zip(pages, moved, strict=True)]
 
 
+def _abstract(arrays: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+
+
 class KVMover:
     def __init__(
         self, prefill: list[ModelRunner], decode: list[ModelRunner], max_pages_per_seq: int
@@ -67,38 +71,29 @@ class KVMover:
     def compile_all(self) -> None:
         """A gather per prefill replica and a scatter per decode replica, per page bucket; then
         one move of null pages per (prefill, decode, bucket), so first runs happen here too."""
-        for side, runners, table in (
-            (0, self.prefill, self._gathers),
-            (1, self.decode, self._scatters),
-        ):
-            for i, r in enumerate(runners):
-                kv_abs = [
-                    jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding) for p in r.kv_pages
+        for i, runner in enumerate(self.prefill):
+            kv = _abstract(runner.kv_pages)
+            gather = jax.jit(_gather, out_shardings=[self._kv[0][i]] * len(kv))
+            for b in self.buckets:
+                self._gathers[i, b] = gather.lower(kv, self._abstract_ids(0, i, b)).compile()
+        for j, runner in enumerate(self.decode):
+            kv = _abstract(runner.kv_pages)
+            sharding = self._kv[1][j]
+            scatter = jax.jit(_scatter, donate_argnums=(0,), out_shardings=[sharding] * len(kv))
+            for b in self.buckets:
+                moved = [
+                    jax.ShapeDtypeStruct((b, *p.shape[1:]), p.dtype, sharding=sharding) for p in kv
                 ]
-                for b in self.buckets:
-                    ids = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._ids[side][i])
-                    if side == 0:
-                        fn = jax.jit(_gather, out_shardings=[self._kv[0][i]] * len(kv_abs))
-                        table[i, b] = fn.lower(kv_abs, ids).compile()
-                    else:
-                        moved = [
-                            jax.ShapeDtypeStruct(
-                                (b, *p.shape[1:]), p.dtype, sharding=self._kv[1][i]
-                            )
-                            for p in kv_abs
-                        ]
-                        fn = jax.jit(
-                            _scatter,
-                            donate_argnums=(0,),
-                            out_shardings=[self._kv[1][i]] * len(kv_abs),
-                        )
-                        table[i, b] = fn.lower(kv_abs, ids, moved).compile()
+                ids = self._abstract_ids(1, j, b)
+                self._scatters[j, b] = scatter.lower(kv, ids, moved).compile()
         for src in range(len(self.prefill)):
             for dst in range(len(self.decode)):
                 for b in self.buckets:
-                    self.wait(
-                        self._move_padded(src, dst, np.zeros(b, np.int32), np.zeros(b, np.int32))
-                    )
+                    null = np.zeros(b, np.int32)
+                    self.wait(self._move_padded(src, dst, null, null))
+
+    def _abstract_ids(self, side: int, replica: int, bucket: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=self._ids[side][replica])
 
     def move(
         self, src: int, dst: int, src_pages: list[int], dst_pages: list[int]
