@@ -317,12 +317,21 @@ class Scheduler:
                 self._add_pages(req, pages)
                 return True
             victim = next(
-                (v for v in reversed(self.running) if v is req or not scheduled[v.slot]), req
+                (v for v in reversed(self.running) if v is req or self._preemptible(v, scheduled)),
+                req,
             )
             if victim is req:
                 return False  # only requests newer than `req` are preempted for it
             self._preempt(victim)
         return True
+
+    def _preemptible(self, req: Request, scheduled: np.ndarray) -> bool:
+        """May `req` give its pages to a prefill chunk? Not if it runs in this step, nor, on a
+        prefill engine, once its prompt is computed: its KV is about to move."""
+        if scheduled[req.slot]:
+            return False
+        c = self.slots
+        return not (self.hand_off and c.computed[req.slot] >= c.prompt_len[req.slot])
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_runner import VOCAB, expected_output, next_token
+from fake_runner import VOCAB, expected_output, make_request, next_token
 
 from nori_jax.core.disaggregated_core import DisaggregatedCore
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
@@ -85,10 +85,16 @@ def make_core(
     decode: int = 1,
     overlap: bool = True,
     decode_pages: int = 64,
-    max_model_len=256,
+    max_model_len: int = 256,
+    prefill_pages: int = 64,
+    **scheduler,
 ):
     cfg = SchedulerConfig(
-        max_model_len=max_model_len, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=64
+        **(
+            dict(max_model_len=max_model_len, page_size=PAGE, max_num_seqs=8)
+            | dict(max_num_batched_tokens=64)
+            | scheduler
+        )
     )
 
     def core(num_pages: int, hand_off: bool) -> EngineCore:
@@ -96,7 +102,7 @@ def make_core(
         b = PlanBuilder(cfg.max_num_seqs, cfg.max_pages_per_seq, PAGE, num_pages, s.buckets, VOCAB)
         return EngineCore(s, b, KVDevice(num_pages, cfg.max_num_seqs), async_scheduling=overlap)
 
-    pre = [core(64, True) for _ in range(prefill)]
+    pre = [core(prefill_pages, True) for _ in range(prefill)]
     dec = [core(decode_pages, False) for _ in range(decode)]
     mover = FakeMover([c.executor for c in pre], [c.executor for c in dec])
     return DisaggregatedCore(pre, dec, mover)
@@ -206,6 +212,32 @@ def test_a_full_decode_pool_holds_kv_back_and_preempts_on_the_decode_side():
         assert tokens[r.request_id] == expected_output(r.prompt_token_ids, r.params.max_tokens)
     assert max(waited) > 0, "no request ever waited for room on the decode side"
     assert core.decode[0].scheduler.counters.num_preemptions > 0
+
+
+def test_a_prefill_engine_never_preempts_a_request_whose_prompt_is_computed():
+    # Long prompts prefill 16 tokens a step; a short one, admitted later, computes its prompt in
+    # one step. When the long one next needs a page of the full pool, the newer short request is
+    # the only candidate, but its KV is about to move: the long one waits instead.
+    cfg = SchedulerConfig(
+        max_model_len=64,
+        page_size=PAGE,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        long_prefill_threshold=40,
+        kv_headroom=0.0,
+    )
+    s = Scheduler(cfg, PageAllocator(5, PAGE), hand_off=True)
+    s.add_request(make_request("long", list(range(3, 53))))
+    first = s.schedule()  # long: 16 tokens, one page
+    s.add_request(make_request("short", list(range(200, 220))))
+    second = s.schedule()  # long: 16 more; short: its whole prompt, its sample in flight
+    s.update(first, np.zeros(4, np.int32))
+    assert s.allocator.num_free_pages == 0
+    third = s.schedule()  # long needs a third page
+    assert s.counters.num_preemptions == 0 and third is None
+    s.update(second, np.full(4, 7, np.int32))
+    assert [r.request_id for r in s.handed_off] == ["short"]
+    s.check_invariants()
 
 
 def test_decode_side_prefix_cache_skips_moving_pages_it_holds():
