@@ -100,7 +100,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_serve)
 
 
-def _chat_template(value: str | None) -> str | None:
+def chat_template_source(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -133,7 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or None,
-        chat_template=_chat_template(args.chat_template),
+        chat_template=chat_template_source(args.chat_template),
         request_timeout_s=args.request_timeout,
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
