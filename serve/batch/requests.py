@@ -96,8 +96,10 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
         obj = json.loads(line.data)
     except ValueError as e:  # not UTF-8 or not JSON
         return Refused(None, line_error_record(None, "invalid_json", f"{where}: {e}"))
-    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-    custom_id = custom_id if isinstance(custom_id, str) else None
+    if not isinstance(obj, dict):
+        message = f"{where}: a request must be a JSON object, got {type(obj).__name__}"
+        return Refused(None, line_error_record(None, "invalid_batch_line", message))
+    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
     try:
         envelope = BatchLine.model_validate(obj)
     except pydantic.ValidationError as e:

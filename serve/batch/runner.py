@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,8 @@ class BatchJob:
 
     @classmethod
     def open(cls, input_path: str, output_path: str, options: BatchOptions) -> BatchJob:
+        if os.path.realpath(input_path) == os.path.realpath(output_path):
+            raise ValueError(f"the output {output_path!r} is the input itself")
         source = JsonlSource(input_path, options.max_line_bytes)
         identity = {
             "input_bytes": source.size,
