@@ -134,13 +134,23 @@ class JsonlSource:
             os.close(self._fd)
 
 
+def import_grain():
+    """grain, or an ImportError that says how to get it."""
+    try:
+        import grain
+    except ImportError:
+        raise ImportError(
+            "reading batch input needs grain, which is not installed: pip install 'nori-jax[batch]'"
+        ) from None
+    return grain
+
+
 def jsonl_dataset(
     source: JsonlSource, shard: grain.sharding.ShardOptions | None = None
 ) -> grain.MapDataset:
     """The source as a grain MapDataset of `(position in this shard, JsonlLine)`; shard i of n
     holds lines i, i+n, ... (ValueError for `drop_remainder`: a batch job drops no request)."""
-    import grain
-
+    grain = import_grain()
     ds = grain.MapDataset.source(source)
     if shard is not None:
         if shard.drop_remainder:

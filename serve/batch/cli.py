@@ -81,13 +81,12 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
+    from nori_jax.jsonl_source import import_grain
+
     try:
-        import grain  # noqa: F401 - the input pipeline
-    except ImportError:
-        raise ValueError(
-            "nori-jax run-batch reads its input with grain, which is not installed: "
-            "pip install 'nori-jax[batch]'"
-        ) from None
+        import_grain()
+    except ImportError as e:
+        raise ValueError(f"nori-jax run-batch: {e}") from None
     from serve.batch.output import Totals
     from serve.batch.runner import BatchJob, BatchOptions
     from serve.cli import DEFAULT_MODEL_NAME, chat_template_source

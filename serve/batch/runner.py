@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from nori_jax.jsonl_source import JsonlSource, jsonl_dataset
+from nori_jax.jsonl_source import JsonlSource, import_grain, jsonl_dataset
 from nori_jax.stream_generate import StreamRequest, stream_requests
 from serve.batch.format import encode
 from serve.batch.output import BatchOutput, Totals
@@ -165,8 +165,7 @@ class BatchJob:
         )
 
     def run(self, engine: LLMEngine) -> BatchSummary:
-        import grain
-
+        grain = import_grain()
         opts, out = self.options, self.output
         if out.finished_job:
             out.close()
@@ -189,8 +188,13 @@ class BatchJob:
             .filter(lambda item: item[0] not in skip)
             .map(lambda item: (item[0], read_line(ctx, item[1])))
         )
-        it = ds.to_iter_dataset(
-            grain.ReadOptions(num_threads=opts.reader_threads, prefetch_buffer_size=opts.read_ahead)
+        reading = grain.ReadOptions(
+            num_threads=opts.reader_threads, prefetch_buffer_size=opts.read_ahead
+        )
+        # Skipping what a resumed job has committed is the point of the filter: no warning.
+        quiet = grain.experimental.DatasetOptions(filter_warn_threshold_ratio=None)
+        it = grain.experimental.WithOptionsIterDataset(
+            ds.to_iter_dataset(reading), quiet
         ).__iter__()
         if out.grain_state is not None:
             it.set_state(out.grain_state)
