@@ -98,8 +98,9 @@ def _ids(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_resume_after_a_crash_answers_each_position_once(tmp_path: Path, seed: int) -> None:
-    """Positions finish out of order; the process dies (no commit, a torn line written) after a
-    random number of them; every resume filters what is committed. Over all runs each of the 40
+    """Positions finish out of order; the process dies after a random number of them, its last
+    lines written but not committed, the last one torn; every resume cuts the output back to the
+    commit and filters what is committed. Over all runs each of the 40
     positions is in the output exactly once."""
     rng = random.Random(seed)
     path = str(tmp_path / "out.jsonl")
@@ -107,6 +108,8 @@ def test_resume_after_a_crash_answers_each_position_once(tmp_path: Path, seed: i
     while True:
         runs += 1
         out = BatchOutput(path, _identity(), flush_lines=3)
+        committed = json.loads(Path(path + CHECKPOINT_SUFFIX).read_text())["output_bytes"]
+        assert Path(path).stat().st_size == committed  # what the crash left past it is cut off
         if out.finished_job:
             break
         start = 0 if out.grain_state is None else out.grain_state["next_index"]
@@ -131,7 +134,8 @@ def test_resume_after_a_crash_answers_each_position_once(tmp_path: Path, seed: i
             out.commit({"next_index": total}, finished_job=True)
             out.close()
             continue
-        out._out.write(b'{"custom_id": "torn')  # a write cut off by the crash
+        # The crash hit after the lines went out but before the checkpoint moved, mid-line.
+        out._out.write(b"".join(out._lines) + b'{"custom_id": "torn')
         out._out.flush()
         out.close()
     ids = _ids(Path(path))

@@ -180,9 +180,13 @@ def test_two_shards_cover_the_file_once_with_bounded_read_ahead(llm: LLM, tmp_pa
         run_batch(llm.engine, str(src), str(tmp_path / "out0.jsonl"), options())
 
 
-def many_requests(n: int, max_tokens: int) -> list[dict]:
+def many_requests(n: int, max_tokens: int | None = None) -> list[dict]:
+    """Requests of `max_tokens` tokens, or (None) of 1 to 12 tokens: they finish out of order."""
     return [
-        line(f"req-{i}", {"prompt": [1 + i % 200, 2, 3], "max_tokens": max_tokens} | GREEDY)
+        line(
+            f"req-{i}",
+            {"prompt": [1 + i % 200, 2, 3], "max_tokens": max_tokens or 1 + i * 7 % 12} | GREEDY,
+        )
         for i in range(n)
     ]
 
@@ -230,7 +234,7 @@ def test_resumes_after_an_error_mid_job(llm: LLM, tmp_path: Path) -> None:
     """The engine raises mid-job: what finished is committed on the way out, and a rerun
     completes the job, every custom_id once."""
     n = 120
-    src = write_jsonl(tmp_path / "in.jsonl", many_requests(n, 4))
+    src = write_jsonl(tmp_path / "in.jsonl", many_requests(n))
     out = tmp_path / "out.jsonl"
     engine, real_step, steps = llm.engine, llm.engine.step, [0]
 
@@ -249,6 +253,8 @@ def test_resumes_after_an_error_mid_job(llm: LLM, tmp_path: Path) -> None:
     assert not engine.has_unfinished_requests()  # the requests in flight were aborted
     first = read_output(out)
     assert 0 < len(first) < n
+    # Some requests finished before earlier ones: the rerun must skip them, not redo them.
+    assert json.loads(Path(f"{out}.checkpoint.json").read_text())["committed_ahead"]
     run_batch(engine, str(src), str(out), options(max_concurrency=8))
     assert sorted(read_output(out)) == sorted(f"req-{i}" for i in range(n))
 
