@@ -35,8 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -50,9 +49,9 @@ from nori_jax.async_engine import (
     deliver,
     fail_streams,
 )
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
-from nori_jax.core.outputs import RequestOutput
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_core_process import (
@@ -129,7 +128,7 @@ class _CoreProcess:
                 pass
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamingClient):
     def __init__(
         self,
         config: EngineConfig,
@@ -322,24 +321,6 @@ class EngineCoreClient:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
         if self._down is None:
             self._send(AbortRequests([request_id]))
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        s = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in s:
-                yield out
-        finally:
-            s.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        return self.metrics.as_dict()
 
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))
