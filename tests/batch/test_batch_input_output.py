@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import grain
@@ -152,3 +154,29 @@ def test_output_refuses_foreign_files(tmp_path: Path) -> None:
     assert path.read_bytes() == b"" and (tmp_path / f"out.jsonl{CHECKPOINT_SUFFIX}").exists()
     with pytest.raises(ValueError, match="checkpoint of another job"):
         BatchOutput(str(path), _identity() | {"num_shards": 2})
+
+
+def _cli(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_run_batch_help_imports_neither_jax_nor_grain() -> None:
+    r = _cli(
+        "import sys\n"
+        "from nori_jax.cli import main\n"
+        "try:\n    main(['run-batch', '--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'grain', 'fastapi'))\n"
+        "assert not heavy, heavy\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--max-concurrency" in r.stdout and "--shard-index" in r.stdout
+
+
+def test_without_grain_run_batch_says_how_to_install_it(tmp_path: Path) -> None:
+    r = _cli(
+        "import sys\n"
+        "sys.modules['grain'] = None  # as if not installed\n"
+        "from nori_jax.cli import main\n"
+        f"sys.exit(main(['run-batch', '-i', {str(tmp_path / 'in')!r}, '-o', 'out']))\n"
+    )
+    assert r.returncode == 2 and "pip install 'nori-jax[batch]'" in r.stderr, r.stderr
