@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
@@ -115,6 +116,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from nori_jax.engine import LLMEngine
 
     engine = LLMEngine(config)
+    # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: what finished is committed first.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = job.run(engine)
     except KeyboardInterrupt:
@@ -125,3 +128,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
         return 130
     print(summary.format())
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
