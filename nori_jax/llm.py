@@ -57,10 +57,12 @@ class LLM:
 
         Any iterable of prompts is taken (a grain MapDataset, a generator), read whole first;
         `generate_stream` reads one as it goes and yields outputs as they finish."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str):
             prompts = [prompts]  # one prompt
         elif not isinstance(prompts, list):
             prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt of token ids
         if not prompts:
             raise ValueError("prompts is empty")
         if isinstance(params, list) and len(params) != len(prompts):
@@ -107,7 +109,9 @@ class LLM:
         ):
             prompts = [prompts]  # one prompt
         default = params or SamplingParams()
-        limit = max_in_flight or 2 * self.engine.scheduler_config.max_num_seqs
+        limit = max_in_flight
+        if limit is None:
+            limit = 2 * self.engine.scheduler_config.max_num_seqs
 
         def requests() -> Iterator[StreamRequest[int]]:
             for i, item in enumerate(prompts):

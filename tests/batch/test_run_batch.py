@@ -274,7 +274,7 @@ def test_generate_stream_reads_lazily_and_matches_generate(llm: LLM) -> None:
         assert pulled[0] <= len(results) + 6 + 1  # in flight, plus one pulled and held back
         results[i] = out.token_ids
     assert sorted(results) == list(range(40))
-    want = llm.generate(prompts, params)
+    want = llm.generate((p for p in prompts), params)  # any iterable, read whole
     assert [results[i] for i in range(40)] == [o.token_ids for o in want]
     # Per-prompt settings; stopping early aborts what is in flight.
     stream = llm.generate_stream(
@@ -287,6 +287,8 @@ def test_generate_stream_reads_lazily_and_matches_generate(llm: LLM) -> None:
     assert len(first.token_ids) == 2 + i % 3
     stream.close()
     assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_in_flight=0"):
+        next(llm.generate_stream(prompts, params, max_in_flight=0))
     with pytest.raises(ValueError, match="prompt 1: .*empty"):
         list(llm.generate_stream([[1, 2], [], [3]], params))
     assert not llm.engine.has_unfinished_requests()
