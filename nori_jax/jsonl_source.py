@@ -146,10 +146,11 @@ def import_grain():
 
 
 def jsonl_dataset(
-    source: JsonlSource, shard: grain.sharding.ShardOptions | None = None
+    source: Any, shard: grain.sharding.ShardOptions | None = None
 ) -> grain.MapDataset:
-    """The source as a grain MapDataset of `(position in this shard, JsonlLine)`; shard i of n
-    holds lines i, i+n, ... (ValueError for `drop_remainder`: a batch job drops no request)."""
+    """A source of JsonlLines (a JsonlSource, or `ArrayRecordLines`) as a grain MapDataset of
+    `(position in this shard, JsonlLine)`; shard i of n holds lines i, i+n, ... (ValueError for
+    `drop_remainder`: a batch job drops no request)."""
     grain = import_grain()
     ds = grain.MapDataset.source(source)
     if shard is not None:

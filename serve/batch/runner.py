@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nori_jax.array_record_source import SUFFIXES as ARRAY_RECORD_SUFFIXES
+from nori_jax.array_record_source import ArrayRecordLines
 from nori_jax.jsonl_source import JsonlSource, import_grain, jsonl_dataset
 from nori_jax.stream_generate import StreamRequest, stream_requests
 from serve.batch.format import encode
@@ -128,7 +130,7 @@ class ReadAheadMeter:
 class BatchJob:
     """An input shard and its output, opened (and resumed) but not run: cheap, no engine."""
 
-    source: JsonlSource
+    source: JsonlSource | ArrayRecordLines
     output: BatchOutput
     options: BatchOptions
 
@@ -136,7 +138,7 @@ class BatchJob:
     def open(cls, input_path: str, output_path: str, options: BatchOptions) -> BatchJob:
         if os.path.realpath(input_path) == os.path.realpath(output_path):
             raise ValueError(f"the output {output_path!r} is the input itself")
-        source = JsonlSource(input_path, options.max_line_bytes)
+        source = _open_source(input_path, options.max_line_bytes)
         identity = {
             "input_bytes": source.size,
             "input_lines": len(source),
@@ -240,6 +242,13 @@ class BatchJob:
             progress.close()
             it.close()
         return self.summary(run, time.perf_counter() - start, meter.max_ahead)
+
+
+def _open_source(path: str, max_line_bytes: int) -> JsonlSource | ArrayRecordLines:
+    """ArrayRecord by the file's suffix (.arrayrecord, .array_record), else JSONL."""
+    if path.endswith(ARRAY_RECORD_SUFFIXES):
+        return ArrayRecordLines(path, max_line_bytes)
+    return JsonlSource(path, max_line_bytes)
 
 
 def _counts(record: dict[str, Any], result: Any) -> Totals:

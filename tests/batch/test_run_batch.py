@@ -292,3 +292,24 @@ def test_generate_stream_reads_lazily_and_matches_generate(llm: LLM) -> None:
     with pytest.raises(ValueError, match="prompt 1: .*empty"):
         list(llm.generate_stream([[1, 2], [], [3]], params))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_array_record_input(llm: LLM, tmp_path: Path) -> None:
+    """The same requests from an ArrayRecord file (one JSON request per record) as from JSONL."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    rows = many_requests(12, 3)
+    rows.insert(1, "not json")
+    src = tmp_path / "in.array_record"
+    writer = ArrayRecordWriter(str(src), "group_size:1")
+    for r in rows:
+        writer.write(r.encode() if isinstance(r, str) else json.dumps(r).encode())
+    writer.close()
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(llm.engine, str(src), str(out), options(num_shards=2, shard_index=1))
+    got = read_output(out)
+    # Shard 1 holds records 1, 3, ..., 11: the bad one, then req-2, req-4, ..., req-10.
+    assert sorted(c for c in got if c) == sorted(f"req-{i}" for i in range(2, 12, 2))
+    assert got[None]["error"]["code"] == "invalid_json"
+    assert got[None]["error"]["message"].startswith("line 2:")
+    assert summary.run.completion_tokens == 3 * 5
