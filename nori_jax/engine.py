@@ -26,12 +26,12 @@ from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.mesh_config import MeshConfig
 from nori_jax.executor import compilation_cache
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
+from nori_jax.mesh_config import MeshConfig
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
