@@ -7,8 +7,9 @@ to them; core_client.replica_env), and this client in front with the same engine
 (core/replica_router.py) picks each request's replica: the least loaded one, or the one that
 served the request's prefix (its prefix cache holds it) while that one is not too busy.
 
-Replica 0 starts first, alone: it fills the parameter and compilation caches the others then
-read, so they start in seconds and never write one cache entry at the same time.
+The replicas start together, except where replica 0 may have to write the parameter cache
+(converted weights, `param_cache`): then it starts first, alone, and the others restore what it
+wrote, so no two processes ever write one cache entry.
 
 Failure is per replica: when one engine-core process dies, its client fails that replica's
 requests (EngineDeadError) and restarts it (counted in `nori:engine_restarts_total{replica=...}`),
@@ -56,10 +57,14 @@ class DataParallelClient:
                 config, replica=i, on_request_done=self.router.release, **client_options
             )
 
-        self.clients: list[EngineCoreClient] = [start(0)]
+        # Replica 0 alone first where it may write the parameter cache (one writer per entry);
+        # the others then restore from it. Dummy weights have no such entry: all start at once.
+        staggered = config.param_cache and config.load_format != "dummy"
+        self.clients: list[EngineCoreClient] = [start(0)] if staggered else []
         try:
-            with concurrent.futures.ThreadPoolExecutor(n - 1) as pool:
-                futures = [pool.submit(start, i) for i in range(1, n)]
+            rest = range(len(self.clients), n)
+            with concurrent.futures.ThreadPoolExecutor(len(rest)) as pool:
+                futures = [pool.submit(start, i) for i in rest]
                 concurrent.futures.wait(futures)
             for f in futures:
                 if f.exception() is None:
