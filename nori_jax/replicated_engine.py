@@ -15,9 +15,11 @@ through `make_engine`; the served default runs one engine-core process per repli
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
+from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
 from nori_jax.core.output_processor import OutputProcessor
 from nori_jax.core.outputs import EngineCoreOutputs, RequestOutput
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
@@ -58,6 +60,15 @@ class ReplicatedEngine(LLMEngine):
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._eos = first.eos_token_ids
+
+    @property
+    def step_times(self) -> StepTimes:
+        """Every replica's host time by stage, summed (one thread runs them all in turn)."""
+        total = StepTimes()
+        for c in self.cores:
+            for f in dataclasses.fields(StepTimes):
+                setattr(total, f.name, getattr(total, f.name) + getattr(c.step_times, f.name))
+        return total
 
     @property
     def num_recompiles(self) -> int:
