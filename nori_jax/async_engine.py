@@ -29,9 +29,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import SamplingParams
 
@@ -144,7 +145,7 @@ class RequestStream:
         self._ready.set()
 
 
-class AsyncEngine:
+class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -277,25 +278,6 @@ class AsyncEngine:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
         self._commands.put(("abort", request_id))
         self._wake.set()
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        stream = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        """The engine's metrics; gauges are as of the last step (read without stopping it)."""
-        return self.metrics.as_dict()
 
     # ---- the engine thread ------------------------------------------------------------------
 

@@ -35,8 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -50,9 +49,9 @@ from nori_jax.async_engine import (
     deliver,
     fail_streams,
 )
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
-from nori_jax.core.outputs import RequestOutput
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_core_process import (
@@ -152,7 +151,7 @@ def replica_env(config: EngineConfig, replica: int) -> dict[str, str] | None:
     return env
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamingClient):
     """`replica` (data parallel, dp_client.py): which replica of `config.mesh` the core process
     runs, on that replica's devices only. `on_request_done(request_id)` is called (from the
     reader thread, or the caller's) once for every request that leaves this client: finished,
@@ -357,24 +356,6 @@ class EngineCoreClient:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
         if self._down is None:
             self._send(AbortRequests([request_id]))
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        s = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in s:
-                yield out
-        finally:
-            s.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        return self.metrics.as_dict()
 
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))

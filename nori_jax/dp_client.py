@@ -25,11 +25,10 @@ import asyncio
 import concurrent.futures
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from nori_jax.async_engine import EngineStoppedError, RequestStream
-from nori_jax.core.outputs import RequestOutput
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.core_client import EngineCoreClient
 from nori_jax.engine_config import EngineConfig
@@ -38,7 +37,7 @@ from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 
 
-class DataParallelClient:
+class DataParallelClient(StreamingClient):
     def __init__(self, config: EngineConfig, **client_options: Any):
         """Start every replica's engine-core process; returns once all are ready.
         `client_options` go to each EngineCoreClient (startup_timeout_s, log_level,
@@ -168,24 +167,6 @@ class DataParallelClient:
         replica = self.router.owner(request_id)
         if replica is not None:
             self.clients[replica].abort(request_id)
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        s = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in s:
-                yield out
-        finally:
-            s.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        return self.metrics.as_dict()
 
     def wait_healthy(self, timeout_s: float) -> bool:
         """Block until every replica serves (after a restart); False on timeout."""

@@ -29,6 +29,7 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.executor import compilation_cache
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
+from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
 from nori_jax.mesh_config import MeshConfig
@@ -102,7 +103,15 @@ class EngineParts:
     @property
     def config_info(self) -> dict[str, str]:
         """What runs (dtype, weights, KV pages), for the log and nori:model_config_info."""
-        return self.model.model_config_info | {"kv_cache_dtype": self.kv_cache_dtype}
+        scales = "none"
+        if self.runner.kv_scales is not None:
+            scales = "calibrated"
+        elif self.kv_cache_dtype.startswith("float8"):
+            scales = "default"
+        return self.model.model_config_info | {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_scales": scales,
+        }
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -188,8 +197,21 @@ def build_engine(
         scheduler.buckets,
         mcfg.vocab_size,
     )
+    kv_scales = None
+    if config.calculate_kv_scales:
+        t0 = time.perf_counter()
+        kv_scales = measure_kv_scales(model, mesh, kv_dtype, calibration_token_ids(model))
+        logger.info(
+            "KV scales calibrated in %.1fs: k %.3g-%.3g, v %.3g-%.3g over %d layers",
+            time.perf_counter() - t0,
+            kv_scales[:, 0].min(),
+            kv_scales[:, 0].max(),
+            kv_scales[:, 1].min(),
+            kv_scales[:, 1].max(),
+            len(kv_scales),
+        )
     runner = ModelRunner(
-        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype
+        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype, kv_scales
     )
     runner.compile_all()
     runner.warm_up()
