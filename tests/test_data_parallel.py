@@ -156,3 +156,16 @@ def test_one_metrics_view_labels_each_replica(result) -> None:
     assert m["nori:request_success_total"]["length"] == 13
     assert m["nori:generation_tokens_total"] == 130
     assert sum(result["per_replica_requests"]) == 13 and min(result["per_replica_requests"]) > 0
+
+
+def test_clear_errors_for_layouts_this_process_cannot_run() -> None:
+    from nori_jax import LLM, EngineConfig, LLMEngine, MeshConfig
+    from nori_jax.dp_client import DataParallelClient
+
+    dp2 = EngineConfig.from_yaml("tiny-cpu", mesh=MeshConfig(data=2))
+    with pytest.raises(ValueError, match="LLMEngine runs one replica"):
+        LLMEngine(dp2)
+    with pytest.raises(ValueError, match="needs 2 devices; 1 available"):
+        LLM.from_config(dp2)  # this test process has one CPU device
+    with pytest.raises(ValueError, match="2 or more colocated replicas"):
+        DataParallelClient(EngineConfig.from_yaml("tiny-cpu"))

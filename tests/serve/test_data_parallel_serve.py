@@ -94,6 +94,11 @@ def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
     _generate_all(server, [system + [60 + i] for i in range(4)])
     gained = [a - b for a, b in zip(_generation_tokens(server), before, strict=True)]
     assert sorted(gained) == [0, 4 * GREEDY["max_tokens"]]
+    # A request a replica refuses is the client's error, and counts on no replica's load.
+    with client(server) as c:
+        r = c.post("/generate", json={"prompt": system + [10**6], **GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert server.engine.router.load == [0, 0]
 
 
 def test_killing_one_replica_fails_only_its_requests(server: Server) -> None:
