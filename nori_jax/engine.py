@@ -244,7 +244,10 @@ class LLMEngine:
                 f"mesh {config.mesh.describe()}: LLMEngine runs one replica; "
                 "make_engine(config) builds the engine for several"
             )
-        parts = build_engine(config)
+        self._attach(config, build_engine(config))
+
+    def _attach(self, config: EngineConfig, parts: EngineParts) -> None:
+        """The frontend over a built engine (ReplicatedEngine: over replica 0's)."""
         self.config = config
         self.parts = parts
         self.core = parts.core

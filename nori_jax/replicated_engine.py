@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
-from nori_jax.core.output_processor import OutputProcessor
 from nori_jax.core.outputs import EngineCoreOutputs, RequestOutput
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.engine import EngineParts, LLMEngine, build_engine
@@ -43,23 +40,12 @@ class ReplicatedEngine(LLMEngine):
         rest = [build_engine(config, i, tokenizer=first.tokenizer) for i in range(1, n)]
         self.replicas: list[EngineParts] = [first, *rest]
         self.cores: list[EngineCore] = [p.core for p in self.replicas]
-        self.config = config
-        self.parts = first
-        self.core = first.core
-        self.model = first.model
-        self.runner = first.runner
-        self.tokenizer = first.tokenizer
-        self.max_model_len = first.max_model_len
-        self.scheduler_config = first.scheduler_config
+        self._attach(config, first)
         self.load_seconds = sum(p.load_seconds for p in self.replicas)
-        self.processor = OutputProcessor(self.tokenizer)
         self.metrics = ReplicaMetrics([EngineMetrics() for _ in range(n)])
         for m, p in zip(self.metrics.replicas, self.replicas, strict=True):
             m.set_model_config(p.config_info)
         self.router = ReplicaRouter(n, RouterConfig(page_size=first.scheduler_config.page_size))
-        self._rng = np.random.default_rng(config.seed)
-        self._next_id = 0
-        self._eos = first.eos_token_ids
 
     @property
     def step_times(self) -> StepTimes:
