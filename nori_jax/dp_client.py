@@ -146,16 +146,22 @@ class DataParallelClient(StreamingClient):
         params.validate()
         ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        serving = [i for i, c in enumerate(self.clients) if c.is_healthy]
-        if not serving:
-            raise EngineStoppedError(self._refusal())
         cost = min(len(ids) + params.max_tokens, self.max_model_len)
-        replica = self.router.route(rid, ids, cost, serving)
-        try:
-            return await self.clients[replica].add_request(prompt, params, rid, timeout_s, stream)
-        except BaseException:
-            self.router.release(rid)  # refused (or cancelled): it counts no more
-            raise
+        serving = [i for i, c in enumerate(self.clients) if c.is_healthy]
+        while serving:
+            replica = self.router.route(rid, ids, cost, serving)
+            try:
+                return await self.clients[replica].add_request(
+                    prompt, params, rid, timeout_s, stream
+                )
+            except EngineStoppedError:
+                # It died (or began shutting down) since `serving` was read: try the others.
+                self.router.release(rid)
+                serving.remove(replica)
+            except BaseException:
+                self.router.release(rid)  # refused (or cancelled): it counts no more
+                raise
+        raise EngineStoppedError(self._refusal())
 
     def _refusal(self) -> str:
         if not self.is_started:
