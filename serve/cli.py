@@ -144,9 +144,14 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     if args.engine_in_process:
         from nori_jax.async_engine import AsyncEngine
-        from nori_jax.engine import LLMEngine
+        from nori_jax.engine import make_engine
 
-        engine = AsyncEngine(LLMEngine(config))  # loads the weights and compiles every bucket
+        engine = AsyncEngine(make_engine(config))  # loads the weights, compiles every bucket
+    elif config.mesh.data > 1:
+        from nori_jax.dp_client import DataParallelClient
+
+        engine = DataParallelClient(config)  # one engine-core process per replica
+        logger.info("engine cores running in processes %s", engine.pids)
     else:
         from nori_jax.core_client import EngineCoreClient
 
