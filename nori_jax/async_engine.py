@@ -58,6 +58,11 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request alone (finish reason "error"); the others went on."""
 
 
+def request_failed(out: RequestOutput) -> RequestFailedError:
+    """The error of a finished output whose finish reason is "error"."""
+    return RequestFailedError(f"request {out.request_id} failed in the engine: {out.error}")
+
+
 @dataclasses.dataclass
 class _Add:
     stream: RequestStream
@@ -379,9 +384,7 @@ def deliver(
             if out.finished:
                 del streams[out.request_id]
                 if out.finish_reason == "error":
-                    item = RequestFailedError(
-                        f"request {out.request_id} failed in the engine: {out.error}"
-                    )
+                    item = request_failed(out)
             by_loop.setdefault(stream._loop, []).append((stream, item))
     for loop, items in by_loop.items():
         _call_soon(loop, _put_all, items)

@@ -9,7 +9,6 @@ which the frontends run like any engine core.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -19,7 +18,6 @@ from nori_jax.core.disaggregated_core import DisaggregatedCore
 from nori_jax.engine import EngineParts, build_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.executor.kv_transfer import KVMover
-from nori_jax.executor.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +28,13 @@ def build_disaggregated(config: EngineConfig) -> EngineParts:
     started = time.perf_counter()
     mesh_config = config.mesh
     assert mesh_config.disaggregated
-    replica_config = dataclasses.replace(config, mesh=mesh_config.replica())
-    parts = {"prefill": [], "decode": []}
+    parts: dict[str, list[EngineParts]] = {"prefill": [], "decode": []}
+    tokenizer = None  # loaded once, shared by the replicas
     for i, role in enumerate(mesh_config.roles()):
         logger.info("building %s replica %d of %s", role, i, mesh_config.describe())
-        parts[role].append(build_engine(replica_config, make_mesh(mesh_config, i), role))
+        built = build_engine(config, i, tokenizer=tokenizer, role=role)
+        tokenizer = built.tokenizer
+        parts[role].append(built)
     prefill, decode = parts["prefill"], parts["decode"]
     first = decode[0]
     # 8-bit pages are stored scaled: a page moved between pools of different scales would decode

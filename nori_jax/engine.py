@@ -32,7 +32,7 @@ from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.runner import ModelRunner
-from nori_jax.mesh_config import Role
+from nori_jax.mesh_config import MeshConfig, Role
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
@@ -42,6 +42,16 @@ from pallas_kernels.kv_layout import kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
+
+
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The in-process engine for `config`: an LLMEngine, or a ReplicatedEngine (same API) when
+    the mesh has several data-parallel replicas."""
+    if config.mesh.data > 1:
+        from nori_jax.replicated_engine import ReplicatedEngine
+
+        return ReplicatedEngine(config)
+    return LLMEngine(config)
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -113,28 +123,43 @@ class EngineParts:
         return list(tok.eos_token_ids if tok else self.model.config.eos_token_ids)
 
 
+def replica_mesh(mesh: MeshConfig, replica: int, own_devices: bool = False) -> Mesh:
+    """Replica `replica`'s device mesh.
+
+    In a process that sees every replica's devices (one process running them all, or a CPU
+    process forced to that many host devices), its slice of jax.devices() (mesh_config.py says
+    which). With `own_devices`, a process started for this one replica (its engine-core process,
+    with CUDA_VISIBLE_DEVICES naming its GPUs) that sees exactly `mesh.model` devices takes them.
+    """
+    devices = jax.devices()
+    if own_devices and len(devices) < mesh.num_devices and len(devices) == mesh.model:
+        return make_mesh(mesh.replica(), 0, devices)
+    return make_mesh(mesh, replica, devices)
+
+
 def build_engine(
-    config: EngineConfig, mesh: Mesh | None = None, role: Role = "colocated"
+    config: EngineConfig,
+    replica: int = 0,
+    *,
+    own_devices: bool = False,
+    tokenizer: Tokenizer | None = None,
+    role: Role | None = None,
 ) -> EngineParts:
     """Load the model, size the KV pool, compile and warm every program, wire the core.
 
-    A disaggregated mesh builds every replica and the KV mover between them (disaggregated.py).
-    `mesh` builds one replica on that mesh; `role` "prefill" makes its scheduler hand each
-    request off after its first token.
-    """
-    if mesh is None and config.mesh.disaggregated:
+    With data-parallel replicas (`config.mesh.data > 1`), builds replica `replica` on its own
+    devices (`replica_mesh`); `tokenizer`, when given, replaces the loaded one so that replicas
+    of one process share theirs. A disaggregated mesh builds every replica and the KV mover
+    between them (disaggregated.py), which builds each replica here with its `role` ("prefill":
+    its scheduler hands each request off after its first token)."""
+    if config.mesh.disaggregated and role is None:
         from nori_jax.disaggregated import build_disaggregated
 
         return build_disaggregated(config)
     started = time.perf_counter()
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
-    if mesh is None and config.mesh.num_replicas > 1:
-        raise ValueError(
-            f"mesh {config.mesh.describe()}: build_engine builds one replica; several replicas "
-            "are run by the replica front end"
-        )
-    mesh = make_mesh(config.mesh) if mesh is None else mesh
+    mesh = replica_mesh(config.mesh, replica, own_devices)
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()
     model = load_model(
@@ -149,6 +174,8 @@ def build_engine(
         quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
     mcfg = model.config
     config.mesh.check_model(mcfg)
     scfg = config.scheduler.for_model(mcfg.position_limit)
@@ -194,8 +221,9 @@ def build_engine(
         scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
     )
     logger.info(
-        "engine ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
+        "engine%s ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
         "of %d tokens in %s, buckets %s, attention=%s",
+        f" replica {replica} of {config.mesh.data}" if config.mesh.data > 1 else "",
         time.perf_counter() - started,
         model.source,
         model.describe_weights(),
@@ -213,7 +241,16 @@ def build_engine(
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        parts = build_engine(config)
+        # A disaggregated engine's core drives all its replicas (disaggregated.py).
+        if config.mesh.num_replicas > 1 and not config.mesh.disaggregated:
+            raise ValueError(
+                f"mesh {config.mesh.describe()}: LLMEngine runs one replica; "
+                "make_engine(config) builds the engine for several"
+            )
+        self._attach(config, build_engine(config))
+
+    def _attach(self, config: EngineConfig, parts: EngineParts) -> None:
+        """The frontend over a built engine (ReplicatedEngine: over replica 0's)."""
         self.config = config
         self.parts = parts
         self.core = parts.core
@@ -278,11 +315,13 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(
-            EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival)
-        )
+        self._submit(EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival))
         self.processor.add(request_id, text, token_ids, params, tuple(self._eos), stream)
         return request_id
+
+    def _submit(self, request: EngineCoreRequest) -> None:
+        """Hand a validated request to the core (ReplicatedEngine: to the replica it routes to)."""
+        self.core.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now (reason "abort"); its pages return to the pool at once."""

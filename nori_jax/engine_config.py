@@ -48,7 +48,7 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto",
         help="KV page dtype: auto (the model's dtype) or 8-bit fp8 pages (fp8 = fp8_e4m3, "
-        "fp8_e5m2), dequantized on the fly by the attention (per-layer scales of 1.0)",
+        "fp8_e5m2), dequantized on the fly by the attention (scales 1.0 unless calibrated)",
         choices=KV_CACHE_DTYPES,
     )
     calculate_kv_scales: bool = option(

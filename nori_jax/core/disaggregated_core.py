@@ -151,11 +151,13 @@ class DisaggregatedCore:
         return total
 
     def step(self) -> EngineCoreOutputs:
-        """Step every core (prefill first, so their first tokens come out before the decode
-        cores' second ones), then move what the prefill cores handed off: it decodes from the
-        next step on, while the decode devices run this one."""
+        """Step every core, launching all before fetching any so that their devices run
+        together (prefill first, so their first tokens come out before the decode cores' second
+        ones); then move what the prefill cores handed off: it decodes from the next step on,
+        while the decode devices run this one."""
         t0 = time.perf_counter()
-        outs = [core.step() for core in self.cores]
+        pending = [core.launch_step() for core in self.cores]
+        outs = [core.complete_step(p) for core, p in zip(self.cores, pending, strict=True)]
         for src, core in enumerate(self.prefill):
             self._move_handed_off(src, core)
         self._collect_landed(wait=False)

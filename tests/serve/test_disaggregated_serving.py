@@ -22,11 +22,12 @@ SMALL = {"max_num_batched_tokens": 32, "max_num_seqs": 4}  # two buckets per rep
 def server():
     with pytest.MonkeyPatch.context() as mp:
         # The engine-core process is a fresh interpreter: it starts JAX with two CPU devices.
+        # Only while it is spawned: this process's JAX keeps its one device.
         mp.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
         mp.setenv("JAX_PLATFORMS", "cpu")
         engine = EngineCoreClient(engine_config(mesh={"prefill": 1, "decode": 1}, **SMALL))
-        with running_server(engine=engine) as s:
-            yield s
+    with running_server(engine=engine) as s:
+        yield s
 
 
 def test_served_tokens_match_the_single_device_engine(server):
