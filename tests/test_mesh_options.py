@@ -103,7 +103,7 @@ def test_bad_meshes_name_the_value(values, match):
 
 def test_a_mesh_larger_than_the_devices_names_both():
     # This process has one CPU device (the 8-device meshes run in subprocesses).
-    with pytest.raises(ValueError, match=r"tp8 \(model=8.*needs 8 devices; 1 cpu device"):
+    with pytest.raises(ValueError, match=r"tp8 \(model=8.*needs 8 devices; 1 available \(cpu\)"):
         LLM("tiny-llama", load_format="dummy", mesh="tp8")
 
 

@@ -3,6 +3,8 @@ tests/test_tensor_parallel.py in a subprocess (the device count is fixed when JA
 
     python tests/tp_layouts.py TP_MODEL KERNEL_MODEL QWEN2     (XLA_FLAGS=...device_count=8)
 
+(with NPROC=16 as tests/conftest.py sets it: interpret-mode kernels wait on XLA's CPU threads)
+
 prints one JSON line: per engine its greedy tokens, recompiles, shardings and the collectives of
 its compiled forward passes; per layout the Pallas kernel's attention step under shard_map against
 the one-device step.

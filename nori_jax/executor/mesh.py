@@ -22,7 +22,7 @@ def make_mesh(config: MeshConfig, replica: int = 0, devices: list | None = None)
         )
         raise ValueError(
             f"mesh {config.describe()} ({config.fields_text()}) needs {config.num_devices} "
-            f"devices; {len(devices)} {devices[0].platform} device(s) available{hint}"
+            f"devices; {len(devices)} available ({devices[0].platform}){hint}"
         )
     picked = [devices[i] for i in config.device_indices(replica)]
     return Mesh(np.asarray(picked).reshape(1, config.model), AXES)
