@@ -16,7 +16,7 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.mesh_config import MeshConfig, mesh_preset_names
 from nori_jax.model_config import ModelConfig, load_preset
 
-ENGINE_COMMANDS = ("generate", "chat", "serve", "bench offline", "plan calibrate")
+ENGINE_COMMANDS = ("generate", "chat", "serve", "run-batch", "bench offline", "plan calibrate")
 
 
 def _mesh(**values) -> MeshConfig:

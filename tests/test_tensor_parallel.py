@@ -39,7 +39,8 @@ def test_greedy_tokens_match_one_device_for_tp_2_4_8(report):
     engines = report["engines"]
     single = engines["reference tp1"]["tokens"]
     assert len(single) == 2 and all(len(t) == 6 for t in single)
-    for tp in (2, 4, 8):
+    for tp in (2, 4, 8):  # asked for as tensor_parallel_size=2, mesh="tp4", MeshConfig(model=8)
+        assert engines[f"reference tp{tp}"]["mesh"] == tp
         assert engines[f"reference tp{tp}"]["tokens"] == single, f"tp{tp}"
     # MQA with qkv bias: the single kv head and its bias replicated on 4 devices.
     assert engines["qwen2 tp4"]["tokens"] == engines["qwen2 tp1"]["tokens"]

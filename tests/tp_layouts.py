@@ -56,9 +56,18 @@ def collectives(hlo: str) -> dict[str, int]:
     return dict(found)
 
 
+# Each way of asking for a layout: vLLM's keyword, a preset's name, a MeshConfig.
+MESH_ARGS = {
+    2: {"tensor_parallel_size": 2},
+    4: {"mesh": "tp4"},
+    8: {"mesh": MeshConfig(model=8)},
+}
+
+
 def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -> dict:
     started = time.perf_counter()
-    llm = LLM(path, mesh=MeshConfig(model=tp), attention_backend=backend, **ENGINE)
+    mesh = MESH_ARGS.get(tp, {"mesh": MeshConfig(model=tp)})
+    llm = LLM(path, attention_backend=backend, **mesh, **ENGINE)
     kernel_programs = ragged_paged_attention_pallas._cache_size()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
@@ -67,6 +76,7 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
     programs = llm.engine.runner.compiled_programs()
     return {
         "seconds": round(time.perf_counter() - started, 1),
+        "mesh": llm.engine.config.mesh.model,
         "tokens": tokens,
         "recompiles": llm.engine.num_recompiles,
         # Interpret-mode kernels run as host programs (sharded.py): none may be built after
