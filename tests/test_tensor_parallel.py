@@ -1,6 +1,9 @@
-"""Tensor parallelism is configuration: a 2-way `model` mesh gives the single-device tokens.
+"""Tensor parallelism is configuration: on 2, 4 and 8 CPU devices the engine gives the one-device
+tokens, with the reference attention and with the Pallas kernel (interpret mode) under shard_map,
+kv heads split or replicated, two all-reduces per layer and no recompiles.
 
-Runs in a subprocess because the CPU device count is fixed when JAX starts.
+One subprocess (tests/tp_layouts.py) builds every engine on an 8-device CPU mesh, because the
+device count is fixed when JAX starts; the tests below read its report.
 """
 
 from __future__ import annotations
@@ -9,45 +12,92 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
-SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import jax
-    from nori_jax import LLM, MeshConfig, SamplingParams
-    path = sys.argv[1]
-    kw = dict(dtype="float32", page_size=16, num_pages=32, max_num_seqs=4,
-              max_num_batched_tokens=32,
-              max_model_len=128)
-    prompts = [[5, 17, 33, 101, 7], list(range(40, 70))]
-    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    single = [o.token_ids for o in LLM(path, **kw).generate(prompts, p)]
-    tp = LLM(path, mesh=MeshConfig(model=2), **kw)
-    sharded = [o.token_ids for o in tp.generate(prompts, p)]
-    q = tp.engine.model.state["layers"][0]["self_attn"]["q_proj"].get_value()
-    kv = tp.engine.runner.kv_pages[0]
-    print(json.dumps({"single": single, "tp": sharded, "devices": len(jax.devices()),
-                      "q_shards": len(q.sharding.device_set), "q_spec": str(q.sharding.spec),
-                      "kv_spec": str(kv.sharding.spec)}))
-    """
-)
+import pytest
+
+SCRIPT = Path(__file__).with_name("tp_layouts.py")
+NUM_LAYERS = 2  # of the tp model and of qwen2 (tests/conftest.py)
 
 
-def test_two_way_tensor_parallel_matches_single_device(hf_checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def report(tp_checkpoint, kernel_tp_checkpoint, hf_checkpoints) -> dict:
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
+    args = [str(tp_checkpoint), str(kernel_tp_checkpoint), str(hf_checkpoints["qwen2"])]
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(hf_checkpoints["llama"])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
-    assert result["q_shards"] == 2 and "model" in result["q_spec"]
-    assert "model" in result["kv_spec"]  # KV pages split by kv head
-    assert result["tp"] == result["single"]
+    assert result["devices"] == 8
+    return result
+
+
+def test_greedy_tokens_match_one_device_for_tp_2_4_8(report):
+    engines = report["engines"]
+    single = engines["reference tp1"]["tokens"]
+    assert len(single) == 2 and all(len(t) == 6 for t in single)
+    for tp in (2, 4, 8):  # asked for as tensor_parallel_size=2, mesh="tp4", MeshConfig(model=8)
+        assert engines[f"reference tp{tp}"]["mesh"] == tp
+        assert engines[f"reference tp{tp}"]["tokens"] == single, f"tp{tp}"
+    # MQA with qkv bias: the single kv head and its bias replicated on 4 devices.
+    assert engines["qwen2 tp4"]["tokens"] == engines["qwen2 tp1"]["tokens"]
+
+
+def test_pallas_kernel_engine_under_shard_map_matches_one_device(report):
+    engines = report["engines"]
+    pallas = engines["kernel-model pallas tp2"]
+    assert pallas["tokens"] == engines["kernel-model reference tp1"]["tokens"]
+    assert len(pallas["tokens"][0]) == 3
+    assert pallas["kv_shard_shape"][1] == 1  # one of the two kv heads per device
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_pallas_attention_step_split_over_kv_heads(report, tp):
+    """Each device runs the kernel on its heads and page slices: the same output and the same
+    K/V in every stored copy of a kv head as the one-device step."""
+    step = report["kernel_steps"][f"tp{tp}"]
+    assert step["replicas"] == {2: 1, 4: 2, 8: 8}[tp]
+    assert step["out_max_err"] < 1e-5
+    assert step["pages_equal"]
+    assert step["out_spec"] == "P(None, 'model', None)"
+
+
+def test_kv_heads_split_or_replicated_on_the_pages(report):
+    engines = report["engines"]
+    for tp, heads, k_spec in ((2, 4, "P(None, 'model')"), (4, 4, "P(None, 'model')")):
+        e = engines[f"reference tp{tp}"]
+        assert e["kv_shape"][1] == heads and e["kv_shard_shape"][1] == heads // tp
+        assert e["k_spec"] == k_spec
+    # 4 kv heads on 8 devices: each stored twice, one per device; k/v projections replicated.
+    e = engines["reference tp8"]
+    assert e["kv_shape"][1] == 8 and e["kv_shard_shape"][1] == 1
+    assert e["k_spec"] == "P(None, None)" and e["q_spec"] == "P(None, 'model')"
+    assert "model" in e["kv_spec"]
+
+
+def test_two_all_reduces_per_layer(report):
+    """The compiled forward pass of every tp > 1 layout: one all-reduce after o_proj and one
+    after down_proj per layer, one for the vocab-split embedding lookup, one all-gather of the
+    logits, and no other collective. tp 1 has none."""
+    for name, e in report["engines"].items():
+        layers = 1 if name.startswith("kernel-model") else NUM_LAYERS
+        for program, found in e["collectives"].items():
+            if name.endswith("tp1"):
+                assert found == {}, (name, program)
+                continue
+            assert found == {
+                "all-reduce:o_proj": layers,
+                "all-reduce:down_proj": layers,
+                "all-reduce:gather": 1,
+                "all-gather:dot_general": 1,
+            }, (name, program)
+
+
+def test_no_recompiles_and_no_leaked_pages(report):
+    for name, e in report["engines"].items():
+        assert e["recompiles"] == 0, name
+        assert e["kernel_programs_built"] == 0, name  # interpret-mode host programs too
+        assert e["free_pages"] == e["num_pages"] - 1, name  # all but the null page

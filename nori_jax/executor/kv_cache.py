@@ -1,4 +1,9 @@
-"""The KV page pool: how many pages fit, and allocating them on the mesh (one array per layer)."""
+"""The KV page pool: how many pages fit, and allocating them on the mesh (one array per layer).
+
+Under tensor parallelism the pages' kv-head axis is split over `model`; a model with fewer kv
+heads than devices stores each kv head tp / Hkv times (`stored_kv_heads`), one per device, so a
+page costs every device the same 1/tp of its bytes either way.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nori_jax.model_config import ModelConfig
 from pallas_kernels.kv_layout import KVLayout
+from pallas_kernels.page_constants import stored_kv_heads
 
 GIB = 1 << 30
 
@@ -19,11 +25,11 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """All layers' bytes for one page index across the whole mesh."""
-    return (
-        cfg.num_layers * 2 * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
-    )
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype, tp: int = 1) -> int:
+    """All layers' bytes for one page index across a `tp`-device mesh (replicated kv heads
+    counted once per copy)."""
+    heads = stored_kv_heads(cfg.num_kv_heads, tp)
+    return cfg.num_layers * 2 * heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def num_pages_for_memory(
@@ -43,17 +49,18 @@ def num_pages_for_memory(
     tp = mesh.shape["model"]
     if stats and "bytes_limit" in stats:
         budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"]
-        per_page = bytes_per_page(cfg, page_size, dtype) / tp
+        per_page = bytes_per_page(cfg, page_size, dtype, tp) / tp
     else:
         budget = cpu_kv_cache_gib * GIB
-        per_page = bytes_per_page(cfg, page_size, dtype)
+        per_page = bytes_per_page(cfg, page_size, dtype, tp)
     return int(budget // per_page)
 
 
 def allocate_kv_pages(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh
 ) -> list[jax.Array]:
-    layout = KVLayout(num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    heads = stored_kv_heads(cfg.num_kv_heads, mesh.shape["model"])
+    layout = KVLayout(num_pages, heads, page_size, cfg.head_dim)
     sharding = kv_sharding(mesh)
     zeros = jax.jit(lambda: jnp.zeros(layout.shape, dtype), out_shardings=sharding)
     return [zeros() for _ in range(cfg.num_layers)]

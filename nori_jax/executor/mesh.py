@@ -14,8 +14,15 @@ def make_mesh(config: MeshConfig, replica: int = 0, devices: list | None = None)
     """Replica `replica`'s mesh, shape (1, config.model), over `devices` (default jax.devices())."""
     devices = jax.devices() if devices is None else devices
     if config.num_devices > len(devices):
+        hint = (
+            " (a CPU mesh for experiments: XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{config.num_devices}, set before JAX starts)"
+            if devices[0].platform == "cpu"
+            else ""
+        )
         raise ValueError(
-            f"mesh {config.describe()} needs {config.num_devices} devices; {len(devices)} available"
+            f"mesh {config.describe()} ({config.fields_text()}) needs {config.num_devices} "
+            f"devices; {len(devices)} available ({devices[0].platform}){hint}"
         )
     picked = [devices[i] for i in config.device_indices(replica)]
     return Mesh(np.asarray(picked).reshape(1, config.model), AXES)

@@ -232,8 +232,13 @@ class ModelRunner:
             layout.view(rows, "filter_rows")[:] = np.arange(s)
             self.fetch(self._launch(t, tokens, rows, GREEDY))
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
-        for program in self._samplers:  # a sampler program runs the same on any bucket
-            self.fetch(self._launch(self.buckets[-1], tokens, rows, program))
+        # A sampler program runs the same on any logits: each runs once on zeros, without another
+        # forward pass (which costs seconds per layer with interpret-mode kernels on CPU).
+        s_vocab = (s, self.model.config.vocab_size)
+        logits = jax.device_put(np.zeros(s_vocab, np.float32), self._replicated)
+        rows_d = jax.device_put(rows, self._replicated)
+        for sampler in self._samplers.values():
+            self.fetch(sampler(logits, rows_d))
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.

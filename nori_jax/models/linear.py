@@ -1,8 +1,10 @@
 """The model's linear layers: a float kernel `[in, out]`, or a quantized weight (quantization/).
 
 Tensor parallelism is Megatron's: a COLUMN layer (q/k/v/gate/up) splits its output features over
-the mesh axis `model`, a ROW layer (o/down) its input features. A quantized weight keeps the same
-split, with its scales sharded alongside their channels or groups.
+the mesh axis `model`, a ROW layer (o/down) its input features. A REPLICATED layer is whole on
+every device (k/v when there are fewer kv heads than devices: each device computes all kv heads
+and keeps the one it needs). A quantized weight keeps the same split, with its scales sharded
+alongside their channels or groups.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from flax import nnx
 from nori_jax.quantization.scheme import WeightQuantization
 
 MODEL = "model"  # mesh axis for tensor parallelism
-COLUMN, ROW = "column", "row"
+COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
 
 
@@ -47,7 +49,7 @@ class QuantizedLinear(nnx.Module):
     ):
         scheme.check_in_features(name, in_features)
         groups = scheme.num_groups(in_features)
-        w_spec = (MODEL, None) if parallel == COLUMN else (None, MODEL)
+        w_spec = {COLUMN: (MODEL, None), ROW: (None, MODEL), REPLICATED: (None, None)}[parallel]
         # A per-channel scale has one column: it cannot be split over the input features.
         s_spec = (w_spec[0], w_spec[1] if groups > 1 else None)
         s_dtype = scheme.scale_dtype(dtype)
@@ -98,7 +100,7 @@ def linear_weight(
     """A float kernel [in, out] sharded for `parallel`, or a QuantizedLinear (`quantization`)."""
     if quantization is not None:
         return QuantizedLinear(in_features, out_features, dtype, parallel, quantization, name)
-    spec = (None, MODEL) if parallel == COLUMN else (MODEL, None)
+    spec = {COLUMN: (None, MODEL), ROW: (MODEL, None), REPLICATED: (None, None)}[parallel]
     return param(rngs, (in_features, out_features), dtype, spec)
 
 

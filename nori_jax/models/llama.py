@@ -5,6 +5,13 @@ over the mesh axis `model`: q/k/v/gate/up split by output columns, o/down by inp
 embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. Float kernels
 are stored [in, out]; quantized linear layers (`quantization=`) as models/linear.py describes.
 
+On a mesh whose `model` axis has tp > 1 devices, the attention step runs under `shard_map` over
+kv heads (pallas_kernels/ragged_paged_attention/sharded.py): each device writes and attends over
+its own heads and page slices. With fewer kv heads than devices, k_proj and v_proj are replicated
+and the pages store each kv head tp / Hkv times. The collectives of a layer are the two
+all-reduces XLA inserts after the row-parallel o_proj and down_proj (tests/test_tensor_parallel.py
+counts them in the compiled step).
+
 Shapes: T = tokens of the step, H = hidden, Hq/Hkv = heads, D = head_dim, V = vocab, F = MLP width.
 """
 
@@ -15,14 +22,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from nori_jax.model_config import ModelConfig
-from nori_jax.models.linear import COLUMN, MODEL, ROW, linear, linear_weight, param
+from nori_jax.models.linear import COLUMN, MODEL, REPLICATED, ROW, linear, linear_weight, param
 from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nori_jax.quantization.scheme import WeightQuantization
-from pallas_kernels import attention_step
+from pallas_kernels import attention_step, attention_step_sharded
+from pallas_kernels.page_constants import stored_kv_heads
 
 ATTENTION_SCOPE = "paged_attention"
+# The row-parallel layers, whose partial sums are all-reduced under tensor parallelism: named in
+# the compiled HLO so a test can count the collectives per layer.
+O_PROJ_SCOPE, DOWN_PROJ_SCOPE = "o_proj", "down_proj"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +67,26 @@ class Attention(nnx.Module):
         backend: str,
         rngs: nnx.Rngs,
         quant: WeightQuantization | None,
+        mesh: Mesh | None,
     ):
         h, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        # The mesh to split the attention step over; None on one device (no shard_map).
+        tp = 1 if mesh is None else mesh.shape[MODEL]
+        self.mesh = mesh if tp > 1 else None
+        # Fewer kv heads than devices: every device computes all kv heads and keeps its own.
+        replicate_kv = stored_kv_heads(cfg.num_kv_heads, tp) > cfg.num_kv_heads
+        kv_parallel = REPLICATED if replicate_kv else COLUMN
+        kv_bias_spec = (None,) if replicate_kv else (MODEL,)
         self.q_proj = linear_weight(rngs, h, q, dtype, COLUMN, quant, "self_attn.q_proj")
-        self.k_proj = linear_weight(rngs, h, kv, dtype, COLUMN, quant, "self_attn.k_proj")
-        self.v_proj = linear_weight(rngs, h, kv, dtype, COLUMN, quant, "self_attn.v_proj")
+        self.k_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.k_proj")
+        self.v_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.v_proj")
         self.o_proj = linear_weight(rngs, q, h, dtype, ROW, quant, "self_attn.o_proj")
         if cfg.attention_bias:
             self.q_bias = param(rngs, (cfg.num_heads * d,), dtype, (MODEL,), init="zeros")
-            self.k_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
-            self.v_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, (MODEL,), init="zeros")
+            self.k_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, kv_bias_spec, init="zeros")
+            self.v_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, kv_bias_spec, init="zeros")
         self.has_bias = cfg.attention_bias
         self.sm_scale = d**-0.5
         self.backend = backend
@@ -82,22 +102,17 @@ class Attention(nnx.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # The scope names the attention's ops in the compiled HLO: its loops (the reference's
         # page loop, a kernel's) are the only control flow the step may hold (test_step_hlo.py).
+        args = (q, k, v, kv_pages, meta.slot_mapping, meta.kv_lens, meta.page_table)
+        args += (meta.cu_q_lens, meta.distribution)
         with jax.named_scope(ATTENTION_SCOPE):
-            out, kv_pages = attention_step(
-                q,
-                k,
-                v,
-                kv_pages,
-                meta.slot_mapping,
-                meta.kv_lens,
-                meta.page_table,
-                meta.cu_q_lens,
-                meta.distribution,
-                sm_scale=self.sm_scale,
-                backend=self.backend,
-                kv_scales=kv_scales,
-            )
-        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj), kv_pages
+            kw = dict(sm_scale=self.sm_scale, backend=self.backend, kv_scales=kv_scales)
+            if self.mesh is None:
+                out, kv_pages = attention_step(*args, **kw)
+            else:
+                out, kv_pages = attention_step_sharded(*args, mesh=self.mesh, axis=MODEL, **kw)
+        with jax.named_scope(O_PROJ_SCOPE):
+            out = linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
+        return out, kv_pages
 
 
 class MLP(nnx.Module):
@@ -109,13 +124,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gated = jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj)
-        return linear(gated, self.down_proj)
+        with jax.named_scope(DOWN_PROJ_SCOPE):
+            return linear(gated, self.down_proj)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, backend: str, rngs: nnx.Rngs, quant=None):
+    def __init__(
+        self, cfg: ModelConfig, dtype, backend: str, rngs: nnx.Rngs, quant=None, mesh=None
+    ):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.self_attn = Attention(cfg, dtype, backend, rngs, quant)
+        self.self_attn = Attention(cfg, dtype, backend, rngs, quant, mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.mlp = MLP(cfg, dtype, rngs, quant)
 
@@ -135,14 +153,16 @@ class LlamaForCausalLM(nnx.Module):
         rngs: nnx.Rngs,
         attention_backend: str = "reference",
         quantization: WeightQuantization | None = None,
+        mesh: Mesh | None = None,
     ):
         """`quantization`: how the decoder's linear layers store their weights (None: float
-        kernels in `dtype`); embeddings, LM head and norms stay in `dtype`."""
+        kernels in `dtype`); embeddings, LM head and norms stay in `dtype`. `mesh`: the mesh the
+        parameters will live on (None: one device); its `model` axis splits the attention step."""
         self.config = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
         self.layers = nnx.List(
             [
-                DecoderLayer(cfg, dtype, attention_backend, rngs, quantization)
+                DecoderLayer(cfg, dtype, attention_backend, rngs, quantization, mesh)
                 for _ in range(cfg.num_layers)
             ]
         )
@@ -154,7 +174,7 @@ class LlamaForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # int32[T]
         positions: jax.Array,  # int32[T]
-        kv_pages: list[jax.Array],  # num_layers x [P, Hkv, 2, PS, D]
+        kv_pages: list[jax.Array],  # num_layers x [P, stored_kv_heads(Hkv, tp), 2, PS, D]
         meta: AttentionInputs,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2] of fp8 pages; None: default
     ) -> tuple[jax.Array, list[jax.Array]]:

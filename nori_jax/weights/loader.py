@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nori_jax.dummy_tokenizer import byte_tokenizer
+from nori_jax.mesh_config import MeshConfig
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.quantization.quantize import QuantizedTensor, quantize_on_device, stored_bytes
@@ -80,10 +81,15 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 
 def abstract_model(
-    cfg: ModelConfig, dtype, attention_backend: str, quantization: WeightQuantization | None = None
+    cfg: ModelConfig,
+    dtype,
+    attention_backend: str,
+    quantization: WeightQuantization | None = None,
+    mesh: Mesh | None = None,
 ):
+    """The model's graph and abstract state; `mesh` decides how its attention is split."""
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0), attention_backend, quantization)
+        lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh)
     )
     return nnx.split(model)
 
@@ -321,9 +327,11 @@ def load_model(
             f"a .gguf file, nor a preset ({', '.join(list_presets())})"
         )
     cfg = ModelConfig.from_hf_dict(hf_config)
+    # Before any weight moves: a tensor-parallel size the heads cannot split is a config error.
+    MeshConfig(model=mesh.shape["model"]).check_model(cfg)
     start = time.perf_counter()
     logger.info("loading model %s", source)
-    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme)
+    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme, mesh)
     if scheme is not None:
         check_quantized_sharding(abstract, mesh)
     from_cache = False
