@@ -25,10 +25,11 @@ from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.executor import compilation_cache
+from nori_jax.executor import compilation_cache, distributed
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
+from nori_jax.executor.multihost import LeaderExecutor
 from nori_jax.executor.runner import ModelRunner
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
@@ -53,7 +54,7 @@ def resolve_attention_backend(name: str) -> str:
 class CountedRunner:
     """The runner as the engine core's executor, counting any program built while it runs."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner | LeaderExecutor):
         self.runner = runner
         self._compiles = CompileCounter()
 
@@ -112,7 +113,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
             f"mesh {config.mesh.describe()}: build_engine builds one replica; several replicas "
             "are run by the replica front end"
         )
+    multihost = config.distributed
+    distributed.join(multihost)  # before any JAX computation; nothing in a single process
     mesh = make_mesh(config.mesh)
+    if multihost.enabled and config.mesh.num_devices != jax.device_count():
+        raise ValueError(
+            f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
+            f"engine spans every process's devices, set the tensor parallel size to "
+            f"{jax.device_count()} (all devices)"
+        )
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()
     model = load_model(
@@ -123,7 +132,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         attention_backend=attention_backend,
         seed=config.seed,
         tokenizer=config.tokenizer,
-        param_cache=config.param_cache,
+        # The orbax cache is per host and its writes are collective: not across processes.
+        param_cache=config.param_cache and not multihost.enabled,
         quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
@@ -140,6 +150,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.gpu_memory_utilization,
         config.cpu_kv_cache_gib,
     )
+    if multihost.enabled:  # every process must allocate the same pool (free memory may differ)
+        num_pages = distributed.agree_min("num_pages", num_pages, multihost)
     allocator = PageAllocator(num_pages, page_size, scfg.enable_prefix_caching)
     scheduler = Scheduler(scfg, allocator)
     builder = PlanBuilder(
@@ -155,8 +167,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     runner.compile_all()
     runner.warm_up()
+    # Process 0 of a multi-host engine sends each step to the followers before launching it; a
+    # follower's core stays idle (follower.py runs the steps process 0 sends).
+    executor = (
+        LeaderExecutor(runner, multihost) if multihost.enabled and multihost.is_leader else runner
+    )
     core = EngineCore(
-        scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
+        scheduler, builder, CountedRunner(executor), async_scheduling=config.async_scheduling
     )
     logger.info(
         "engine ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
@@ -178,6 +195,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if not config.distributed.is_leader:
+            raise ValueError(
+                f"distributed process_id={config.distributed.process_id} is a follower: it runs "
+                "nori_jax.follower.follow(config) (or `nori-jax serve/generate` with its "
+                "--process-id), not an engine of its own"
+            )
         parts = build_engine(config)
         self.config = config
         self.parts = parts
