@@ -97,7 +97,7 @@ class StepLeader:
                     f"follower processes {missing} did not connect to process 0 within "
                     f"{timeout_s:.0f}s"
                 )
-            for frames in self._receive(left):
+            for frames in self._receive(left, "process 0 waited for the followers to connect"):
                 if frames[1] == b"H":
                     hello.add(frames[0])
 
@@ -125,7 +125,10 @@ class StepLeader:
                     f"follower processes {[int(f) for f in behind]} did not finish step {step} "
                     f"within {self.step_timeout_s:.0f}s (step_timeout_s)"
                 )
-            for follower, kind, *rest in self._receive(left):
+            waiting = (
+                f"process 0 waited for processes {[int(f) for f in behind]} to finish step {step}"
+            )
+            for follower, kind, *rest in self._receive(left, waiting):
                 if kind == b"A":
                     self._done[follower] = _ACK.unpack(rest[0])[0]
 
@@ -139,9 +142,7 @@ class StepLeader:
                 self._sock.send_multipart([follower, b"X"], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        self._sock.close()
-        self._monitor.close(0)
-        self._ctx.term()
+        self._ctx.destroy(linger=1000)  # closes every socket; a stop still queued goes out
 
     def _send(self, follower: bytes, frames: list) -> None:
         try:
@@ -154,23 +155,23 @@ class StepLeader:
                 "closed): the engine spans every process and cannot go on"
             ) from None
 
-    def _receive(self, timeout_s: float) -> list[list[bytes]]:
+    def _receive(self, timeout_s: float, waiting: str) -> list[list[bytes]]:
         """The messages that arrive within `timeout_s` (at least one, or none at the timeout);
         FollowerLost on a dropped connection or a follower's error."""
         events = dict(self._poller.poll(max(1, int(timeout_s * 1000))))
-        if self._monitor in events and _disconnected(self._monitor):
-            raise FollowerLost(
-                "a follower process disconnected from process 0 (it died, or its host stopped "
-                f"answering for {HEARTBEAT_TIMEOUT_MS / 1000:.0f}s): the engine spans every "
-                "process and cannot go on"
-            )
         out = []
-        while self._sock.poll(0):
+        while self._sock.poll(0):  # a follower's last words come before its disconnect
             frames = self._sock.recv_multipart()
             if frames[1] == b"E":
                 error = frames[2].decode(errors="replace")
                 raise FollowerLost(f"follower process {int(frames[0])} failed: {error}")
             out.append(frames)
+        if self._monitor in events and _disconnected(self._monitor):
+            raise FollowerLost(
+                f"a follower process disconnected while {waiting} (it died, or its host "
+                f"stopped answering for {HEARTBEAT_TIMEOUT_MS / 1000:.0f}s): the engine spans "
+                "every process and cannot go on"
+            )
         return out
 
 
@@ -208,12 +209,12 @@ class StepFollower:
         ("stop",); meanwhile forwards finished steps. LeaderLost if process 0 is gone."""
         while True:
             events = dict(self._poller.poll())
-            if self._monitor in events and _disconnected(self._monitor):
-                raise LeaderLost("process 0 disconnected: the engine is gone")
             while self._done.poll(0):  # [b"A", step] or [b"E", text]: on to process 0
                 self._sock.send_multipart(self._done.recv_multipart())
-            if self._sock in events:
+            if self._sock.poll(0):  # what arrived before a disconnect comes first (a stop)
                 break
+            if self._monitor in events and _disconnected(self._monitor):
+                raise LeaderLost("process 0 disconnected: the engine is gone")
         frames = self._sock.recv_multipart()
         if frames[0] == b"X":
             return ("stop",)
@@ -227,10 +228,7 @@ class StepFollower:
         self._sock.send_multipart([b"E", text.encode()])
 
     def close(self) -> None:
-        for sock in (self._sock, self._done):
-            sock.close()
-        self._monitor.close(0)
-        self._ctx.term()
+        self._ctx.destroy(linger=1000)
 
 
 def pack_step_number(step: int) -> bytes:
