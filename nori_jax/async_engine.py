@@ -29,9 +29,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import SamplingParams
 
@@ -55,6 +56,11 @@ class RequestTimeoutError(TimeoutError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone (finish reason "error"); the others went on."""
+
+
+def request_failed(out: RequestOutput) -> RequestFailedError:
+    """The error of a finished output whose finish reason is "error"."""
+    return RequestFailedError(f"request {out.request_id} failed in the engine: {out.error}")
 
 
 @dataclasses.dataclass
@@ -144,7 +150,7 @@ class RequestStream:
         self._ready.set()
 
 
-class AsyncEngine:
+class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -278,25 +284,6 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        stream = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        """The engine's metrics; gauges are as of the last step (read without stopping it)."""
-        return self.metrics.as_dict()
-
     # ---- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -397,9 +384,7 @@ def deliver(
             if out.finished:
                 del streams[out.request_id]
                 if out.finish_reason == "error":
-                    item = RequestFailedError(
-                        f"request {out.request_id} failed in the engine: {out.error}"
-                    )
+                    item = request_failed(out)
             by_loop.setdefault(stream._loop, []).append((stream, item))
     for loop, items in by_loop.items():
         _call_soon(loop, _put_all, items)

@@ -175,10 +175,10 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     import logging
 
-    from nori_jax.engine import LLMEngine
+    from nori_jax.engine import make_engine
     from nori_jax.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = make_engine(engine_config_from_args(args))
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use `nori-jax generate` instead")
     sampling, source = sampling_defaults(engine.model.generation_config)

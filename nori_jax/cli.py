@@ -1,4 +1,4 @@
-"""`nori-jax`: generate, chat, serve, bench, plan, cache.
+"""`nori-jax`: generate, chat, serve, run-batch, bench, plan, cache.
 
 Each command's flags and modules load only when that command runs (cli_parsing.LazySubParsers),
 so `nori-jax --help` imports no JAX.
@@ -18,6 +18,10 @@ COMMANDS = {
     ),
     "chat": ("interactive chat in the terminal, streaming", "nori_jax.chat_cli:add_chat_args"),
     "serve": ("OpenAI-compatible HTTP server (FastAPI + uvicorn)", "serve.cli:add_serve_args"),
+    "run-batch": (
+        "an OpenAI Batch API file through the engine, offline; resumable, shardable",
+        "serve.batch.cli:add_run_batch_args",
+    ),
     "bench": (
         "benchmarks: load generator against a server, offline runs",
         "nori_jax.cli:add_bench_args",

@@ -35,8 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -50,9 +49,9 @@ from nori_jax.async_engine import (
     deliver,
     fail_streams,
 )
+from nori_jax.client_base import StreamingClient
 from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
-from nori_jax.core.outputs import RequestOutput
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_core_process import (
@@ -79,7 +78,10 @@ class _CoreProcess:
     """One engine-core process and the two sockets to it (fresh ones per process, so nothing
     queued for a dead process reaches its successor)."""
 
-    def __init__(self, zctx: zmq.Context, config: EngineConfig, directory: str, n: int, level):
+    def __init__(
+        self, zctx: zmq.Context, config: EngineConfig, directory: str, n: int, level, replica: int
+    ):
+        env = replica_env(config, replica)  # before any socket: its ValueError leaves nothing
         self.paths = [os.path.join(directory, f"{name}-{n}") for name in ("in", "out")]
         self.to_core = zctx.socket(zmq.PUSH)
         self.to_core.bind(f"ipc://{self.paths[0]}")
@@ -88,8 +90,8 @@ class _CoreProcess:
         # A fresh interpreter (not multiprocessing): JAX is not fork-safe, and spawn would run
         # the caller's main module again in the child.
         cmd = [sys.executable, "-m", "nori_jax.engine_core_process"]
-        cmd += [f"ipc://{p}" for p in self.paths] + [level]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        cmd += [f"ipc://{p}" for p in self.paths] + [level, str(replica)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
 
@@ -129,7 +131,32 @@ class _CoreProcess:
                 pass
 
 
-class EngineCoreClient:
+def replica_env(config: EngineConfig, replica: int) -> dict[str, str] | None:
+    """The environment of data-parallel replica `replica`'s engine-core process: this one's,
+    with CUDA_VISIBLE_DEVICES narrowed to the replica's GPUs (mesh_config.py's device indices,
+    taken within this process's own CUDA_VISIBLE_DEVICES when it has one), so that the process
+    neither sees nor allocates memory on the other replicas' GPUs. None (inherit) for one
+    replica. CPU processes own their host devices anyway."""
+    if config.mesh.data < 2:
+        return None
+    env = dict(os.environ)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(config.mesh.num_devices)]
+    if len(ids) < config.mesh.num_devices:
+        raise ValueError(
+            f"mesh {config.mesh.describe()} needs {config.mesh.num_devices} devices; "
+            f"CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)}"
+        )
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in config.mesh.device_indices(replica))
+    return env
+
+
+class EngineCoreClient(StreamingClient):
+    """`replica` (data parallel, dp_client.py): which replica of `config.mesh` the core process
+    runs, on that replica's devices only. `on_request_done(request_id)` is called (from the
+    reader thread, or the caller's) once for every request that leaves this client: finished,
+    failed, or refused."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -138,8 +165,12 @@ class EngineCoreClient:
         log_level=None,
         max_restarts: int = 5,
         restart_window_s: float = 600.0,
+        replica: int = 0,
+        on_request_done: Callable[[str], None] | None = None,
     ):
         self.config = config
+        self.replica = replica
+        self._on_done = on_request_done
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
         self._level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -176,7 +207,9 @@ class EngineCoreClient:
 
     def _spawn(self) -> _CoreProcess:
         self._generation += 1
-        return _CoreProcess(self._zmq, self.config, self._dir, self._generation, self._level)
+        return _CoreProcess(
+            self._zmq, self.config, self._dir, self._generation, self._level, self.replica
+        )
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -308,6 +341,7 @@ class EngineCoreClient:
             with self._lock:
                 self._streams.pop(rid, None)
                 self._processor.drop(rid)
+            self._done([rid])
             raise
         return out_stream
 
@@ -322,24 +356,6 @@ class EngineCoreClient:
         """Abort a request from any thread; a no-op for unknown or finished requests."""
         if self._down is None:
             self._send(AbortRequests([request_id]))
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the request is aborted if the consumer stops early."""
-        s = await self.add_request(prompt, params, request_id, timeout_s)
-        try:
-            async for out in s:
-                yield out
-        finally:
-            s.abort()
-
-    def get_metrics(self) -> dict[str, Any]:
-        return self.metrics.as_dict()
 
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))
@@ -400,6 +416,7 @@ class EngineCoreClient:
             self._send(AbortRequests([r for r, why in ended.items() if why == reason], reason))
         self.metrics.observe(msg.outputs)
         deliver(self._streams, outputs, self._lock)
+        self._done([f.request_id for f in msg.outputs.finished])
 
     def _die(self, reason: str) -> None:
         self._down = reason
@@ -455,6 +472,12 @@ class EngineCoreClient:
             if not fut.done():
                 fut.set_exception(make_error())
         fail_streams(streams, make_error)
+        self._done([s.request_id for s in streams])
+
+    def _done(self, request_ids: list[str]) -> None:
+        if self._on_done is not None:
+            for rid in request_ids:
+                self._on_done(rid)
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)

@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
@@ -28,9 +29,11 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.executor import compilation_cache, distributed
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
+from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.executor.multihost import LeaderExecutor
 from nori_jax.executor.runner import ModelRunner
+from nori_jax.mesh_config import MeshConfig, Role
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
@@ -40,6 +43,16 @@ from pallas_kernels.kv_layout import kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 
 logger = logging.getLogger(__name__)
+
+
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The in-process engine for `config`: an LLMEngine, or a ReplicatedEngine (same API) when
+    the mesh has several data-parallel replicas."""
+    if config.mesh.data > 1:
+        from nori_jax.replicated_engine import ReplicatedEngine
+
+        return ReplicatedEngine(config)
+    return LLMEngine(config)
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -91,7 +104,15 @@ class EngineParts:
     @property
     def config_info(self) -> dict[str, str]:
         """What runs (dtype, weights, KV pages), for the log and nori:model_config_info."""
-        return self.model.model_config_info | {"kv_cache_dtype": self.kv_cache_dtype}
+        scales = "none"
+        if self.runner.kv_scales is not None:
+            scales = "calibrated"
+        elif self.kv_cache_dtype.startswith("float8"):
+            scales = "default"
+        return self.model.model_config_info | {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_scales": scales,
+        }
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -103,19 +124,50 @@ class EngineParts:
         return list(tok.eos_token_ids if tok else self.model.config.eos_token_ids)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    """Load the model, size the KV pool, compile and warm every program, wire the core."""
+def replica_mesh(mesh: MeshConfig, replica: int, own_devices: bool = False) -> Mesh:
+    """Replica `replica`'s device mesh.
+
+    In a process that sees every replica's devices (one process running them all, or a CPU
+    process forced to that many host devices), its slice of jax.devices() (mesh_config.py says
+    which). With `own_devices`, a process started for this one replica (its engine-core process,
+    with CUDA_VISIBLE_DEVICES naming its GPUs) that sees exactly `mesh.model` devices takes them.
+    """
+    devices = jax.devices()
+    if own_devices and len(devices) < mesh.num_devices and len(devices) == mesh.model:
+        return make_mesh(mesh.replica(), 0, devices)
+    return make_mesh(mesh, replica, devices)
+
+
+def build_engine(
+    config: EngineConfig,
+    replica: int = 0,
+    *,
+    own_devices: bool = False,
+    tokenizer: Tokenizer | None = None,
+    role: Role | None = None,
+) -> EngineParts:
+    """Load the model, size the KV pool, compile and warm every program, wire the core.
+
+    With data-parallel replicas (`config.mesh.data > 1`), builds replica `replica` on its own
+    devices (`replica_mesh`); `tokenizer`, when given, replaces the loaded one so that replicas
+    of one process share theirs. A disaggregated mesh builds every replica and the KV mover
+    between them (disaggregated.py), which builds each replica here with its `role` ("prefill":
+    its scheduler hands each request off after its first token)."""
+    multihost = config.distributed
+    if multihost.enabled and config.mesh.num_replicas > 1:
+        raise ValueError(
+            f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
+            "engine is one replica, tensor parallel over every process's devices"
+        )
+    distributed.join(multihost)  # before any JAX computation; nothing in a single process
+    if config.mesh.disaggregated and role is None:
+        from nori_jax.disaggregated import build_disaggregated
+
+        return build_disaggregated(config)
     started = time.perf_counter()
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
-    if config.mesh.num_replicas > 1:
-        raise ValueError(
-            f"mesh {config.mesh.describe()}: build_engine builds one replica; several replicas "
-            "are run by the replica front end"
-        )
-    multihost = config.distributed
-    distributed.join(multihost)  # before any JAX computation; nothing in a single process
-    mesh = make_mesh(config.mesh)
+    mesh = replica_mesh(config.mesh, replica, own_devices)
     if multihost.enabled and config.mesh.num_devices != jax.device_count():
         raise ValueError(
             f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
@@ -137,6 +189,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
     mcfg = model.config
     config.mesh.check_model(mcfg)
     scfg = config.scheduler.for_model(mcfg.position_limit)
@@ -153,7 +207,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if multihost.enabled:  # every process must allocate the same pool (free memory may differ)
         num_pages = distributed.agree_min("num_pages", num_pages, multihost)
     allocator = PageAllocator(num_pages, page_size, scfg.enable_prefix_caching)
-    scheduler = Scheduler(scfg, allocator)
+    scheduler = Scheduler(scfg, allocator, hand_off=role == "prefill")
     builder = PlanBuilder(
         scfg.max_num_seqs,
         scfg.max_pages_per_seq,
@@ -162,8 +216,21 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler.buckets,
         mcfg.vocab_size,
     )
+    kv_scales = None
+    if config.calculate_kv_scales:
+        t0 = time.perf_counter()
+        kv_scales = measure_kv_scales(model, mesh, kv_dtype, calibration_token_ids(model))
+        logger.info(
+            "KV scales calibrated in %.1fs: k %.3g-%.3g, v %.3g-%.3g over %d layers",
+            time.perf_counter() - t0,
+            kv_scales[:, 0].min(),
+            kv_scales[:, 0].max(),
+            kv_scales[:, 1].min(),
+            kv_scales[:, 1].max(),
+            len(kv_scales),
+        )
     runner = ModelRunner(
-        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype
+        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype, kv_scales
     )
     runner.compile_all()
     runner.warm_up()
@@ -176,8 +243,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler, builder, CountedRunner(executor), async_scheduling=config.async_scheduling
     )
     logger.info(
-        "engine ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
+        "engine%s ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
         "of %d tokens in %s, buckets %s, attention=%s",
+        f" replica {replica} of {config.mesh.data}" if config.mesh.data > 1 else "",
         time.perf_counter() - started,
         model.source,
         model.describe_weights(),
@@ -201,7 +269,16 @@ class LLMEngine:
                 "nori_jax.follower.follow(config) (or `nori-jax serve/generate` with its "
                 "--process-id), not an engine of its own"
             )
-        parts = build_engine(config)
+        # A disaggregated engine's core drives all its replicas (disaggregated.py).
+        if config.mesh.num_replicas > 1 and not config.mesh.disaggregated:
+            raise ValueError(
+                f"mesh {config.mesh.describe()}: LLMEngine runs one replica; "
+                "make_engine(config) builds the engine for several"
+            )
+        self._attach(config, build_engine(config))
+
+    def _attach(self, config: EngineConfig, parts: EngineParts) -> None:
+        """The frontend over a built engine (ReplicatedEngine: over replica 0's)."""
         self.config = config
         self.parts = parts
         self.core = parts.core
@@ -231,7 +308,7 @@ class LLMEngine:
     @property
     def num_recompiles(self) -> int:
         """XLA programs built inside this engine's steps since warm-up; anything but 0 is a bug."""
-        return self.core.executor.num_recompiles
+        return self.core.num_recompiles
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -266,11 +343,13 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(
-            EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival)
-        )
+        self._submit(EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival))
         self.processor.add(request_id, text, token_ids, params, tuple(self._eos), stream)
         return request_id
+
+    def _submit(self, request: EngineCoreRequest) -> None:
+        """Hand a validated request to the core (ReplicatedEngine: to the replica it routes to)."""
+        self.core.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now (reason "abort"); its pages return to the pool at once."""

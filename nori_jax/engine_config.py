@@ -50,8 +50,13 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto",
         help="KV page dtype: auto (the model's dtype) or 8-bit fp8 pages (fp8 = fp8_e4m3, "
-        "fp8_e5m2), dequantized on the fly by the attention (per-layer scales of 1.0)",
+        "fp8_e5m2), dequantized on the fly by the attention (scales 1.0 unless calibrated)",
         choices=KV_CACHE_DTYPES,
+    )
+    calculate_kv_scales: bool = option(
+        False,
+        help="fp8 pages: per-layer K and V scales measured by a calibration prefill at start-up "
+        "(off: 1.0)",
     )
     load_format: str = option(
         "auto", help="weights format; dummy: random weights of a shape preset", choices=LOAD_FORMATS
@@ -105,6 +110,10 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales=True needs fp8 KV pages (kv_cache_dtype='auto' has no scales)"
+            )
         for name, kind in _NESTED.items():
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")

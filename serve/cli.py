@@ -100,7 +100,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_serve)
 
 
-def _chat_template(value: str | None) -> str | None:
+def chat_template_source(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -137,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or None,
-        chat_template=_chat_template(args.chat_template),
+        chat_template=chat_template_source(args.chat_template),
         request_timeout_s=args.request_timeout,
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
@@ -150,9 +150,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # process, and this one joined it to choose the backend's config.
     if args.engine_in_process or config.distributed.enabled:
         from nori_jax.async_engine import AsyncEngine
-        from nori_jax.engine import LLMEngine
+        from nori_jax.engine import make_engine
 
-        engine = AsyncEngine(LLMEngine(config))  # loads the weights and compiles every bucket
+        engine = AsyncEngine(make_engine(config))  # loads the weights, compiles every bucket
+    elif config.mesh.data > 1:
+        from nori_jax.dp_client import DataParallelClient
+
+        engine = DataParallelClient(config)  # one engine-core process per replica
+        logger.info("engine cores running in processes %s", engine.pids)
     else:
         from nori_jax.core_client import EngineCoreClient
 

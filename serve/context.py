@@ -13,7 +13,7 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine_client import EngineClient
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from nori_jax.tokenizer import Tokenizer
-from serve.errors import api_error_from, bad_request
+from serve.errors import api_error_from, parameter_error
 from serve.settings import ServerSettings
 from serve.streaming import result_unless_disconnected
 
@@ -48,7 +48,7 @@ class ServeContext:
                 prompt_ids, params, request_id, self.settings.request_timeout_s
             )
         except ParameterError as e:
-            raise bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None
+            raise parameter_error(e, prompt_param) from None
         except Exception as e:
             raise api_error_from(e, self.settings.retry_after_s) from None
 

@@ -9,6 +9,7 @@ engine failed alone 500.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,6 +61,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
+def parameter_error(exc: ParameterError, prompt_param: str = "prompt") -> ApiError:
+    """The 400 for a ParameterError; a prompt's fault is named by the route's own prompt field
+    (`messages` for a chat)."""
+    return bad_request(str(exc), prompt_param if exc.param == "prompt" else exc.param)
+
+
 def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     """The HTTP error for an exception raised by the engine (or anything else)."""
     if isinstance(exc, ApiError):
@@ -108,10 +115,11 @@ def _is_union_tag(part: str | int) -> bool:
     )
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """One 400 for all of pydantic's complaints, `param` naming the first field at fault."""
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """One 400 for all of pydantic's complaints (`ValidationError.errors()`, FastAPI's or
+    pydantic's own), `param` naming the first field at fault."""
     by_field: dict[str, list[str]] = {}
-    for e in exc.errors():
+    for e in errors:
         if e.get("type") == "json_invalid":
             detail = e.get("ctx", {}).get("error", e.get("msg"))
             return bad_request(f"invalid JSON in the request body: {detail}")
@@ -144,7 +152,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default is a 422 with {"detail": [...]}: clients of OpenAI's API expect 400
         # and the error object.
-        return _validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,7 +26,7 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from serve import convert
 from serve.context import ServeContext
-from serve.errors import bad_request
+from serve.errors import parameter_error
 from serve.streaming import EngineStreamingResponse
 
 
@@ -65,19 +65,37 @@ class GenerationRoute(abc.ABC):
         budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
         return convert.sampling_params(self.body, budget, self.logprobs())
 
+    def prepare(self) -> tuple[list[int], SamplingParams]:
+        """Everything before the engine: the checks, the prompt's token ids, the budget and the
+        sampling settings; an ApiError for bad input. Blocking (it tokenizes): the server runs
+        it in a worker thread, `nori-jax run-batch` in grain's reader threads."""
+        convert.check_model(self.ctx, getattr(self.body, "model", None))
+        self.check()
+        try:
+            prompt_ids = self.prompt_ids()
+            return prompt_ids, self.sampling_params(len(prompt_ids))
+        except ParameterError as e:
+            raise parameter_error(e, self.prompt_param) from None
+
+    @classmethod
+    def new_request_id(cls) -> str:
+        return f"{cls.id_prefix}-{uuid.uuid4().hex}"
+
+    def head(self, request_id: str) -> dict[str, Any]:
+        """The fields every answer (and every streamed chunk) starts with."""
+        return {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": self.ctx.settings.model_name,
+        }
+
 
 async def handle(route: GenerationRoute, request: Request) -> Response:
     ctx, body = route.ctx, route.body
-    convert.check_model(ctx, getattr(body, "model", None))
-    route.check()
-    try:
-        prompt_ids = await asyncio.to_thread(route.prompt_ids)
-        params = route.sampling_params(len(prompt_ids))
-    except ParameterError as e:
-        raise bad_request(str(e), route.prompt_param if e.param == "prompt" else e.param) from None
-    request_id = f"{route.id_prefix}-{uuid.uuid4().hex}"
+    prompt_ids, params = await asyncio.to_thread(route.prepare)
+    request_id = route.new_request_id()
     stream = await ctx.submit(prompt_ids, params, request_id, route.prompt_param)
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.settings.model_name}
+    head = route.head(request_id)
     if body.stream:
         return EngineStreamingResponse(route.events(head, stream), stream, route.media_type)
     out = await ctx.final_output(request, stream)

@@ -46,12 +46,16 @@ TEXT = (
 )
 
 
-def our_logits(loaded, ids: list[int], page_size: int = 16) -> np.ndarray:
+def our_logits(
+    loaded, ids: list[int], page_size: int = 16, kv_dtype=None, kv_scales=None
+) -> np.ndarray:
+    """Logits of one forward over `ids`; `kv_dtype` (default: the model's) and `kv_scales`
+    (float32[layers, 2] for fp8 pages; None: 1.0) choose the KV pages."""
     n = len(ids)
     num_pages = n // page_size + 2
-    kv = allocate_kv_pages(
-        loaded.config, num_pages, page_size, loaded.dtype, make_mesh(MeshConfig())
-    )
+    kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
+    kv = allocate_kv_pages(loaded.config, num_pages, page_size, kv_dtype, make_mesh(MeshConfig()))
+    scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
     pages = np.arange(1, num_pages, dtype=np.int32)
     pos = np.arange(n, dtype=np.int32)
 
@@ -65,7 +69,7 @@ def our_logits(loaded, ids: list[int], page_size: int = 16) -> np.ndarray:
             jnp.asarray([0, n], jnp.int32),
             jnp.asarray([0, 1], jnp.int32),
         )
-        hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos), kv, meta)
+        hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos), kv, meta, scales)
         return model.compute_logits(hidden)
 
     return np.asarray(forward(loaded.state, kv))

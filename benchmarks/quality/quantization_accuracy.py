@@ -16,6 +16,9 @@ figure is Q4_1 dequantized), so:
                      or 64, not 128): here a second 4-bit rounding of 4-bit values
     int8, fp8        re-quantized from the float32 dequantization of the Q4_1 values
 
+KV rows store the pages in fp8 (`kv_cache_dtype`), with the default scales of 1.0 or calibrated
+ones (`calculate_kv_scales`, executor/kv_calibration.py). `--modes` picks rows by label.
+
 Prints a markdown table (the one in docs/benchmarks.md, "Quantization accuracy").
 """
 
@@ -32,10 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from perplexity import TEXT, our_logits, perplexity  # noqa: E402
 
 from nori_jax import LLM, SamplingParams  # noqa: E402
+from nori_jax.executor.kv_calibration import (  # noqa: E402
+    calibration_token_ids,
+    measure_kv_scales,
+)
 from nori_jax.executor.mesh import make_mesh  # noqa: E402
 from nori_jax.mesh_config import MeshConfig  # noqa: E402
 from nori_jax.quantization.scheme import WeightQuantization  # noqa: E402
 from nori_jax.weights.loader import load_model  # noqa: E402
+from pallas_kernels.kv_layout import kv_page_dtype  # noqa: E402
 
 TOPICS = [
     "Explain how a rainbow forms.",
@@ -59,24 +67,39 @@ TOPICS = [
     "Describe the water cycle.",
     "Give me a recipe for a simple tomato soup.",
 ]
-# (label, dtype, quantization argument)
+# (label, dtype, quantization argument, kv_cache_dtype, calculate_kv_scales)
 MODES = [
-    ("float32", "float32", None),
-    ("bfloat16", "bfloat16", None),
-    ("fp8", "bfloat16", "fp8"),
-    ("int8", "bfloat16", "int8"),
-    ("int4 (Q4_1 blocks kept)", "bfloat16", "int4"),
-    ("int4 requant g32", "bfloat16", WeightQuantization("int4", 32, source="re-quantized")),
+    ("float32", "float32", None, "auto", False),
+    ("bfloat16", "bfloat16", None, "auto", False),
+    ("fp8", "bfloat16", "fp8", "auto", False),
+    ("int8", "bfloat16", "int8", "auto", False),
+    ("int4 (Q4_1 blocks kept)", "bfloat16", "int4", "auto", False),
+    (
+        "int4 requant g32",
+        "bfloat16",
+        WeightQuantization("int4", 32, source="re-quantized"),
+        "auto",
+        False,
+    ),
+    ("fp8 KV (e4m3, scales 1.0)", "bfloat16", None, "fp8", False),
+    ("fp8 KV (e4m3, calibrated)", "bfloat16", None, "fp8", True),
+    ("fp8 KV (e5m2, scales 1.0)", "bfloat16", None, "fp8_e5m2", False),
+    ("fp8 weights + fp8 KV (calibrated)", "bfloat16", "fp8", "fp8", True),
+    ("int4 (Q4_1 kept) + fp8 KV (calibrated)", "bfloat16", "int4", "fp8", True),
 ]
 
 
-def engine_tokens(dtype, quantization, prompts, max_tokens) -> list[list[int]]:
+def engine_tokens(
+    dtype, quantization, prompts, max_tokens, kv_cache_dtype="auto", calibrate=False
+) -> list[list[int]]:
     if isinstance(quantization, WeightQuantization):  # not an EngineConfig value: load directly
         return _tokens_from_loaded(dtype, quantization, prompts, max_tokens)
     llm = LLM(
         None,
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=calibrate,
         max_num_seqs=len(prompts),
         max_num_batched_tokens=512,
         max_model_len=1024,
@@ -110,14 +133,14 @@ def _tokens_from_loaded(dtype, scheme, prompts, max_tokens):
     return outs
 
 
-def teacher_forced(loaded, prompts, ref_tokens, length: int = 512) -> list[np.ndarray]:
+def teacher_forced(loaded, prompts, ref_tokens, length: int = 512, **kv) -> list[np.ndarray]:
     """Greedy choices at every output position given bfloat16's context: one forward per prompt,
     padded to `length` (causal: the padding changes no earlier position), one compile per mode."""
     out = []
     for t, ref in zip(prompts, ref_tokens, strict=True):
         ids = loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) + ref
         assert len(ids) <= length
-        logits = our_logits(loaded, ids + [0] * (length - len(ids)))
+        logits = our_logits(loaded, ids + [0] * (length - len(ids)), **kv)
         n = len(ids) - len(ref)
         out.append(logits[n - 1 : len(ids) - 1].argmax(-1))
     return out
@@ -137,12 +160,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--modes", nargs="*", default=None, help="row labels to run (bfloat16 always runs)"
+    )
     args = ap.parse_args()
     prompts = TOPICS[: args.prompts]
     rows, ref = [], None
     # bfloat16 first: its outputs are the reference of every other row
     order = [MODES[1], MODES[0], *MODES[2:]]
-    for label, dtype, quantization in order:
+    if args.modes is not None:
+        order = [m for m in order if m[0] == "bfloat16" or m[0] in args.modes]
+    for label, dtype, quantization, kv_cache_dtype, calibrate in order:
         t0 = time.perf_counter()
         loaded = load_model(
             None,
@@ -151,17 +179,27 @@ def main() -> None:
             mesh=make_mesh(MeshConfig()),
             param_cache=False,
         )
+        kv = {}
+        if kv_cache_dtype != "auto":
+            mesh = make_mesh(MeshConfig())
+            kv_dtype = kv_page_dtype(kv_cache_dtype, loaded.dtype)
+            scales = None
+            if calibrate:
+                scales = measure_kv_scales(loaded, mesh, kv_dtype, calibration_token_ids(loaded))
+            kv = dict(kv_dtype=kv_dtype, kv_scales=scales)
         ids = loaded.tokenizer.encode(TEXT)
-        ppl = perplexity(our_logits(loaded, ids), ids)
-        weights = loaded.describe_weights()
+        ppl = perplexity(our_logits(loaded, ids, **kv), ids)
+        weights = loaded.describe_weights() + (f", {kv_cache_dtype} KV" if kv else "")
         mib = loaded.weight_bytes / 2**20
         if ref is None:
             tokens = engine_tokens(dtype, quantization, prompts, args.max_tokens)
             ref = tokens
-        forced = teacher_forced(loaded, prompts, ref)
+        forced = teacher_forced(loaded, prompts, ref, **kv)
         del loaded
         if label != "bfloat16":
-            tokens = engine_tokens(dtype, quantization, prompts, args.max_tokens)
+            tokens = engine_tokens(
+                dtype, quantization, prompts, args.max_tokens, kv_cache_dtype, calibrate
+            )
         forced_share = float(np.mean(np.concatenate(forced) == np.concatenate(ref)))
         rows.append((label, weights, mib, ppl, tokens, forced_share))
         print(f"{label}: perplexity {ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)

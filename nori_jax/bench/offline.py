@@ -206,7 +206,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nori_jax import LLMEngine
+    from nori_jax.engine import make_engine
 
     try:
         cfg = config_from_args(args)
@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = make_engine(engine_config_from_args(args))
     startup_s = time.perf_counter() - start
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 1000
     result = run_offline(engine, cfg, draw_requests(cfg, vocab, engine.max_model_len))

@@ -61,6 +61,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 @dataclasses.dataclass
+class PendingStep:
+    """A step between `launch_step` and `complete_step`."""
+
+    plan: StepPlan | None  # the step launched now (None: nothing to run)
+    done: tuple[Any, Any] | None  # (scheduled, device handle) of the step to fetch now
+    failed: list[FinishedRequest]  # requests whose admission failed this step
+    t0: float  # perf_counter at the start of scheduling
+    t1: float  # after building the plan
+    t2: float  # after the launch
+
+
+@dataclasses.dataclass
 class StepTimes:
     """Cumulative host wall time of the engine loop, split by stage (seconds)."""
 
@@ -155,6 +167,11 @@ class EngineCore:
         return None if req is None else finished_request(req)
 
     @property
+    def num_recompiles(self) -> int:
+        """Programs the executor built after warm-up; anything but 0 is a bug."""
+        return self.executor.num_recompiles
+
+    @property
     def has_in_flight(self) -> bool:
         """A launched step has not been fetched yet (see `drain`)."""
         return self._in_flight is not None
@@ -168,6 +185,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine iteration; return the tokens it delivered and who finished."""
+        return self.complete_step(self.launch_step())
+
+    def launch_step(self) -> PendingStep:
+        """The first half of `step`: schedule, build and launch the next step, without waiting
+        for the device. Several cores (data-parallel replicas) launch before any completes, so
+        their devices run together."""
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         failed: list[FinishedRequest] = []
@@ -182,6 +205,11 @@ class EngineCore:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
+        return PendingStep(plan, done, failed, t0, t1, t2)
+
+    def complete_step(self, pending: PendingStep) -> EngineCoreOutputs:
+        """The second half of `step`: fetch the step due now and turn it into outputs."""
+        plan, done, t0, t1, t2 = pending.plan, pending.done, pending.t0, pending.t1, pending.t2
         t3 = t4 = t2
         out = EngineCoreOutputs.empty()
         if done is not None:
@@ -189,7 +217,7 @@ class EngineCore:
             t3 = time.perf_counter()
             out = self._outputs(self.scheduler.update(done[0], tokens, logprobs))
             t4 = time.perf_counter()
-        out.finished.extend(failed)
+        out.finished.extend(pending.failed)
         st = self.step_times
         if plan is not None:
             st.steps += 1

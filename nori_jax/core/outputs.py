@@ -65,6 +65,20 @@ class StepStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int  # engine steps covered (0 or 1)
 
 
+class KVTransfer(msgspec.Struct, array_like=True, gc=False):
+    """One request's KV move from a prefill engine to a decode engine (disaggregated_core.py).
+
+    `seconds`: from its first token on the host (the end of its prefill) to its pages landing in
+    the decode engine's pool, waiting for room there included; 0 for a failed attempt.
+    """
+
+    request_id: str
+    seconds: float
+    num_bytes: int  # the request's pages (all layers); the page-count bucket's padding not counted
+    num_pages: int  # pages moved (pages the decode side had in its prefix cache stay put)
+    error: str | None = None  # a failed attempt: why (the request is retried or recomputed)
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     request_ids: list[str]  # requests that gained a token, in row order
     token_bytes: bytes  # int32[len(request_ids)] (numpy bytes: one buffer, not a list)
@@ -72,6 +86,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     finished: list[FinishedRequest]
     first_tokens: list[FirstToken]
     stats: StepStats | None = None
+    transfers: list[KVTransfer] = []  # disaggregated engines: KV moves that landed or failed
 
     @property
     def token_ids(self) -> np.ndarray:

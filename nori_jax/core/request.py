@@ -12,6 +12,9 @@ from nori_jax.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Disaggregation: holds pages but no slot. On a prefill engine: prefilled, its first token
+    # sampled, waiting for its KV to move; on a decode engine: moved in, waiting for a slot.
+    TRANSFER = "transfer"
     FINISHED = "finished"
 
 

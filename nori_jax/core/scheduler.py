@@ -8,6 +8,12 @@ Pure Python + numpy (never JAX), tested with a fake device. Each step:
 When pages run out, the newest running request is preempted (pages freed, re-queued at the front
 with the tokens it has, recomputed later); the engine never runs out of memory and never drops work.
 
+Disaggregation (core/disaggregated_core.py) adds two doors. A scheduler with `hand_off` (a prefill
+engine's) stops each request after its first token: it leaves the running batch for `handed_off`,
+its pages kept until its KV has moved. `add_arrived` (a decode engine's) takes a request whose
+prompt was computed elsewhere, its KV already in pages of this allocator; it joins the running
+batch at the next step, ahead of admissions, and decodes from there.
+
 The running batch's progress lives in `SlotCounters` (one row per slot), so a step over a thousand
 decoding requests is a few numpy operations; Python touches only the rows that need something
 (a new page, a prefill chunk, an admission, a finish). The output is logical rows
@@ -61,7 +67,9 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    def __init__(
+        self, config: SchedulerConfig, allocator: PageAllocator, *, hand_off: bool = False
+    ):
         if config.max_pages_per_seq > allocator.num_usable_pages:
             raise ValueError(
                 f"max_model_len={config.max_model_len} needs {config.max_pages_per_seq} pages per "
@@ -80,6 +88,9 @@ class Scheduler:
         self._events: list[BatchEvent] = []
         self._eos_ids = np.zeros(0, np.int32)  # every request's EOS ids (for a vectorized check)
         self._preempted_this_step = False
+        self.hand_off = hand_off
+        self.handed_off: collections.deque[Request] = collections.deque()  # first token sampled
+        self.arrived: collections.deque[Request] = collections.deque()  # KV moved in, no slot
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -88,7 +99,9 @@ class Scheduler:
         return len(self.waiting) + len(self.waiting_long)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self.waiting_long)
+        return bool(
+            self.running or self.waiting or self.waiting_long or self.handed_off or self.arrived
+        )
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -98,10 +111,82 @@ class Scheduler:
             raise QueueFullError(f"waiting queue is full ({limit} requests)")
         threshold = self.config.long_prefill_threshold
         req.is_long = threshold is not None and req.num_prompt_tokens >= threshold
+        self._track(req)
+        (self.waiting_long if req.is_long else self.waiting).append(req)
+
+    def _track(self, req: Request) -> None:
         if not set(req.eos_token_ids) <= set(self._eos_ids.tolist()):
             self._eos_ids = np.union1d(self._eos_ids, req.eos_token_ids).astype(np.int32)
         self.requests[req.request_id] = req
-        (self.waiting_long if req.is_long else self.waiting).append(req)
+
+    # ---- disaggregation ---------------------------------------------------------------------
+
+    def add_arrived(self, req: Request) -> None:
+        """A request whose prompt was computed elsewhere: its KV is in `req.pages` (pages of this
+        allocator, already allocated, covering `req.num_computed_tokens` tokens) and its first
+        token in `req.output_token_ids`. It takes a slot at the next `schedule()`."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id={req.request_id!r} is already in use")
+        assert req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1
+        assert len(req.pages) == math.ceil(req.num_computed_tokens / self.page_size)
+        assert req.num_pending_tokens == 0 and req.slot is None
+        req.is_long = False  # its prefill is done: no long-prompt share to count against
+        req.status = RequestStatus.TRANSFER
+        self._track(req)
+        self.arrived.append(req)
+
+    def add_recompute(self, req: Request) -> None:
+        """A request that already has output tokens but no KV here (a transfer that fell back):
+        it waits at the front of the queue and is recomputed, as after a preemption. Not bounded
+        by `max_num_waiting`: it is not new work."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id={req.request_id!r} is already in use")
+        assert not req.pages and req.slot is None and req.num_pending_tokens == 0
+        req.num_computed_tokens = req.num_registered_pages = 0
+        req.is_long = False
+        req.status = RequestStatus.WAITING
+        self._track(req)
+        self.waiting.appendleft(req)
+
+    def has_room_for_arrival(self, num_pages: int) -> bool:
+        """Could a request holding `num_pages` of KV move in now (a slot for it, its pages and the
+        KV headroom free)? No while preempted requests wait here: they go first."""
+        if self.num_waiting or len(self.running) + len(self.arrived) >= self.config.max_num_seqs:
+            return False
+        headroom = int(self.config.kv_headroom * self.allocator.num_usable_pages)
+        idle = not self.running and not self.arrived
+        free = self.allocator.num_free_pages
+        return free >= num_pages and (idle or free - num_pages >= headroom)
+
+    def release_handed_off(self, req: Request) -> None:
+        """Its KV has moved (or it is recomputed elsewhere): free its pages here and forget it.
+        Full pages stay in this engine's prefix cache."""
+        self.handed_off.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        del self.requests[req.request_id]
+
+    def _hand_off(self, req: Request) -> None:
+        """A request's first token is known: it leaves the batch (or the queue) and waits."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release_slot(req)
+        else:  # preempted with its first sample in flight: no KV here, the decode side recomputes
+            (self.waiting_long if req.is_long else self.waiting).remove(req)
+        req.status = RequestStatus.TRANSFER
+        self.handed_off.append(req)
+
+    def _admit_arrived(self) -> None:
+        cfg = self.config
+        while self.arrived and len(self.running) < cfg.max_num_seqs:
+            req = self.arrived.popleft()
+            req.status = RequestStatus.RUNNING
+            self.slots.acquire(req, cfg.max_model_len)
+            p = req.params
+            self._events.append(
+                Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
+            )
+            self.running.append(req)
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """Finish a live request now (stop string, abort, timeout); frees its pages at once."""
@@ -113,6 +198,8 @@ class Scheduler:
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._release_slot(req)
+        elif req.status is RequestStatus.TRANSFER:
+            (self.handed_off if req in self.handed_off else self.arrived).remove(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.status = RequestStatus.FINISHED
@@ -138,6 +225,8 @@ class Scheduler:
         cfg, c = self.config, self.slots
         self._preempted_this_step = False
         budget, long_budget = cfg.max_num_batched_tokens, cfg.long_prefill_budget
+        if self.arrived:  # moved in with their prompt computed: they decode in this step
+            self._admit_arrived()
 
         # 1. Decodes, oldest first: they keep every running stream moving.
         run = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
@@ -228,12 +317,21 @@ class Scheduler:
                 self._add_pages(req, pages)
                 return True
             victim = next(
-                (v for v in reversed(self.running) if v is req or not scheduled[v.slot]), req
+                (v for v in reversed(self.running) if v is req or self._preemptible(v, scheduled)),
+                req,
             )
             if victim is req:
                 return False  # only requests newer than `req` are preempted for it
             self._preempt(victim)
         return True
+
+    def _preemptible(self, req: Request, scheduled: np.ndarray) -> bool:
+        """May `req` give its pages to a prefill chunk? Not if it runs in this step, nor, on a
+        prefill engine, once its prompt is computed: its KV is about to move."""
+        if scheduled[req.slot]:
+            return False
+        c = self.slots
+        return not (self.hand_off and c.computed[req.slot] >= c.prompt_len[req.slot])
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -278,6 +376,9 @@ class Scheduler:
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = time.monotonic()
             self.slots.acquire(req, cfg.max_model_len)
+            if self.hand_off:  # stop at the first token: the pending sample ends its run here
+                c = self.slots
+                c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
             p = req.params
             self._events.append(
                 Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
@@ -424,6 +525,8 @@ class Scheduler:
             reason = self._finish_reason(req, int(tokens[j]))
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
+            elif self.hand_off:
+                self._hand_off(req)
 
         # Rows whose request left its slot after this step was planned.
         for i in np.flatnonzero(out.row_samples & ~live).tolist():
@@ -445,6 +548,8 @@ class Scheduler:
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
+            elif self.hand_off:
+                self._hand_off(req)
         return update
 
     def _register_full_pages(self, slots: np.ndarray) -> None:
@@ -471,7 +576,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """For tests: page accounting, queue states, limits and the slot counters hold."""
         c = self.slots
-        self.allocator.check_invariants([r.pages for r in self.running])
+        holding = self.running + list(self.handed_off) + list(self.arrived)
+        self.allocator.check_invariants([r.pages for r in holding])
         assert len(self.running) <= self.config.max_num_seqs
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
@@ -485,3 +591,6 @@ class Scheduler:
             assert 0 <= c.pending[s] <= 2 and c.computed[s] <= c.known[s] + c.pending[s]
         for r in list(self.waiting) + list(self.waiting_long):
             assert r.status is RequestStatus.WAITING and not r.pages and r.slot is None
+        for r in list(self.handed_off) + list(self.arrived):
+            assert r.status is RequestStatus.TRANSFER and r.slot is None
+        assert not self.handed_off or self.hand_off

@@ -56,8 +56,10 @@ class LaunchTimes:
     sampler: float = 0.0  # dispatch of the sampler program and the async copy back
 
 
-def _forward(graphdef, treedef, layout, params, kv_pages, prev_tokens, tokens, rows):
+def _forward(graphdef, treedef, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
+    kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
     tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
     prev = tok["prev_index"]
     input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], tok["input_ids"])
@@ -68,7 +70,7 @@ def _forward(graphdef, treedef, layout, params, kv_pages, prev_tokens, tokens, r
         cu_q_lens=row["cu_q_lens"],
         distribution=row["distribution"],
     )
-    hidden, kv_pages = model(input_ids, tok["positions"], kv_pages, meta)
+    hidden, kv_pages = model(input_ids, tok["positions"], kv_pages, meta, kv_scales)
     return model.compute_logits(hidden[row["logits_indices"]]), kv_pages  # [S, V]
 
 
@@ -96,8 +98,10 @@ class ModelRunner:
         layout: StepLayout,
         buckets: list[int],
         kv_dtype=None,
+        kv_scales: np.ndarray | None = None,
     ):
-        """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages)."""
+        """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages).
+        `kv_scales`: float32[num_layers, 2] of fp8 pages (kv_calibration.py); None: 1.0."""
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
@@ -106,12 +110,13 @@ class ModelRunner:
         cfg = loaded.config
         kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
+        self.kv_scales = kv_scales
         self._params, treedef = jax.tree.flatten(loaded.state)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
         self._forward_fn = jax.jit(
-            functools.partial(_forward, loaded.graphdef, treedef, layout),
+            functools.partial(_forward, loaded.graphdef, treedef, layout, kv_scales),
             donate_argnums=(1,),
             out_shardings=(self._replicated, [self._kv_sharding] * cfg.num_layers),
         )

@@ -71,7 +71,8 @@ class Attention(nnx.Module):
         self.sm_scale = d**-0.5
         self.backend = backend
 
-    def __call__(self, x, cos, sin, kv_pages, meta: AttentionInputs):
+    def __call__(self, x, cos, sin, kv_pages, meta: AttentionInputs, kv_scales=None):
+        """`kv_scales`: f32[2] (k_scale, v_scale) of fp8 pages; None: the default scales."""
         t = x.shape[0]
         q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
         if self.has_bias:
@@ -94,6 +95,7 @@ class Attention(nnx.Module):
                 meta.distribution,
                 sm_scale=self.sm_scale,
                 backend=self.backend,
+                kv_scales=kv_scales,
             )
         return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj), kv_pages
 
@@ -117,8 +119,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.mlp = MLP(cfg, dtype, rngs, quant)
 
-    def __call__(self, x, cos, sin, kv_pages, meta):
-        attn, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, meta)
+    def __call__(self, x, cos, sin, kv_pages, meta, kv_scales=None):
+        attn, kv_pages = self.self_attn(
+            self.input_layernorm(x), cos, sin, kv_pages, meta, kv_scales
+        )
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
 
@@ -152,13 +156,15 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,  # int32[T]
         kv_pages: list[jax.Array],  # num_layers x [P, Hkv, 2, PS, D]
         meta: AttentionInputs,
+        kv_scales: jax.Array | None = None,  # f32[num_layers, 2] of fp8 pages; None: default
     ) -> tuple[jax.Array, list[jax.Array]]:
         """Run the decoder over the step's tokens: final hidden states [T, H] and new pages."""
         x = self.embed_tokens[...][input_ids]
         cos, sin = rope_cos_sin(positions, inverse_frequencies(self.config))
         new_pages = []
-        for layer, pages in zip(self.layers, kv_pages, strict=True):
-            x, pages = layer(x, cos, sin, pages, meta)
+        for i, (layer, pages) in enumerate(zip(self.layers, kv_pages, strict=True)):
+            scales = None if kv_scales is None else kv_scales[i]
+            x, pages = layer(x, cos, sin, pages, meta, scales)
             new_pages.append(pages)
         return self.norm(x), new_pages
 

@@ -1,8 +1,10 @@
 """The engine with 8-bit KV pages (`kv_cache_dtype`) against the model's own dtype.
 
 On the lookup model (greedy tokens with margins of several logits) fp8 pages give the same greedy
-tokens as float32 pages, with zero recompiles; the pages really are 8-bit and hold the written KV;
-the memory budget buys four times the float32 pages; the metric and the log name the dtype.
+tokens as float32 pages, with zero recompiles, with the default scales and with calibrated ones
+(`calculate_kv_scales`); the pages really are 8-bit and, dequantized with their scales, hold the
+float32 engine's K/V to the format's precision; the memory budget buys four times the float32
+pages; the metric names the dtype and the scales.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SMALL = dict(
 )
 PROMPTS = [[5, 17, 33, 101, 7], [200, 2, 250, 9, 1], list(range(40, 70))]
 KV_DTYPES = {"auto": "float32", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+CALIBRATED = "fp8+calibrated"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,9 @@ def lookup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(lookup) -> dict[str, LLM]:
-    return {kv: LLM(str(lookup), kv_cache_dtype=kv, **SMALL) for kv in KV_DTYPES}
+    llms = {kv: LLM(str(lookup), kv_cache_dtype=kv, **SMALL) for kv in KV_DTYPES}
+    llms[CALIBRATED] = LLM(str(lookup), kv_cache_dtype="fp8", calculate_kv_scales=True, **SMALL)
+    return llms
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def greedy(engines) -> dict[str, list[list[int]]]:
     return {kv: [o.token_ids for o in llm.generate(PROMPTS, p)] for kv, llm in engines.items()}
 
 
-@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", CALIBRATED])
 def test_fp8_pages_give_the_same_greedy_tokens_with_zero_recompiles(kv, engines, greedy):
     assert greedy[kv] == greedy["auto"]
     assert engines[kv].engine.num_recompiles == 0
@@ -63,10 +68,30 @@ def test_pages_are_stored_in_the_requested_dtype_and_hold_the_kv(kv, engines, gr
     assert np.count_nonzero(written) > 0
 
 
-def test_metric_names_the_kv_dtype(engines):
-    info = engines["fp8"].get_metrics()["nori:model_config_info"]
-    assert info["kv_cache_dtype"] == "float8_e4m3fn"
-    assert engines["auto"].get_metrics()["nori:model_config_info"]["kv_cache_dtype"] == "float32"
+def test_metric_names_the_kv_dtype_and_scales(engines):
+    info = {kv: llm.get_metrics()["nori:model_config_info"] for kv, llm in engines.items()}
+    assert (
+        info["fp8"]["kv_cache_dtype"] == "float8_e4m3fn" and info["fp8"]["kv_scales"] == "default"
+    )
+    assert info["auto"]["kv_cache_dtype"] == "float32" and info["auto"]["kv_scales"] == "none"
+    assert info[CALIBRATED]["kv_scales"] == "calibrated"
+
+
+@pytest.mark.parametrize("kv", ["fp8", CALIBRATED])
+def test_first_layer_pages_dequantize_to_the_float32_kv(kv, engines, greedy):
+    """Same prompts, same allocator: layer 0's pages, times their scales, are the float32
+    engine's K/V to e4m3's precision (3 mantissa bits: 2^-4 relative). Layer 0's K/V depend on
+    the tokens alone; deeper layers' inputs carry the fp8 attention's own error."""
+    runner = engines[kv].engine.runner
+    scales = np.ones((len(runner.kv_pages), 2)) if runner.kv_scales is None else runner.kv_scales
+    if kv == CALIBRATED:
+        assert scales.shape == (len(runner.kv_pages), 2) and np.all(np.isfinite(scales))
+        assert np.all(scales > 0) and not np.allclose(scales, 1.0)
+    ref = np.asarray(engines["auto"].engine.runner.kv_pages[0][1:])
+    got = np.asarray(runner.kv_pages[0][1:].astype(jnp.float32))
+    got = got * scales[0][None, None, :, None, None]  # axis 2: K, V
+    assert np.count_nonzero(ref) > 0
+    np.testing.assert_allclose(got, ref, rtol=2.0**-4, atol=float(scales[0].max()) * 2**-9)
 
 
 def test_the_memory_budget_holds_four_times_the_float32_pages(lookup):
@@ -82,3 +107,5 @@ def test_the_memory_budget_holds_four_times_the_float32_pages(lookup):
 def test_unknown_kv_cache_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be one of"):
         EngineConfig(model="unused", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="calculate_kv_scales=True needs fp8 KV pages"):
+        EngineConfig(model="unused", calculate_kv_scales=True)

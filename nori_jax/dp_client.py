@@ -1,0 +1,184 @@
+"""DataParallelClient: data-parallel replicas, one engine-core process each, behind one client.
+
+What `nori-jax serve --data-parallel-size N` runs: N `EngineCoreClient`s, client i starting the
+engine-core process of replica i on that replica's devices only (CUDA_VISIBLE_DEVICES narrowed
+to them; core_client.replica_env), and this client in front with the same engine-client API
+(engine_client.py), so the server does not know there are several. A `ReplicaRouter`
+(core/replica_router.py) picks each request's replica: the least loaded one, or the one that
+served the request's prefix (its prefix cache holds it) while that one is not too busy.
+
+The replicas start together, except where replica 0 may have to write the parameter cache
+(converted weights, `param_cache`): then it starts first, alone, and the others restore what it
+wrote, so no two processes ever write one cache entry.
+
+Failure is per replica: when one engine-core process dies, its client fails that replica's
+requests (EngineDeadError) and restarts it (counted in `nori:engine_restarts_total{replica=...}`),
+while the other replicas go on serving; new requests go to the replicas that serve meanwhile.
+/health answers 200 while at least one replica serves.
+
+Metrics: one view, each series labelled `replica` (replica_metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+import uuid
+from typing import Any
+
+from nori_jax.async_engine import EngineStoppedError, RequestStream
+from nori_jax.client_base import StreamingClient
+from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
+from nori_jax.core_client import EngineCoreClient
+from nori_jax.engine_config import EngineConfig
+from nori_jax.replica_metrics import ReplicaMetrics
+from nori_jax.sampling_params import SamplingParams
+from nori_jax.tokenizer import Tokenizer
+
+
+class DataParallelClient(StreamingClient):
+    def __init__(self, config: EngineConfig, **client_options: Any):
+        """Start every replica's engine-core process; returns once all are ready.
+        `client_options` go to each EngineCoreClient (startup_timeout_s, log_level,
+        max_restarts, restart_window_s)."""
+        n = config.mesh.data
+        if config.mesh.disaggregated or n < 2:
+            raise ValueError(
+                f"mesh {config.mesh.describe()}: DataParallelClient runs 2 or more colocated "
+                "replicas"
+            )
+        self.config = config
+        self.router = ReplicaRouter(n, RouterConfig(page_size=config.scheduler.page_size))
+
+        def start(i: int) -> EngineCoreClient:
+            return EngineCoreClient(
+                config, replica=i, on_request_done=self.router.release, **client_options
+            )
+
+        # Replica 0 alone first where it may write the parameter cache (one writer per entry);
+        # the others then restore from it. Dummy weights have no such entry: all start at once.
+        staggered = config.param_cache and config.load_format != "dummy"
+        self.clients: list[EngineCoreClient] = [start(0)] if staggered else []
+        try:
+            rest = range(len(self.clients), n)
+            with concurrent.futures.ThreadPoolExecutor(len(rest)) as pool:
+                futures = [pool.submit(start, i) for i in rest]
+                concurrent.futures.wait(futures)
+            for f in futures:
+                if f.exception() is None:
+                    self.clients.append(f.result())
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()
+        except BaseException:
+            for c in self.clients:
+                c.stop()
+            raise
+        first = self.clients[0]
+        self.tokenizer: Tokenizer | None = first.tokenizer
+        self.max_model_len = first.max_model_len
+        self.metrics = ReplicaMetrics([c.metrics for c in self.clients])
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for c in self.clients:
+            c.start()
+
+    @property
+    def is_started(self) -> bool:
+        return all(c.is_started for c in self.clients)
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while at least one replica serves."""
+        return any(c.is_healthy for c in self.clients)
+
+    @property
+    def dead_reason(self) -> str | None:
+        down = [
+            f"replica {i}: {c.dead_reason}"
+            for i, c in enumerate(self.clients)
+            if c.dead_reason is not None
+        ]
+        return "; ".join(down) or None
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self.clients)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each replica's engine-core process id, in replica order."""
+        return [c.pid for c in self.clients]
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(c.num_restarts for c in self.clients)
+
+    async def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        await asyncio.gather(*(c.shutdown(drain_timeout_s) for c in self.clients))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for c in self.clients:
+            c.stop(timeout_s)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.clients[0].tokenize(prompt)
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica serving a request (None once it is done, or if unknown)."""
+        return self.router.owner(request_id)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        stream: bool = True,
+    ) -> RequestStream:
+        """Route a request to a replica and queue it there (EngineCoreClient.add_request says
+        what it raises); EngineStoppedError while no replica serves."""
+        params.validate()
+        ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        cost = min(len(ids) + params.max_tokens, self.max_model_len)
+        serving = [i for i, c in enumerate(self.clients) if c.is_healthy]
+        while serving:
+            replica = self.router.route(rid, ids, cost, serving)
+            try:
+                return await self.clients[replica].add_request(
+                    prompt, params, rid, timeout_s, stream
+                )
+            except EngineStoppedError:
+                # It died (or began shutting down) since `serving` was read: try the others.
+                self.router.release(rid)
+                serving.remove(replica)
+            except BaseException:
+                self.router.release(rid)  # refused (or cancelled): it counts no more
+                raise
+        raise EngineStoppedError(self._refusal())
+
+    def _refusal(self) -> str:
+        if not self.is_started:
+            return "the engine is not started"
+        reason = self.dead_reason
+        return f"no replica is serving ({reason})" if reason else "the engine is shutting down"
+
+    def abort(self, request_id: str) -> None:
+        replica = self.router.owner(request_id)
+        if replica is not None:
+            self.clients[replica].abort(request_id)
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        """Block until every replica serves (after a restart); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not all(c.is_healthy for c in self.clients):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True

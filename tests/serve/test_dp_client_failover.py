@@ -1,0 +1,74 @@
+"""DataParallelClient's routing over fake replica clients (no processes): a replica that dies
+between the health check and the add hands the request to another, and nothing stays counted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nori_jax.async_engine import EngineStoppedError
+from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
+from nori_jax.dp_client import DataParallelClient
+from nori_jax.sampling_params import SamplingParams
+
+
+class FakeReplica:
+    def __init__(self, dies_on_add: bool = False, refuses: Exception | None = None):
+        self.healthy = True
+        self.dies_on_add, self.refuses = dies_on_add, refuses
+        self.added: list[str] = []
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self.healthy else "the engine core process exited (code -9)"
+
+    @property
+    def is_started(self) -> bool:
+        return True
+
+    async def add_request(self, prompt, params, request_id, timeout_s, stream):
+        if self.dies_on_add:
+            self.healthy = False
+            raise EngineStoppedError("the engine is not serving (restarting)")
+        if self.refuses is not None:
+            raise self.refuses
+        self.added.append(request_id)
+        return request_id
+
+
+def client_over(*replicas: FakeReplica) -> DataParallelClient:
+    c = DataParallelClient.__new__(DataParallelClient)
+    c.clients = list(replicas)
+    c.router = ReplicaRouter(len(replicas), RouterConfig(page_size=16))
+    c.max_model_len = 256
+    return c
+
+
+def add(c: DataParallelClient, rid: str):
+    return asyncio.run(c.add_request([1, 2, 3], SamplingParams(max_tokens=4), rid))
+
+
+def test_a_replica_dying_during_the_add_passes_the_request_on() -> None:
+    dying, alive = FakeReplica(dies_on_add=True), FakeReplica()
+    c = client_over(dying, alive)
+    assert add(c, "a") == "a" and alive.added == ["a"]
+    assert c.router.owner("a") == 1 and c.router.load == [0, 7]
+
+
+def test_no_replica_serving_is_a_stopped_engine_naming_why() -> None:
+    c = client_over(FakeReplica(dies_on_add=True), FakeReplica(dies_on_add=True))
+    with pytest.raises(EngineStoppedError, match="no replica is serving .*replica 0: .*exited"):
+        add(c, "a")
+    assert c.router.load == [0, 0]
+
+
+def test_a_refusal_is_the_callers_and_releases_the_route() -> None:
+    c = client_over(FakeReplica(refuses=ValueError("request_id='a' is already in use")))
+    with pytest.raises(ValueError, match="already in use"):
+        add(c, "a")
+    assert c.router.load == [0] and c.router.owner("a") is None
