@@ -26,11 +26,12 @@ from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.executor import compilation_cache
+from nori_jax.executor import compilation_cache, distributed
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
 from nori_jax.executor.mesh import make_mesh
+from nori_jax.executor.multihost import LeaderExecutor
 from nori_jax.executor.runner import ModelRunner
 from nori_jax.mesh_config import MeshConfig, Role
 from nori_jax.metrics import EngineMetrics
@@ -66,7 +67,7 @@ def resolve_attention_backend(name: str) -> str:
 class CountedRunner:
     """The runner as the engine core's executor, counting any program built while it runs."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner | LeaderExecutor):
         self.runner = runner
         self._compiles = CompileCounter()
 
@@ -152,6 +153,13 @@ def build_engine(
     of one process share theirs. A disaggregated mesh builds every replica and the KV mover
     between them (disaggregated.py), which builds each replica here with its `role` ("prefill":
     its scheduler hands each request off after its first token)."""
+    multihost = config.distributed
+    if multihost.enabled and config.mesh.num_replicas > 1:
+        raise ValueError(
+            f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
+            "engine is one replica, tensor parallel over every process's devices"
+        )
+    distributed.join(multihost)  # before any JAX computation; nothing in a single process
     if config.mesh.disaggregated and role is None:
         from nori_jax.disaggregated import build_disaggregated
 
@@ -160,6 +168,12 @@ def build_engine(
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
     mesh = replica_mesh(config.mesh, replica, own_devices)
+    if multihost.enabled and config.mesh.num_devices != jax.device_count():
+        raise ValueError(
+            f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
+            f"engine spans every process's devices, set the tensor parallel size to "
+            f"{jax.device_count()} (all devices)"
+        )
     attention_backend = resolve_attention_backend(config.attention_backend)
     start = time.perf_counter()
     model = load_model(
@@ -170,7 +184,8 @@ def build_engine(
         attention_backend=attention_backend,
         seed=config.seed,
         tokenizer=config.tokenizer,
-        param_cache=config.param_cache,
+        # The orbax cache is per host and its writes are collective: not across processes.
+        param_cache=config.param_cache and not multihost.enabled,
         quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - start
@@ -189,6 +204,8 @@ def build_engine(
         config.gpu_memory_utilization,
         config.cpu_kv_cache_gib,
     )
+    if multihost.enabled:  # every process must allocate the same pool (free memory may differ)
+        num_pages = distributed.agree_min("num_pages", num_pages, multihost)
     allocator = PageAllocator(num_pages, page_size, scfg.enable_prefix_caching)
     scheduler = Scheduler(scfg, allocator, hand_off=role == "prefill")
     builder = PlanBuilder(
@@ -217,8 +234,13 @@ def build_engine(
     )
     runner.compile_all()
     runner.warm_up()
+    # Process 0 of a multi-host engine sends each step to the followers before launching it; a
+    # follower's core stays idle (follower.py runs the steps process 0 sends).
+    executor = (
+        LeaderExecutor(runner, multihost) if multihost.enabled and multihost.is_leader else runner
+    )
     core = EngineCore(
-        scheduler, builder, CountedRunner(runner), async_scheduling=config.async_scheduling
+        scheduler, builder, CountedRunner(executor), async_scheduling=config.async_scheduling
     )
     logger.info(
         "engine%s ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
@@ -241,6 +263,12 @@ def build_engine(
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if not config.distributed.is_leader:
+            raise ValueError(
+                f"distributed process_id={config.distributed.process_id} is a follower: it runs "
+                "nori_jax.follower.follow(config) (or `nori-jax serve/generate` with its "
+                "--process-id), not an engine of its own"
+            )
         # A disaggregated engine's core drives all its replicas (disaggregated.py).
         if config.mesh.num_replicas > 1 and not config.mesh.disaggregated:
             raise ValueError(

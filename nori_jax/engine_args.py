@@ -18,6 +18,7 @@ from typing import Any
 
 from nori_jax.config_field import help_of
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.distributed_config import DistributedConfig
 from nori_jax.engine_config import EngineConfig, preset_names, read_preset
 from nori_jax.engine_defaults import CPU_PRESET
 from nori_jax.mesh_config import MeshConfig, mesh_preset_names
@@ -38,20 +39,22 @@ class EngineFlag:
 
 
 def engine_flags() -> Iterator[EngineFlag]:
-    """Every settable field: EngineConfig's own, then the scheduler's and the mesh's."""
+    """Every settable field: EngineConfig's own, then the scheduler's, the mesh's and the
+    processes' (multi-host)."""
     sections: list[tuple[str | None, type]] = [
         (None, EngineConfig),
         ("scheduler", SchedulerConfig),
         ("mesh", MeshConfig),
+        ("distributed", DistributedConfig),
     ]
     for section, cls in sections:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if section is None and f.name in ("scheduler", "mesh"):
+            if section is None and f.name in ("scheduler", "mesh", "distributed"):
                 continue
             # Scheduler fields keep their flat names (as in presets and LLM(...)); the mesh's
             # `model` would clash with EngineConfig.model.
-            dest = f"mesh.{f.name}" if section == "mesh" else f.name
+            dest = f"{section}.{f.name}" if section in ("mesh", "distributed") else f.name
             yield EngineFlag(f, section, dest, hints[f.name])
 
 

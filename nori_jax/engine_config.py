@@ -1,6 +1,7 @@
 """Everything that configures an engine, in one frozen dataclass: YAML fills it, CLIs override.
 
-The scheduler's settings are a nested `SchedulerConfig` and the mesh a nested `MeshConfig`. Presets
+The scheduler's settings are a nested `SchedulerConfig`, the mesh a nested `MeshConfig` and the
+processes of a multi-host engine a nested `DistributedConfig`. Presets
 and `LLM(...)` may name their fields flat (`max_num_seqs: 32`) or nested (`scheduler:` / `mesh:`
 mappings); both land in the same place. `mesh` may also name a mesh preset (`mesh: tp2`, a name in
 configs/mesh/ or a YAML path), and vLLM's `tensor_parallel_size` / `data_parallel_size` set the
@@ -18,6 +19,7 @@ import yaml
 
 from nori_jax.config_field import option
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.distributed_config import DistributedConfig
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.quantization.scheme import QUANTIZATION_MODES
 from pallas_kernels.page_constants import KV_CACHE_DTYPES
@@ -26,7 +28,7 @@ ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
-_NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig}
+_NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
 # vLLM's keyword names for the mesh's fields; they override the `mesh` of the same source.
 MESH_ALIASES = {"tensor_parallel_size": "model", "data_parallel_size": "data"}
 
@@ -94,6 +96,9 @@ class EngineConfig:
         default_factory=SchedulerConfig,
     )
     mesh: MeshConfig = option(help="the device mesh", default_factory=MeshConfig)
+    distributed: DistributedConfig = option(
+        help="one engine over several processes (multi-host)", default_factory=DistributedConfig
+    )
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.num_pages < 2:

@@ -29,6 +29,7 @@ def resolve_engine_config(preset: str | None, given: dict[str, Any]) -> EngineCo
     if preset is not None:
         logger.info("engine config: preset %r%s", str(preset), overridden)
         return EngineConfig.from_preset(preset, given)
+    _join_distributed(given)
     import jax  # only here: choosing needs the backend, building the CLI does not
 
     backend = jax.default_backend()
@@ -48,3 +49,18 @@ def resolve_engine_config(preset: str | None, given: dict[str, Any]) -> EngineCo
         overridden,
     )
     return EngineConfig.from_preset(chosen, given)
+
+
+def _join_distributed(given: dict[str, Any]) -> None:
+    """A multi-host engine joins JAX's distributed runtime before JAX starts its backends, which
+    asking for the backend here would do."""
+    from nori_jax.distributed_config import DistributedConfig
+    from nori_jax.engine_config import nested_values
+
+    section = nested_values(given, source="overrides").get("distributed")
+    if section:
+        config = DistributedConfig(**section)
+        if config.enabled:
+            from nori_jax.executor import distributed
+
+            distributed.join(config)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
+from nori_jax.follower import exit_when_a_follower_is_lost
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -44,8 +45,14 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
+    config = engine_config_from_args(args)
+    if not config.distributed.is_leader:  # a multi-host follower: process 0 has the prompts
+        from nori_jax.follower import follow
+
+        return follow(config)
     prompts = args.prompt or [sys.stdin.read()]
-    llm = LLM.from_config(engine_config_from_args(args))
-    for out in llm.generate(prompts, params):
-        print(out.text)
+    llm = LLM.from_config(config)
+    with exit_when_a_follower_is_lost():
+        for out in llm.generate(prompts, params):
+            print(out.text)
     return 0

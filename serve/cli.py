@@ -130,6 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from serve.server import Server, header_timeout_protocol
 
     config = engine_config_from_args(args)
+    if not config.distributed.is_leader:  # a multi-host follower runs process 0's steps only
+        from nori_jax.follower import follow
+
+        return follow(config)
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or None,
@@ -142,7 +146,9 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
     )
     sock = _bind(args.host, args.port)
-    if args.engine_in_process:
+    # A multi-host engine runs in this process: JAX's distributed runtime is joined once per
+    # process, and this one joined it to choose the backend's config.
+    if args.engine_in_process or config.distributed.enabled:
         from nori_jax.async_engine import AsyncEngine
         from nori_jax.engine import make_engine
 

@@ -13,6 +13,7 @@ import pytest
 from nori_jax.cli import build_parser
 from nori_jax.cli_parsing import walk_parsers
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.distributed_config import DistributedConfig
 from nori_jax.engine_args import engine_config_from_args, engine_flags, engine_overrides
 from nori_jax.engine_config import EngineConfig
 from nori_jax.mesh_config import MeshConfig
@@ -63,9 +64,10 @@ def test_every_engine_setting_is_a_flag():
         (None, EngineConfig),
         ("scheduler", SchedulerConfig),
         ("mesh", MeshConfig),
+        ("distributed", DistributedConfig),
     ):
         for field in dataclasses.fields(cls):
-            if section is None and field.name in ("scheduler", "mesh"):
+            if section is None and field.name in ("scheduler", "mesh", "distributed"):
                 continue
             assert (section, field.name) in flagged, field.name
 

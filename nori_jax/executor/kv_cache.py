@@ -45,7 +45,9 @@ def num_pages_for_memory(
     On an accelerator: utilization x the allocator's limit, minus what is in use, per device (each
     device holds 1/tp of every page). The rest stays free for the step's activations.
     """
-    stats = mesh.devices.flat[0].memory_stats()
+    # This process's first device of the mesh (in a multi-host engine the others are remote).
+    local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    stats = local.memory_stats()
     tp = mesh.shape["model"]
     if stats and "bytes_limit" in stats:
         budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"]

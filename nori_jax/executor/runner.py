@@ -38,6 +38,7 @@ from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
+from nori_jax.executor.placement import put, put_replicated
 from nori_jax.executor.sampler import sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
@@ -130,9 +131,7 @@ class ModelRunner:
         self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
-        self._prev_tokens = jax.device_put(
-            np.zeros(layout.max_num_seqs, np.int32), self._replicated
-        )
+        self._prev_tokens = put(np.zeros(layout.max_num_seqs, np.int32), self._replicated)
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
@@ -248,12 +247,19 @@ class ModelRunner:
         """
         return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler)
 
+    def launch_buffers(
+        self, bucket: int, tokens: np.ndarray, rows: np.ndarray, program: SamplerProgram
+    ) -> tuple[jax.Array, jax.Array]:
+        """`launch` from a plan's parts: what a follower of a multi-host engine runs, with the
+        buffers process 0 sent it (executor/multihost.py)."""
+        return self._launch(bucket, tokens, rows, program)
+
     def _launch(self, bucket: int, tokens: np.ndarray, rows: np.ndarray, program: SamplerProgram):
         forward = self._forwards.get(bucket)
         if forward is None:
             raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
         t0 = time.perf_counter()
-        tokens_d, rows_d = jax.device_put((tokens, rows), self._replicated)
+        tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
         t1 = time.perf_counter()
         logits, self.kv_pages = forward(
             self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d

@@ -1,7 +1,8 @@
 """Resolve a model argument (path, GGUF, preset) and place its parameters on the mesh.
 
 Every source yields Hugging Face tensor names, mapped through `hf_names.state_path`; every array is
-checked against the abstract model's shape and device_put straight onto its NamedSharding. Under
+checked against the abstract model's shape and put straight onto its NamedSharding (each process
+of a multi-host engine its own shards: executor/placement.py). Under
 `quantization=`, a linear layer's float weight is quantized on the device, on its sharding; a
 weight the checkpoint already holds quantized (GGUF blocks, weights/gguf_quantized.py) is placed
 as it is.
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nori_jax.dummy_tokenizer import byte_tokenizer
+from nori_jax.executor.placement import put
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
@@ -159,7 +161,7 @@ def place_tensors(
             raise ValueError(
                 f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
             )
-        placed[path] = jax.device_put(np.asarray(array).astype(want.dtype), shardings[path])
+        placed[path] = put(np.asarray(array).astype(want.dtype), shardings[path])
     missing = sorted(".".join(map(str, p)) for p in flat if p not in placed)
     if missing:
         raise ValueError(
@@ -191,14 +193,14 @@ def _place_quantized(
                     f"{source}: tensor {name!r} ({leaf}) has shape {value.shape}, model expects "
                     f"{want.shape}"
                 )
-            out[path] = jax.device_put(value.astype(want.dtype), shardings[path])
+            out[path] = put(value.astype(want.dtype), shardings[path])
         return out
     want = module.get_value()
     if tuple(array.shape) != tuple(want.shape):
         raise ValueError(
             f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
         )
-    w = jax.device_put(np.asarray(array, np.float32), shardings[leaf_paths["qvalue"]])
+    w = put(np.asarray(array, np.float32), shardings[leaf_paths["qvalue"]])
     scale_dtype = flat[leaf_paths["scale"]].get_value().dtype
     leaves = quantize_on_device(
         w, scheme, scale_dtype, (shardings[leaf_paths["qvalue"]], shardings[leaf_paths["scale"]])

@@ -40,7 +40,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     The flax framework is used (on the CPU device) because safetensors' numpy reader rejects
     bfloat16; `np.asarray` then gives an ml_dtypes bfloat16 array without a copy through float32.
     """
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's (multi-host: not process 0's)
     for file in safetensors_files(path):
         with jax.default_device(cpu), safe_open(str(file), framework="flax") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
