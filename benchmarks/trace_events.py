@@ -28,6 +28,24 @@ def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
     return events
 
 
+def host_events(trace_dir: str) -> list[tuple[str, str, int, int]]:
+    """(thread, name, start_ns, duration_ns) of every host-side event (XLA's and PjRt's TraceMe
+    annotations: executable launches, thunks, command-buffer records and updates, transfers)."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        data = ProfileData.from_file(path)
+        for plane in data.planes:
+            if not plane.name.startswith("/host:"):
+                continue
+            for line in plane.lines:
+                events += [
+                    (line.name, e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events
+                ]
+    return events
+
+
 def busy_ns(events: list[tuple[str, int, int]]) -> int:
     """Length of the union of the event intervals."""
     total, end = 0, -1

@@ -19,6 +19,8 @@ mkdir -p "$OUT"
 python3 -m nori_jax.cli --log-level INFO serve --config "$CONFIG" --model "$MODEL" --load-format dummy \
   --attention-backend "$BACKEND" --port "$PORT" --no-access-log $EXTRA > "$OUT/serve.log" 2>&1 &
 PID=$!
+# CPU per process and thread (API server, engine core) for the whole sweep: which one saturates.
+python3 "$(dirname "$0")/proc_cpu.py" $PID "$OUT/cpu.csv" &
 for _ in $(seq 900); do
   curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
   kill -0 $PID 2> /dev/null || { echo "server died"; tail -30 "$OUT/serve.log"; exit 1; }
@@ -37,5 +39,6 @@ for r in json.load(open(sys.argv[1]))["runs"]:
           f"send lag P99 {r['client_send_lag_p99_ms']:.1f} ms")
 PY
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"
+python3 "$(dirname "$0")/proc_cpu.py" summarize "$OUT/cpu.csv"
 kill -TERM $PID
 wait $PID

@@ -30,7 +30,7 @@ from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_events import busy_ns, device_kernels  # noqa: E402
+from trace_events import busy_ns, device_kernels, host_events  # noqa: E402
 
 
 def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> None:
@@ -123,6 +123,9 @@ def main() -> None:
         engine.drain()
         traced_wall = (time.perf_counter() - t1) / args.steps
     events = device_kernels(trace_dir)
+    host_by_name: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+    for thread, name, _, dur in host_events(trace_dir):
+        host_by_name[(thread[:30], name[:80])].append(dur)
     by_name: dict[str, list[int]] = collections.defaultdict(list)
     for name, _, dur in events:
         by_name[name].append(dur)
@@ -148,6 +151,17 @@ def main() -> None:
             }
             for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
         ],
+        "top_host_events": [
+            {
+                "thread": thread,
+                "name": name,
+                "ms_per_step": sum(d) / 1e6 / steps_in_trace,
+                "calls_per_step": len(d) / steps_in_trace,
+            }
+            for (thread, name), d in sorted(host_by_name.items(), key=lambda kv: -sum(kv[1]))[
+                : args.top
+            ]
+        ],
     }
     print(
         f"batch {args.batch} x context {args.context}: {result['wall_ms_per_step']:.2f} ms/step "
@@ -160,6 +174,12 @@ def main() -> None:
         print(
             f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls "
             f"{k['mean_us']:8.1f} us  {k['name']}"
+        )
+    print("host events (nested events overlap):")
+    for k in result["top_host_events"]:
+        print(
+            f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls  "
+            f"[{k['thread']}] {k['name']}"
         )
     if args.json:
         with open(args.json, "w") as f:
