@@ -183,9 +183,9 @@ def test_chat_max_tokens_defaults_to_the_room_left(oai: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason == "length"
 
 
-def test_generate_streams_one_line_per_token(server: Server, slow_steps) -> None:
-    # (slow steps: a reader that keeps up gets each token on its own line; one that falls behind
-    # would get the waiting tokens merged)
+def test_generate_streams_one_line_per_step(server: Server, slow_steps) -> None:
+    # (slow steps: a reader that keeps up gets each token on its own line; one that falls behind,
+    # as on a loaded machine, gets the tokens waiting for it merged into one line)
     whole = generate(server, "lines", 7)
     with client(server) as c:
         with c.stream(
@@ -202,10 +202,10 @@ def test_generate_streams_one_line_per_token(server: Server, slow_steps) -> None
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("application/x-ndjson")
             lines = [json.loads(line) for line in r.iter_lines() if line]
-    assert len(lines) == 7
+    assert 2 <= len(lines) <= 7 and all(line["token_ids"] for line in lines)
     assert [t for line in lines for t in line["token_ids"]] == whole["token_ids"]
     assert "".join(line["text"] for line in lines) == whole["text"]
-    assert [line["finish_reason"] for line in lines] == [None] * 6 + ["length"]
+    assert [line["finish_reason"] for line in lines] == [None] * (len(lines) - 1) + ["length"]
     assert lines[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
     assert lines[-1]["metrics"]["e2e_latency"] > 0
 
