@@ -26,7 +26,7 @@ from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.executor import compilation_cache, distributed
+from nori_jax.executor import compilation_cache, distributed, xla_flags
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
@@ -153,6 +153,7 @@ def build_engine(
     of one process share theirs. A disaggregated mesh builds every replica and the KV mover
     between them (disaggregated.py), which builds each replica here with its `role` ("prefill":
     its scheduler hands each request off after its first token)."""
+    xla_flags.apply(config.command_buffer_update)  # before any JAX call: XLA reads it once
     multihost = config.distributed
     if multihost.enabled and config.mesh.num_replicas > 1:
         raise ValueError(
@@ -203,6 +204,7 @@ def build_engine(
         mesh,
         config.gpu_memory_utilization,
         config.cpu_kv_cache_gib,
+        weight_bytes=model.weight_bytes,
     )
     if multihost.enabled:  # every process must allocate the same pool (free memory may differ)
         num_pages = distributed.agree_min("num_pages", num_pages, multihost)

@@ -20,6 +20,7 @@ import yaml
 from nori_jax.config_field import option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.distributed_config import DistributedConfig
+from nori_jax.executor.xla_flags import COMMAND_BUFFER_UPDATES
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.quantization.scheme import QUANTIZATION_MODES
 from pallas_kernels.page_constants import KV_CACHE_DTYPES
@@ -88,6 +89,13 @@ class EngineConfig:
         True,
         help="plan step N+1 while the device runs step N (outputs trail the device by one step)",
     )
+    command_buffer_update: str = option(
+        "always",
+        help="GPU: how XLA updates a step's CUDA graph between launches; skip_temp keeps the "
+        "temporary buffer at a fixed address (XLA's VMM allocator) and skips most updates "
+        "(host dispatch 2.8 -> 1.0 ms at 64 sequences on an H200; docs/benchmarks.md)",
+        choices=COMMAND_BUFFER_UPDATES,
+    )
     compilation_cache_dir: str | None = option(
         None, help="XLA compilation cache; none: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla"
     )
@@ -112,6 +120,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("load_format", LOAD_FORMATS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("command_buffer_update", COMMAND_BUFFER_UPDATES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
