@@ -117,15 +117,15 @@ class RequestStream:
             self.finished = True
             raise item
         while self._items and isinstance(self._items[0], RequestOutput) and not item.finished:
+            # The later output takes the earlier one's deltas in front of its own, in place: each
+            # output belongs to this stream alone (dataclasses.replace cost the server a tenth of
+            # its CPU once streams fell behind).
             later = self._items.popleft()
-            item = dataclasses.replace(
-                later,
-                new_token_ids=item.new_token_ids + later.new_token_ids,
-                new_text=item.new_text + later.new_text,
-                new_logprobs=None
-                if later.new_logprobs is None
-                else (item.new_logprobs or []) + later.new_logprobs,
-            )
+            later.new_token_ids = item.new_token_ids + later.new_token_ids
+            later.new_text = item.new_text + later.new_text
+            if later.new_logprobs is not None:
+                later.new_logprobs = (item.new_logprobs or []) + later.new_logprobs
+            item = later
         self.finished = item.finished
         return item
 

@@ -72,6 +72,9 @@ from nori_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 _decode_message = msgspec.msgpack.Decoder(CoreMessage).decode
+# The engine-core program, run by this Python: a benchmark of the API server alone points it at a
+# fake core speaking the same protocol (benchmarks/engine/api_server_bench.py).
+CORE_PROGRAM = ["-m", "nori_jax.engine_core_process"]
 
 
 class _CoreProcess:
@@ -89,7 +92,7 @@ class _CoreProcess:
         self.from_core.bind(f"ipc://{self.paths[1]}")
         # A fresh interpreter (not multiprocessing): JAX is not fork-safe, and spawn would run
         # the caller's main module again in the child.
-        cmd = [sys.executable, "-m", "nori_jax.engine_core_process"]
+        cmd = [sys.executable, *CORE_PROGRAM]
         cmd += [f"ipc://{p}" for p in self.paths] + [level, str(replica)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(pickle.dumps(config))

@@ -61,7 +61,7 @@ class ChatCompletion(generation.GenerationRoute):
             "metrics": stage_metrics(out),
         }
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body
         head = head | {"object": "chat.completion.chunk"}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -73,7 +73,7 @@ class ChatCompletion(generation.GenerationRoute):
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return head | {"choices": [choice]} | extra
 
-        def events(out: RequestOutput) -> Iterable[str]:
+        def events(out: RequestOutput) -> Iterable[bytes]:
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
@@ -85,7 +85,7 @@ class ChatCompletion(generation.GenerationRoute):
                 final.append(out)
                 yield sse(chunk({}, out.finish_reason) | {"metrics": stage_metrics(out)})
 
-        def tail() -> Iterable[str]:
+        def tail() -> Iterable[bytes]:
             if include_usage and final:
                 yield sse(head | {"choices": [], "usage": usage(final[0])})
             yield SSE_DONE

@@ -55,7 +55,7 @@ class Completion(generation.GenerationRoute):
             "metrics": stage_metrics(out),
         }
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body
         head = head | {"object": "text_completion"}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -64,7 +64,7 @@ class Completion(generation.GenerationRoute):
         text_offset = 0
         final: list[RequestOutput] = []
 
-        def events(out: RequestOutput) -> Iterable[str]:
+        def events(out: RequestOutput) -> Iterable[bytes]:
             nonlocal text_offset
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
@@ -86,7 +86,7 @@ class Completion(generation.GenerationRoute):
                 chunk["metrics"] = stage_metrics(out)
             yield sse(chunk)
 
-        def tail() -> Iterable[str]:
+        def tail() -> Iterable[bytes]:
             if include_usage and final:
                 yield sse(head | {"choices": [], "usage": usage(final[0])})
             yield SSE_DONE

@@ -51,13 +51,13 @@ class Generate(generation.GenerationRoute):
             "metrics": stage_metrics(out),
         }
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
         return stream_events(
             stream, _lines, encode_error=ndjson, retry_after_s=self.ctx.settings.retry_after_s
         )
 
 
-def _lines(out: RequestOutput) -> Iterable[str]:
+def _lines(out: RequestOutput) -> Iterable[bytes]:
     if not out.new_token_ids and not out.finished:
         return
     line = {

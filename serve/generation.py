@@ -57,7 +57,7 @@ class GenerationRoute(abc.ABC):
         """The whole answer's JSON body."""
 
     @abc.abstractmethod
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[str]:
+    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
         """The streamed answer's body."""
 
     def sampling_params(self, prompt_len: int) -> SamplingParams:
