@@ -73,7 +73,14 @@ def start_server(port: int, max_seqs: int, serve_flags: list[str], log) -> subpr
 
 
 def run_load(port: int, args, out_json: str) -> dict:
-    cmd = [sys.executable, "-m", "nori_jax.bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nori_jax.bench",
+        "serve",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+    ]
     cmd += ["--dataset", "fixed", "--input-len", "16", "--output-len", str(args.output_len)]
     cmd += ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency)]
     cmd += ["--request-rate", "inf", "--ignore-eos", "--prompt-format", "token-ids"]
