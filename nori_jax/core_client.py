@@ -57,6 +57,7 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_core_process import (
     AbortRequests,
     AddRequests,
+    ClientReset,
     CoreMessage,
     EngineInfo,
     Failed,
@@ -79,10 +80,18 @@ CORE_PROGRAM = ["-m", "nori_jax.engine_core_process"]
 
 class _CoreProcess:
     """One engine-core process and the two sockets to it (fresh ones per process, so nothing
-    queued for a dead process reaches its successor)."""
+    queued for a dead process reaches its successor). `extra_clients`: the (input, output)
+    addresses of other API servers that share this core (serve/api_servers.py)."""
 
     def __init__(
-        self, zctx: zmq.Context, config: EngineConfig, directory: str, n: int, level, replica: int
+        self,
+        zctx: zmq.Context,
+        config: EngineConfig,
+        directory: str,
+        n: int,
+        level,
+        replica: int,
+        extra_clients: list[tuple[str, str]] = (),
     ):
         env = replica_env(config, replica)  # before any socket: its ValueError leaves nothing
         self.paths = [os.path.join(directory, f"{name}-{n}") for name in ("in", "out")]
@@ -90,10 +99,12 @@ class _CoreProcess:
         self.to_core.bind(f"ipc://{self.paths[0]}")
         self.from_core = zctx.socket(zmq.PULL)
         self.from_core.bind(f"ipc://{self.paths[1]}")
+        inputs = [f"ipc://{self.paths[0]}", *(a for a, _ in extra_clients)]
+        outputs = [f"ipc://{self.paths[1]}", *(b for _, b in extra_clients)]
         # A fresh interpreter (not multiprocessing): JAX is not fork-safe, and spawn would run
         # the caller's main module again in the child.
-        cmd = [sys.executable, *CORE_PROGRAM]
-        cmd += [f"ipc://{p}" for p in self.paths] + [level, str(replica)]
+        cmd = [sys.executable, *CORE_PROGRAM, ",".join(inputs), ",".join(outputs)]
+        cmd += [level, str(replica)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
@@ -102,23 +113,21 @@ class _CoreProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_description(self) -> str:
+        return f"the engine core process exited (code {self.proc.returncode})"
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # close() kills it
+
     def wait_ready(self, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            if self.from_core.poll(200):
-                msg = _decode_message(self.from_core.recv())
-                if isinstance(msg, Ready):
-                    return msg.info
-                if isinstance(msg, Failed):
-                    raise RuntimeError(f"the engine core failed to start: {msg.reason}")
-            if not self.alive:
-                raise RuntimeError(
-                    f"the engine core process exited during start-up (code {self.proc.returncode})"
-                )
-            if cancelled():
-                raise RuntimeError("start-up cancelled: the client is stopping")
-            if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
+        return _wait_ready(self, timeout_s, cancelled)
 
     def close(self) -> None:
         """Kill the process if it still runs, close the sockets, remove their files."""
@@ -132,6 +141,81 @@ class _CoreProcess:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+class _SharedCore:
+    """The engine core another API server started (`--api-server-count`): this one binds its own
+    pair of sockets, which the core connects to (and reconnects to after a restart), and watches
+    the process by the id its Ready message gave."""
+
+    def __init__(self, zctx: zmq.Context, input_addr: str, output_addr: str):
+        self.to_core = zctx.socket(zmq.PUSH)
+        self.to_core.bind(input_addr)
+        self.from_core = zctx.socket(zmq.PULL)
+        self.from_core.bind(output_addr)
+        self.pid: int | None = None
+
+    def send_when_connected(self, data: bytes, timeout_s: float | None) -> None:
+        """Send once the core has connected (it connects to every client's address as it
+        starts)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                self.to_core.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(f"no engine core connected within {timeout_s} s") from None
+                time.sleep(0.05)
+
+    @property
+    def alive(self) -> bool:
+        if self.pid is None:
+            return True  # not announced yet: the process that started it watches it
+        try:  # a dead core stays a zombie until its parent reaps it: read its state
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+        except OSError:  # no /proc: signal 0 tells whether the process exists
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+    def exit_description(self) -> str:
+        return f"the engine core process {self.pid} exited"
+
+    def wait(self, timeout_s: float) -> None:
+        pass  # the API server that started it stops it
+
+    def wait_ready(self, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
+        info = _wait_ready(self, timeout_s, cancelled)
+        self.pid = info.pid or None
+        return info
+
+    def close(self) -> None:
+        for sock in (self.to_core, self.from_core):
+            sock.close(linger=0)
+
+
+def _wait_ready(core, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if core.from_core.poll(200):
+            msg = _decode_message(core.from_core.recv())
+            if isinstance(msg, Ready):
+                return msg.info
+            if isinstance(msg, Failed):
+                raise RuntimeError(f"the engine core failed to start: {msg.reason}")
+            continue  # a step of a core that died before this one started: nobody's now
+        if not core.alive:
+            raise RuntimeError(f"{core.exit_description()} during start-up")
+        if cancelled():
+            raise RuntimeError("start-up cancelled: the client is stopping")
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
 
 
 def replica_env(config: EngineConfig, replica: int) -> dict[str, str] | None:
@@ -158,7 +242,14 @@ class EngineCoreClient(StreamingClient):
     """`replica` (data parallel, dp_client.py): which replica of `config.mesh` the core process
     runs, on that replica's devices only. `on_request_done(request_id)` is called (from the
     reader thread, or the caller's) once for every request that leaves this client: finished,
-    failed, or refused."""
+    failed, or refused.
+
+    Several API servers on one core (serve/api_servers.py): the one that starts the core is
+    client 0 and names the others' socket addresses in `extra_clients`; each other one is built
+    with `shared_core=(input_addr, output_addr, client_index)`: it starts no process, binds its
+    own pair, and waits for the core's Ready. When the core dies it fails its requests as client
+    0 does and waits for the restarted core's Ready; client 0 alone restarts it.
+    """
 
     def __init__(
         self,
@@ -170,6 +261,8 @@ class EngineCoreClient(StreamingClient):
         restart_window_s: float = 600.0,
         replica: int = 0,
         on_request_done: Callable[[str], None] | None = None,
+        extra_clients: list[tuple[str, str]] = (),
+        shared_core: tuple[str, str, int] | None = None,
     ):
         self.config = config
         self.replica = replica
@@ -180,7 +273,17 @@ class EngineCoreClient(StreamingClient):
         self._dir = tempfile.mkdtemp(prefix="nori-core-")
         self._zmq = zmq.Context()
         self._generation = 0
-        self._core = self._spawn()
+        self._extra_clients = list(extra_clients)
+        self.client_index = 0 if shared_core is None else shared_core[2]
+        if shared_core is None:
+            self._core = self._spawn()
+        else:
+            self._core = _SharedCore(self._zmq, shared_core[0], shared_core[1])
+            # Hello: the core answers with its Ready (it may have announced itself before this
+            # process existed) and ends what it still runs for a predecessor of this index.
+            self._core.send_when_connected(
+                self._encode_now(ClientReset(self.client_index)), startup_timeout_s
+            )
         try:
             self.info = self._core.wait_ready(startup_timeout_s, lambda: False)
         except BaseException:
@@ -208,10 +311,25 @@ class EngineCoreClient(StreamingClient):
         self._reader: threading.Thread | None = None
         self._rng = np.random.default_rng(config.seed)
 
+    @staticmethod
+    def _encode_now(msg) -> bytes:
+        return msgspec.msgpack.Encoder().encode(msg)
+
+    @property
+    def owns_core(self) -> bool:
+        """Whether this client started the core process (and restarts and stops it)."""
+        return isinstance(self._core, _CoreProcess)
+
     def _spawn(self) -> _CoreProcess:
         self._generation += 1
         return _CoreProcess(
-            self._zmq, self.config, self._dir, self._generation, self._level, self.replica
+            self._zmq,
+            self.config,
+            self._dir,
+            self._generation,
+            self._level,
+            self.replica,
+            self._extra_clients,
         )
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -243,11 +361,15 @@ class EngineCoreClient(StreamingClient):
     @property
     def pid(self) -> int | None:
         """The current engine-core process's id."""
-        return self._core.proc.pid
+        return self._core.pid
 
     @property
     def num_restarts(self) -> int:
         return self._num_restarts
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (those in flight go on): the first step of a drain."""
+        self._accepting = False
 
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, let those in flight finish (up to the timeout), stop the core.
@@ -273,12 +395,9 @@ class EngineCoreClient(StreamingClient):
             self._accepting = False
             self._stopping = True
             core = self._core  # the reader installs no other from here on
-        if core.alive:
+        if core.alive and self.owns_core:
             self._send(Shutdown())
-            try:
-                core.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass  # close() kills it
+            core.wait(timeout_s)
         if self._down is None:
             self._down = "the engine was stopped"
         self._fail_all(lambda: EngineStoppedError("the engine was stopped"))
@@ -322,7 +441,7 @@ class EngineCoreClient(StreamingClient):
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         request = EngineCoreRequest(rid, token_ids, params, seed, self.info.eos_token_ids, arrival)
         # Encoded before anything is registered: a request that cannot be sent leaves no trace.
-        data = self._encode(AddRequests([msgspec.Raw(self._encode(request))]))
+        data = self._encode(AddRequests([msgspec.Raw(self._encode(request))], self.client_index))
         out_stream = RequestStream(rid, self, deadline)
         out_stream._timeout_s = timeout_s
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -383,7 +502,7 @@ class EngineCoreClient(StreamingClient):
             if not self._restart(reason, died):
                 return
 
-    def _serve_core(self, core: _CoreProcess) -> str | None:
+    def _serve_core(self, core: _CoreProcess | _SharedCore) -> str | None:
         """Handle the core's messages; return why it died, or None once the client stops."""
         try:
             while True:
@@ -391,7 +510,7 @@ class EngineCoreClient(StreamingClient):
                     if self._stopping:
                         return None
                     if not core.alive:
-                        return f"the engine core process exited (code {core.proc.returncode})"
+                        return core.exit_description()
                     continue
                 msg = _decode_message(core.from_core.recv())
                 if isinstance(msg, Failed):
@@ -428,6 +547,8 @@ class EngineCoreClient(StreamingClient):
 
     def _restart(self, reason: str, died: float) -> bool:
         """Replace the dead core with a new process; False if the client gives up (or stops)."""
+        if not self.owns_core:
+            return self._await_restart(reason, died)
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < self.restart_window_s]
         if len(self._restart_times) >= self.max_restarts:
@@ -458,14 +579,38 @@ class EngineCoreClient(StreamingClient):
                 self._core = core
             self._processor = OutputProcessor(self.tokenizer)  # the dead core's requests failed
             self._down = None
+        self._recovered(died, core.pid)
+        return True
+
+    def _await_restart(self, reason: str, died: float) -> bool:
+        """A shared core died: wait for the core that client 0 starts in its place (its Ready
+        arrives on this client's own sockets); False once this client stops."""
+        self._down = f"waiting for the engine core's restart after: {reason}"
+        logger.warning("%s", self._down)
+        core = self._core
+        core.pid = None  # the next Ready names the new process
+        try:
+            info = core.wait_ready(None, lambda: self._stopping)
+        except RuntimeError as e:
+            if not self._stopping:
+                self._down = f"{reason}; no restarted engine core: {e}"
+                logger.error("%s", self._down)
+            return False
+        with self._lock:
+            if self._stopping:
+                return False
+            self.info = info
+            self._processor = OutputProcessor(self.tokenizer)  # the dead core's requests failed
+            self._down = None
+        self._recovered(died, core.pid)
+        return True
+
+    def _recovered(self, died: float, pid: int | None) -> None:
         self.last_recovery_s = time.monotonic() - died
         self._num_restarts += 1
         self.metrics.engine_restarts.inc()
         self.metrics.engine_recovery.set(self.last_recovery_s)
-        logger.warning(
-            "engine core restarted in %.2f s (process %d)", self.last_recovery_s, core.proc.pid
-        )
-        return True
+        logger.warning("engine core restarted in %.2f s (process %s)", self.last_recovery_s, pid)
 
     def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
         with self._lock:
@@ -484,7 +629,7 @@ class EngineCoreClient(StreamingClient):
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
-        if core is not None and core.alive:
+        if isinstance(core, _CoreProcess) and core.alive:
             core.proc.kill()
 
 

@@ -4,12 +4,19 @@ Serving runs the engine core apart from the API server (vLLM v1's EngineCore sha
 tokenization, detokenization, stop strings and SSE never take the GIL from the step loop. The two
 talk over ZeroMQ (PUSH/PULL on IPC sockets) with msgspec msgpack messages:
 
-    client -> core   AddRequests | AbortRequests | Shutdown
+    client -> core   AddRequests | AbortRequests | ClientReset | Shutdown
     core -> client   Ready (once, with the engine's facts and its tokenizer) | Failed |
                      StepMessage (per step: the step's outputs, plus which adds were accepted)
 
 Between two steps the core drains every message waiting, so adds and aborts arrive in batches;
 when it has nothing to run it blocks on its socket. The client side is core_client.py.
+
+Several API server processes (`nori-jax serve --api-server-count N`, serve/api_servers.py) share
+one core: client 0 started it, clients 1.. are given to it as more socket pairs. Each add names
+its client; each client gets the rows of its own requests, and every client gets the step's
+finishes, first tokens and stats (what the metrics are made of), so each API server's /metrics is
+the whole engine's. Sends to clients 1.. never block the step loop: a client that died only loses
+its own outputs, and a restarted one sends ClientReset so the core ends what it had in flight.
 
 One request cannot end the process: each arrives as its own msgpack document and is decoded,
 vetted and queued alone, and whatever that raises rejects that request only (the client hears
@@ -21,6 +28,7 @@ the client restarts it.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import traceback
@@ -29,6 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from nori_jax.child_process import leave_signals_to_parent
 from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
 from nori_jax.core.scheduler import QueueFullError
@@ -40,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[msgspec.Raw]  # each an encoded EngineCoreRequest, decoded on its own
+    client: int = 0  # which API server sent them (their outputs go back to it alone)
 
 
 class _RequestId(msgspec.Struct, array_like=True):
@@ -52,6 +62,13 @@ class _RequestId(msgspec.Struct, array_like=True):
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
     reason: str = "abort"  # "abort" (the client went away) or "stop" (a stop string)
+
+
+class ClientReset(msgspec.Struct, tag=True, array_like=True):
+    """An API server's hello as it (re)starts: the core answers with its Ready, and aborts
+    whatever it still runs for that client index (a dead predecessor's: its clients are gone)."""
+
+    client: int
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -74,6 +91,7 @@ class EngineInfo(msgspec.Struct):
     load_seconds: float
     compile_seconds: float
     model_config_info: dict[str, str] = msgspec.field(default_factory=dict)  # LoadedModel's
+    pid: int = 0  # the core process (API servers that did not start it watch it by this)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -90,36 +108,46 @@ class StepMessage(msgspec.Struct, tag=True, array_like=True, gc=False):
     rejected: list[Rejection]
 
 
-ClientMessage = AddRequests | AbortRequests | Shutdown
+ClientMessage = AddRequests | AbortRequests | ClientReset | Shutdown
 CoreMessage = Ready | Failed | StepMessage
 
 
 def main() -> None:
-    """`python -m nori_jax.engine_core_process INPUT_ADDR OUTPUT_ADDR LOG_LEVEL [REPLICA]`, with
-    the pickled EngineConfig on stdin: a fresh interpreter, so nothing of the parent's main
-    module runs."""
-    input_addr, output_addr, log_level = sys.argv[1:4]
+    """`python -m nori_jax.engine_core_process INPUT_ADDRS OUTPUT_ADDRS LOG_LEVEL [REPLICA]`,
+    with the pickled EngineConfig on stdin: a fresh interpreter, so nothing of the parent's main
+    module runs. The addresses are one per client, comma-separated, client 0's first."""
+    input_addrs, output_addrs, log_level = sys.argv[1:4]
     replica = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    # The API server that started this process stops it (Shutdown, or a kill) after draining its
+    # requests: a Ctrl-C or SIGTERM to the whole process group must not end it first. If that
+    # process dies, the loop notices (its parent changes) and ends: nothing else would stop it.
+    leave_signals_to_parent()
     config = pickle.load(sys.stdin.buffer)
-    run_engine_core(config, input_addr, output_addr, log_level, replica)
+    run_engine_core(config, input_addrs.split(","), output_addrs.split(","), log_level, replica)
 
 
 def run_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str, log_level: str, replica: int = 0
+    config: EngineConfig,
+    input_addrs: list[str],
+    output_addrs: list[str],
+    log_level: str,
+    replica: int = 0,
 ):
     """Build the engine (data parallel: replica `replica`, on the devices this process was
-    given), announce it, and run the loop until told to stop."""
+    given), announce it to every client, and run the loop until client 0 says stop."""
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s engine-core{replica if config.mesh.data > 1 else ''} "
         "%(name)s: %(message)s",
         force=True,
     )
+    if len(input_addrs) != len(output_addrs):
+        raise ValueError(f"{len(input_addrs)} input and {len(output_addrs)} output addresses")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_addr)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.connect(output_addr)
+    for addr in input_addrs:  # one socket fair-queues every client's messages
+        inputs.connect(addr)
+    clients = _Clients(ctx, output_addrs)
     encode = msgspec.msgpack.Encoder().encode
     try:
         from nori_jax.engine import build_engine
@@ -135,34 +163,119 @@ def run_engine_core(
             parts.load_seconds,
             parts.runner.compile_seconds,
             parts.config_info,
+            os.getpid(),
         )
-        outputs.send(encode(Ready(info)))
-        _serve(parts.core, inputs, outputs, encode)
-    except BaseException as e:  # noqa: BLE001 - the client must hear why the core ended
+        ready = encode(Ready(info))
+        clients.send_all(ready)
+        _serve(parts.core, inputs, clients, encode, ready)
+    except BaseException as e:  # noqa: BLE001 - the clients must hear why the core ended
         logger.exception("engine core died")
         reason = f"{type(e).__name__}: {e}"
-        try:
-            outputs.send(encode(Failed(reason)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        clients.send_all(encode(Failed(reason)), block=False)
         traceback.print_exc(file=sys.stderr)
         sys.exit(1)
     finally:
         inputs.close(linger=0)
-        outputs.close(linger=1000)
+        clients.close()
         ctx.term()
 
 
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
+class _Clients:
+    """The output socket of each client, and which client each request belongs to."""
+
+    def __init__(self, ctx: zmq.Context, output_addrs: list[str]):
+        self.sockets = []
+        for i, addr in enumerate(output_addrs):
+            sock = ctx.socket(zmq.PUSH)
+            if i:  # another API server: its outputs queue while it restarts, never block us
+                sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(addr)
+            self.sockets.append(sock)
+        self.owner: dict[str, int] = {}
+
+    def send_all(self, data: bytes, block: bool = True) -> None:
+        for i, sock in enumerate(self.sockets):
+            self._send(i, sock, data, block)
+
+    def send_to(self, i: int, data: bytes) -> None:
+        self._send(i, self.sockets[i], data)
+
+    def _send(self, i: int, sock: zmq.Socket, data: bytes, block: bool = True) -> None:
+        try:
+            # Client 0 started this process and reads it for its life: back-pressure is fine.
+            sock.send(data, flags=0 if (i == 0 and block) else zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            logger.warning("could not send to API server %d: %s", i, e)
+
+    def send_step(self, out: EngineCoreOutputs, accepted, rejected, encode) -> None:
+        """One step's message to each client: its own rows and answers, everyone's finishes,
+        first tokens and stats."""
+        parts = (
+            [out] if len(self.sockets) == 1 else split_outputs(out, self.owner, len(self.sockets))
+        )
+        for i, part in enumerate(parts):
+            if _worth_sending(part, accepted[i], rejected[i]):
+                self._send(i, self.sockets[i], encode(StepMessage(part, accepted[i], rejected[i])))
+        if len(self.sockets) > 1:
+            for f in out.finished:
+                self.owner.pop(f.request_id, None)
+
+    def close(self) -> None:
+        for i, sock in enumerate(self.sockets):
+            sock.close(linger=1000 if i == 0 else 0)
+
+
+_IDLE_POLL_MS = 1000  # an idle core wakes this often to see whether its parent still runs
+
+
+def _worth_sending(out: EngineCoreOutputs, accepted: list, rejected: list) -> bool:
+    return bool(out.request_ids or out.finished or accepted or rejected or out.stats is not None)
+
+
+def split_outputs(
+    out: EngineCoreOutputs, owner: dict[str, int], num_clients: int
+) -> list[EngineCoreOutputs]:
+    """Per client: the rows (tokens, logprobs) of its requests, and the step's finishes, first
+    tokens, stats and transfers whole (its metrics are the whole engine's). A request of no known
+    client goes to client 0."""
+    rows: list[list[int]] = [[] for _ in range(num_clients)]
+    for row, rid in enumerate(out.request_ids):
+        rows[owner.get(rid, 0)].append(row)
+    tokens = out.token_ids
+    parts = []
+    for mine in rows:
+        ids = [out.request_ids[r] for r in mine]
+        logprobs = {rid: out.logprobs[rid] for rid in ids if rid in out.logprobs}
+        parts.append(
+            EngineCoreOutputs(
+                ids,
+                tokens[mine].tobytes(),
+                logprobs,
+                out.finished,
+                out.first_tokens,
+                out.stats,
+                out.transfers,
+            )
+        )
+    return parts
+
+
+def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b"") -> None:
     decode = msgspec.msgpack.Decoder(ClientMessage).decode
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    n = len(clients.sockets)
+    parent = os.getppid()
     while True:
         busy = core.has_unfinished() or core.has_in_flight
-        accepted: list[str] = []
-        rejected: list[Rejection] = []
+        accepted: list[list[str]] = [[] for _ in range(n)]
+        rejected: list[list[Rejection]] = [[] for _ in range(n)]
         aborted: list[FinishedRequest] = []
-        if poller.poll(0 if busy else None):
+        events = poller.poll(0 if busy else _IDLE_POLL_MS)
+        if not events and not busy and os.getppid() != parent:
+            logger.warning("the API server that started this engine core is gone: stopping")
+            return
+        if events:
             while True:
                 try:
                     msg = decode(inputs.recv(zmq.NOBLOCK))
@@ -171,12 +284,23 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, AddRequests):
+                    client = msg.client if 0 <= msg.client < n else 0
                     for raw in msg.requests:
                         rid, rejection = _add(core, raw)
                         if rejection is not None:
-                            rejected.append(rejection)
+                            rejected[client].append(rejection)
                         elif rid is not None:
-                            accepted.append(rid)
+                            accepted[client].append(rid)
+                            if n > 1:
+                                clients.owner[rid] = client
+                elif isinstance(msg, ClientReset):
+                    gone = [rid for rid, c in clients.owner.items() if c == msg.client]
+                    for rid in gone:
+                        finished = core.abort(rid, "abort")
+                        if finished is not None:
+                            aborted.append(finished)
+                    if 0 < msg.client < n and ready:
+                        clients.send_to(msg.client, ready)
                 else:
                     for rid in msg.request_ids:
                         finished = core.abort(rid, msg.reason)
@@ -189,8 +313,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encode) -> None:
         else:
             out = EngineCoreOutputs.empty()
         out.finished.extend(aborted)
-        if out.request_ids or out.finished or accepted or rejected or out.stats is not None:
-            outputs.send(encode(StepMessage(out, accepted, rejected)), copy=False)
+        clients.send_step(out, accepted, rejected, encode)
 
 
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode

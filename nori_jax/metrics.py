@@ -179,8 +179,12 @@ class EngineMetrics:
 
     def observe(self, outs: EngineCoreOutputs) -> None:
         """One engine step's outputs: tokens, first tokens, finishes and the scheduler's state."""
-        if outs.request_ids:
-            self.generation_tokens.inc(len(outs.request_ids))
+        st = outs.stats
+        # The step's count from its stats: an API server sharing the core with others receives
+        # only its own requests' rows, and every step's stats (engine_core_process.py).
+        generated = len(outs.request_ids) if st is None else st.num_generated_tokens
+        if generated:
+            self.generation_tokens.inc(generated)
         for first in outs.first_tokens:
             self.ttft.observe(first.time_to_first_token)
         for f in outs.finished:
@@ -192,7 +196,6 @@ class EngineMetrics:
             self.kv_transfers.labels(result="ok").inc()
             self.transfer_time.observe(t.seconds)
             self.kv_transfer_bytes.inc(t.num_bytes)
-        st = outs.stats
         if st is None:
             return
         self.running.set(st.num_running)

@@ -31,12 +31,13 @@ open_routes = APIRouter()
 @open_routes.get("/health")
 async def health(request: Request) -> Response:
     """200 while the engine serves; 503 while it restarts, after it died, or while shutting down."""
-    engine = get_context(request).engine
+    ctx = get_context(request)
+    engine = ctx.engine
+    which = {} if ctx.settings.api_server is None else {"api_server": ctx.settings.api_server}
     if engine.is_healthy:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse(
-        {"status": "unhealthy", "reason": engine.dead_reason or "shutting down"}, status_code=503
-    )
+        return JSONResponse({"status": "ok"} | which)
+    reason = engine.dead_reason or "shutting down"
+    return JSONResponse({"status": "unhealthy", "reason": reason} | which, status_code=503)
 
 
 @open_routes.get("/metrics")

@@ -8,6 +8,7 @@ until the engine is ready.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -89,6 +90,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a request's headers must arrive within this (the connection is closed)",
     )
+    g.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="API server processes sharing the port and the engine core: HTTP, SSE and "
+        "detokenization on N processes (one bounds the served throughput; docs/serving.md)",
+    )
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument(
         "--engine-in-process",
@@ -111,10 +120,15 @@ def chat_template_source(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound (not listening yet) to host:port. `reuse_port`: several API server
+    processes each bind their own socket to the port and the kernel spreads the connections
+    over them by their addresses (SO_REUSEPORT), so one process cannot take a burst of them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -124,16 +138,20 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from serve.api import create_app
-    from serve.server import Server, header_timeout_protocol
-
     config = engine_config_from_args(args)
     if not config.distributed.is_leader:  # a multi-host follower runs process 0's steps only
         from nori_jax.follower import follow
 
         return follow(config)
+    count = args.api_server_count
+    if count < 1:
+        raise ValueError(f"--api-server-count {count} must be >= 1")
+    if count > 1 and (args.engine_in_process or config.distributed.enabled or config.mesh.data > 1):
+        raise ValueError(
+            f"--api-server-count {count} runs several API servers over one engine-core process; "
+            "it does not combine with --engine-in-process, a multi-host engine or "
+            "data-parallel replicas"
+        )
     settings = ServerSettings(
         model_name=args.served_model_name or config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or None,
@@ -144,8 +162,10 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
+        api_server=0 if count > 1 else None,
     )
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port, reuse_port=count > 1)
+    companions = None
     # A multi-host engine runs in this process: JAX's distributed runtime is joined once per
     # process, and this one joined it to choose the backend's config.
     if args.engine_in_process or config.distributed.enabled:
@@ -161,21 +181,63 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         from nori_jax.core_client import EngineCoreClient
 
-        engine = EngineCoreClient(config)  # starts the engine-core process; returns when ready
+        if count > 1:
+            import tempfile
+
+            from serve.api_servers import ApiServers
+
+            companions = ApiServers(
+                count,
+                config,
+                dataclasses.replace(settings, api_server=None),  # each one sets its own index
+                sock.getsockname()[:2],  # the port, if it was 0, as the kernel chose it
+                tempfile.mkdtemp(prefix="nori-api-"),
+                args.log_level,
+                not args.no_access_log,
+            )
+        extra = companions.client_addresses if companions is not None else []
+        # Starts the engine-core process; returns when it is ready.
+        engine = EngineCoreClient(config, extra_clients=extra)
         logger.info("engine core running in process %d", engine.pid)
+    if companions is not None:
+        companions.start()
+        logger.info("API servers 1-%d running in processes %s", count - 1, companions.pids)
+    try:
+        return serve_http(
+            engine, settings, sock, args.log_level, not args.no_access_log, companions
+        )
+    finally:
+        if companions is not None:
+            companions.kill()
+
+
+def serve_http(
+    engine,
+    settings: ServerSettings,
+    sock: socket.socket,
+    log_level: str,
+    access_log: bool,
+    companions=None,
+) -> int:
+    """Serve the app over `engine` on the bound socket `sock` until a signal ends it (a drain
+    first); the exit code. Every API server process runs this (serve/api_servers.py)."""
+    import uvicorn
+
+    from serve.api import create_app
+    from serve.server import Server, header_timeout_protocol
+
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        access_log=not args.no_access_log,
+        log_level=log_level.lower(),
+        access_log=access_log,
         http=header_timeout_protocol(settings.header_timeout_s),
         # After the drain (server.py) every response has its last bytes: a few seconds to write.
         timeout_graceful_shutdown=5,
     )
-    server = Server(config, engine, settings.drain_timeout_s)
-    logger.info("serving %r on http://%s:%d", settings.model_name, args.host, args.port)
+    server = Server(config, engine, settings.drain_timeout_s, companions)
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %r on http://%s:%d", settings.model_name, host, port)
     # uvicorn handles SIGINT/SIGTERM (drain, then stop) and afterwards re-raises the signal to
     # the handler that was there before it; a no-op one makes a drained shutdown exit with 0
     # rather than as killed by the signal (or with a KeyboardInterrupt traceback).

@@ -34,6 +34,8 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.settings.api_server is not None:  # several API server processes: say which
+            send = _with_header(send, b"x-nori-api-server", str(self.settings.api_server).encode())
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             self._check_key(scope["path"], headers)
@@ -99,6 +101,15 @@ def _loop_time(deadline: float) -> float:
     """A time.monotonic() deadline on the running loop's clock."""
     loop = asyncio.get_running_loop()
     return loop.time() + (deadline - time.monotonic())
+
+
+def _with_header(send: Send, name: bytes, value: bytes) -> Send:
+    async def sent(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name, value)]}
+        await send(message)
+
+    return sent
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -16,20 +16,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nori_jax.engine_client import EngineClient
 
+if TYPE_CHECKING:
+    from serve.api_servers import ApiServers
+
 logger = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_timeout_s: float):
+    """`companions`: the other API server processes this one started (serve/api_servers.py):
+    they get the first signal too, and the engine stops only once they have drained."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: EngineClient,
+        drain_timeout_s: float,
+        companions: ApiServers | None = None,
+    ):
         super().__init__(config)
         self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.companions = companions
         self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
@@ -45,6 +60,8 @@ class Server(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self.draining = True
+        if self.companions is not None:
+            self.companions.terminate()
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
@@ -52,8 +69,13 @@ class Server(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         logger.info("draining: up to %g s for %d requests", self.drain_timeout_s, self.in_flight)
+        started = time.monotonic()
         try:
-            await self.engine.shutdown(self.drain_timeout_s)
+            if self.companions is not None:  # they drain too, on the same engine core
+                self.engine.stop_accepting()
+                await asyncio.to_thread(self.companions.wait, self.drain_timeout_s + 10.0)
+            left = max(0.0, self.drain_timeout_s - (time.monotonic() - started))
+            await self.engine.shutdown(left)
         except Exception:  # noqa: BLE001 - exit regardless
             logger.exception("drain failed")
         # Every stream has its last item now; uvicorn lets the responses finish writing it.

@@ -16,6 +16,7 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413, unread
     body_timeout_s: float = 30.0  # a request body must arrive within this (408)
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)
+    api_server: int | None = None  # which of several API server processes this is (None: one)
 
     def __post_init__(self) -> None:
         if not self.model_name:

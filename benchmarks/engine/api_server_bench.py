@@ -7,10 +7,10 @@ Starts `nori-jax serve` (engine core in its own process, as by default) with the
 program replaced by `fake_core.py`, which streams one token per running request every 5 ms with no
 model. Then `nori-jax bench serve` sends `--num-prompts` streaming /v1/completions requests, at
 most `--concurrency` at once, and the script reads from /proc how many CPU seconds the API server
-process (all its threads) and the fake core spent during the load. The figure: API-server CPU
-microseconds per streamed output token, which bounds the served throughput of one API server at
-about 1e6 / (that figure) tokens per second of one core. Flags after `--` go to `nori-jax serve`.
-Needs the bench extra.
+processes (all their threads; several with `-- --api-server-count N`) and the fake core spent
+during the load. The figure: API-server CPU microseconds per streamed output token, which bounds
+the served throughput of one API server process at about 1e6 / (that figure) tokens per second.
+Flags after `--` go to `nori-jax serve`. Needs the bench extra.
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def children(pid: int) -> list[int]:
-    out = []
+def children(pid: int) -> dict[int, str]:
+    """Child process ids of `pid` and their command lines."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    out[int(child)] = c.read().replace(b"\0", b" ").decode()
     return out
 
 
@@ -57,6 +60,7 @@ def start_server(port: int, max_seqs: int, serve_flags: list[str], log) -> subpr
         "sys.exit(main(sys.argv[1:]))\n"
     )
     argv = ["serve", "--config", "tiny-cpu", "--max-num-seqs", str(max_seqs), "--port", str(port)]
+    argv += ["--max-num-batched-tokens", str(max(128, max_seqs))]  # a step holds every sequence
     argv += ["--no-access-log", *serve_flags]
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=log, stderr=log)
     deadline = time.monotonic() + 120
@@ -106,12 +110,19 @@ def main() -> None:
         port = free_port()
         server = start_server(port, args.concurrency, serve_flags, log)
         try:
-            core = children(server.pid)[0]
+            time.sleep(2)  # API servers 1.. (--api-server-count) come up after the first
+            kids = children(server.pid)
+            core = next(pid for pid, cmd in kids.items() if "fake_core" in cmd)
+            apis = [server.pid] + [pid for pid, cmd in kids.items() if "serve.api_servers" in cmd]
+
+            def api_cpu() -> float:
+                return sum(cpu_seconds(p) for p in apis)
+
             for run in range(args.runs):
-                s0, c0, t0 = cpu_seconds(server.pid), cpu_seconds(core), time.perf_counter()
+                s0, c0, t0 = api_cpu(), cpu_seconds(core), time.perf_counter()
                 result = run_load(port, args, os.path.join(tmp, f"r{run}.json"))
                 wall = time.perf_counter() - t0
-                s1, c1 = cpu_seconds(server.pid), cpu_seconds(core)
+                s1, c1 = api_cpu(), cpu_seconds(core)
                 tokens = result["total_output_tokens"] if "total_output_tokens" in result else None
                 if tokens is None:
                     tokens = args.num_prompts * args.output_len

@@ -1,0 +1,194 @@
+"""Several API server processes in front of one engine core: `nori-jax serve --api-server-count N`.
+
+One API server process streams about 25,000-40,000 tokens a second before its own CPU (HTTP, SSE
+encoding, detokenization, one GIL) bounds it (benchmarks/engine/api_server_bench.py), well under
+what the engine core makes on a GPU. N processes share the work:
+
+    nori-jax serve (API server 0) --- starts ---> engine-core process (one, as with N = 1)
+          |  starts and watches                     ^  ZeroMQ: one socket pair per API server
+          v                                         |
+    API servers 1 .. N-1  (python -m serve.api_servers, each its own EngineCoreClient)
+
+Each of the N binds its own socket to the port (SO_REUSEPORT): the kernel spreads connections
+over them by their addresses, so a process cannot take a burst of them and keep them (clients
+keep connections open). API server 0 owns the engine core as
+with one server: it starts it, restarts it when it dies and stops it last. The others attach to it
+(`EngineCoreClient(shared_core=...)`): each binds its own socket pair, which the core connects to,
+and each request's tokens come back to the API server that sent it. Every API server gets every
+step's finishes and stats, so /metrics and /health answer for the whole engine whichever process a
+scrape reaches (`api_server` in /health's body says which one did).
+
+API server 0 restarts another that exits (it ends what the dead one had in flight in the core) and
+ends with it: on SIGTERM it passes the signal on, waits while the others drain, then drains and
+stops the core. The others exit when API server 0 does (Linux's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from nori_jax.child_process import die_with_parent
+from nori_jax.engine_config import EngineConfig
+from serve.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+_RESTART_DELAY_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What API server `index` (1..N-1) is started with (pickled on its stdin)."""
+
+    index: int
+    config: EngineConfig
+    settings: ServerSettings
+    input_addr: str  # its sockets to the engine core (it binds them)
+    output_addr: str
+    host: str  # where API server 0 listens: this one binds the same (SO_REUSEPORT)
+    port: int
+    log_level: str
+    access_log: bool
+
+
+def addresses(directory: str, index: int) -> tuple[str, str]:
+    """API server `index`'s (input, output) socket addresses towards the engine core."""
+    return f"ipc://{directory}/api-{index}-in", f"ipc://{directory}/api-{index}-out"
+
+
+class ApiServers:
+    """API servers 1..count-1, started and watched by API server 0 (this process)."""
+
+    def __init__(
+        self,
+        count: int,
+        config: EngineConfig,
+        settings: ServerSettings,
+        address: tuple[str, int],
+        directory: str,
+        log_level: str,
+        access_log: bool,
+    ):
+        if count < 2:
+            raise ValueError(f"api_server_count={count}: ApiServers runs servers 1 and up")
+        self.count, self.config, self.settings = count, config, settings
+        self._address, self._dir = address, directory
+        self._level, self._access_log = log_level, access_log
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._stopping = False
+        self._lock = threading.Lock()
+        self.num_restarts = 0
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def client_addresses(self) -> list[tuple[str, str]]:
+        """The engine core's sockets towards API servers 1.. (EngineCoreClient's extra_clients)."""
+        return [addresses(self._dir, i) for i in range(1, self.count)]
+
+    @property
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [p.pid for _, p in sorted(self._procs.items())]
+
+    def start(self) -> None:
+        """Start every other API server and a thread that restarts one that exits."""
+        for i in range(1, self.count):
+            self._spawn(i)
+        self._watcher = threading.Thread(target=self._watch, name="nori-api-servers", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self, index: int) -> None:
+        spec = WorkerSpec(
+            index,
+            self.config,
+            self.settings,
+            *addresses(self._dir, index),
+            *self._address,
+            self._level,
+            self._access_log,
+        )
+        proc = subprocess.Popen([sys.executable, "-m", "serve.api_servers"], stdin=subprocess.PIPE)
+        proc.stdin.write(pickle.dumps(spec))
+        proc.stdin.close()
+        with self._lock:
+            self._procs[index] = proc
+        logger.info("API server %d running in process %d", index, proc.pid)
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            time.sleep(0.2)
+            with self._lock:
+                exited = [(i, p) for i, p in self._procs.items() if p.poll() is not None]
+            for i, p in exited:
+                if self._stopping:
+                    return
+                logger.error(
+                    "API server %d (process %d) exited with %s; restarting it",
+                    i,
+                    p.pid,
+                    p.returncode,
+                )
+                time.sleep(_RESTART_DELAY_S)
+                if not self._stopping:
+                    self._spawn(i)
+                    self.num_restarts += 1
+
+    def terminate(self) -> None:
+        """Ask every other API server to drain and exit (SIGTERM)."""
+        self._stopping = True
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for every other API server to exit; False if some still ran at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def kill(self) -> None:
+        self._stopping = True
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def main() -> int:
+    """API server `index` (1..N-1): attach to the engine core and serve on the shared port."""
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    die_with_parent(signal.SIGTERM)  # a drain, as for API server 0's own SIGTERM
+    logging.basicConfig(
+        level=spec.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s api-server-{spec.index} %(name)s: %(message)s",
+        force=True,
+    )
+    from nori_jax.core_client import EngineCoreClient
+    from serve.cli import bind, serve_http
+
+    engine = EngineCoreClient(
+        spec.config, shared_core=(spec.input_addr, spec.output_addr, spec.index)
+    )
+    sock = bind(spec.host, spec.port, reuse_port=True)
+    settings = dataclasses.replace(spec.settings, api_server=spec.index)
+    return serve_http(engine, settings, sock, spec.log_level, spec.access_log)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""`nori-jax serve --api-server-count 2`: two API server processes on one port and one engine
+core (serve/api_servers.py), run as a user runs it.
+
+Connections spread over both and every request gets its own tokens back; each API server's
+/metrics is the whole engine's; a killed API server is restarted while the other serves on; the
+engine core's death fails the requests in flight on both and both serve again once it restarted;
+SIGTERM stops every process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+PROMPT = [5, 6, 7, 8]
+GREEDY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child process ids of `pid` and their command lines."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            for child in f.read().split():
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        out[int(child)] = c.read().replace(b"\0", b" ").decode()
+                except OSError:
+                    pass
+    return out
+
+
+def _child(pid: int, marker: str) -> int:
+    return next(c for c, cmd in _children(pid).items() if marker in cmd)
+
+
+def _health_by_server(url: str, tries: int = 40) -> dict[str, int]:
+    """Status code of /health by the API server that answered, over fresh connections."""
+    seen: dict[str, int] = {}
+    for _ in range(tries):
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+        except httpx.TransportError:
+            continue
+        seen[r.headers.get("x-nori-api-server", "?")] = r.status_code
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def _wait_both_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _health_by_server(url) != {"0": 200, "1": 200}:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api-servers")
+    port = _free_port()
+    exe = shutil.which("nori-jax") or str(Path(sys.executable).with_name("nori-jax"))
+    cmd = [exe, "serve", "--config", "tiny-cpu", "--port", str(port), "--api-server-count", "2"]
+    cmd += ["--max-num-waiting", "64", "--no-access-log"]
+    log = tmp / "server.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_both_healthy(url, proc, log, 180)
+    yield url, proc, log
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _generate(url: str, stream: bool = False) -> tuple[str, list[int]]:
+    """(the API server that answered, the tokens), on a connection of its own."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        if not stream:
+            r = c.post("/generate", json=GREEDY)
+            assert r.status_code == 200, r.text
+            return r.headers["x-nori-api-server"], r.json()["token_ids"]
+        with c.stream("POST", "/generate", json=GREEDY | {"stream": True}) as r:
+            lines = [json.loads(line) for line in r.iter_lines() if line]
+            return r.headers["x-nori-api-server"], [t for x in lines for t in x["token_ids"]]
+
+
+def test_connections_spread_over_both_and_each_gets_its_own_tokens(served) -> None:
+    url, _, _ = served
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda i: _generate(url, stream=i % 2 == 1), range(32)))
+    assert {server for server, _ in results} == {"0", "1"}
+    tokens = {tuple(t) for _, t in results}
+    assert len(tokens) == 1 and len(next(iter(tokens))) == 12
+
+
+def _metrics_by_server(url: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for _ in range(40):
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.get("/metrics")
+        values = {}
+        for line in r.text.splitlines():
+            if line.startswith(("nori:generation_tokens_total", "nori:request_success_total")):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        out[r.headers["x-nori-api-server"]] = values
+        if len(out) == 2:
+            break
+    return out
+
+
+def test_each_api_servers_metrics_are_the_whole_engines(served) -> None:
+    url, _, _ = served
+    before = _metrics_by_server(url)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        served_by = set(pool.map(lambda _: _generate(url)[0], range(16)))
+    assert served_by == {"0", "1"}
+    time.sleep(0.5)  # the last step's stats reach both servers
+    after = _metrics_by_server(url)
+    assert after["0"] == after["1"]
+    done = 'nori:request_success_total{finished_reason="length"}'
+    assert after["0"][done] - before["0"][done] == 16
+    assert after["0"]["nori:generation_tokens_total"] - before["0"][
+        "nori:generation_tokens_total"
+    ] == pytest.approx(16 * 12)
+
+
+def test_a_killed_api_server_is_restarted_while_the_other_serves(served) -> None:
+    url, proc, log = served
+    old = _child(proc.pid, "serve.api_servers")
+    os.kill(old, signal.SIGKILL)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # meanwhile: served by API server 0
+        results = list(pool.map(lambda _: _generate(url), range(8)))
+    assert {t for _, t in ((s, tuple(t)) for s, t in results)} == {tuple(results[0][1])}
+    _wait_both_healthy(url, proc, log, 120)
+    assert _child(proc.pid, "serve.api_servers") != old
+    assert "API server 1 (process" in log.read_text()
+
+
+def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> None:
+    url, proc, log = served
+    expected = _generate(url)[1]
+    body = {"prompt": "doomed", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    results: list[tuple[str, list[str]]] = []
+    first = threading.Semaphore(0)
+
+    def streamed() -> None:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        if not lines:
+                            first.release()
+                        lines.append(line)
+                results.append((r.headers["x-nori-api-server"], lines))
+
+    jobs = [threading.Thread(target=streamed) for _ in range(8)]
+    for t in jobs:
+        t.start()
+    for _ in jobs:
+        assert first.acquire(timeout=60)
+    core = _child(proc.pid, "engine_core_process")
+    os.kill(core, signal.SIGKILL)
+    for t in jobs:
+        t.join(60)
+        assert not t.is_alive()
+    assert {server for server, _ in results} == {"0", "1"}
+    for _, lines in results:
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "engine_dead"
+    _wait_both_healthy(url, proc, log, 120)
+    assert _child(proc.pid, "engine_core_process") != core
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        after = list(pool.map(lambda _: _generate(url), range(16)))
+    assert {s for s, _ in after} == {"0", "1"} and all(t == expected for _, t in after)
+
+
+def test_sigterm_stops_every_process(served) -> None:
+    _, proc, log = served
+    children = list(_children(proc.pid))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{c}") and _state(c) != "Z" for c in children):
+        assert time.monotonic() < deadline, [(c, _state(c)) for c in children]
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
