@@ -19,14 +19,14 @@ mkdir -p "$OUT"
 python3 -m nori_jax.cli --log-level INFO serve --config "$CONFIG" --model "$MODEL" --load-format dummy \
   --attention-backend "$BACKEND" --port "$PORT" --no-access-log $EXTRA > "$OUT/serve.log" 2>&1 &
 PID=$!
-# CPU per process and thread (API server, engine core) for the whole sweep: which one saturates.
-python3 "$(dirname "$0")/proc_cpu.py" $PID "$OUT/cpu.csv" &
 for _ in $(seq 900); do
   curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
   kill -0 $PID 2> /dev/null || { echo "server died"; tail -30 "$OUT/serve.log"; exit 1; }
   sleep 1
 done
 echo "server healthy after ${SECONDS}s"
+# CPU per process and thread (API servers, engine core) during the sweep: which one saturates.
+python3 "$(dirname "$0")/proc_cpu.py" $PID "$OUT/cpu.csv" &
 python3 -m nori_jax.bench serve --base-url "http://127.0.0.1:$PORT" --prompt-format token-ids \
   --ignore-eos --num-prompts "$N" --warmup-requests 8 --sweep "$RATES" \
   --plot "$OUT/sweep.png" --result-json "$OUT/sweep.json" --result-csv "$OUT/requests.csv" \
