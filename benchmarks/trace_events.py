@@ -1,7 +1,8 @@
-"""GPU kernel events of a `jax.profiler.trace` directory (shared by the benchmark scripts).
+"""Events of a `jax.profiler.trace` directory (shared by the benchmark scripts).
 
 Read with `jax.profiler.ProfileData`: every event of a "Stream" line of a "/device:GPU" plane
-is one kernel (or copy) the device ran, with its start and duration in nanoseconds.
+is one kernel (or copy) the device ran, with its start and duration in nanoseconds; the "/host:"
+planes hold the host threads' annotated spans (Python frames, PjRt's and XLA's TraceMe events).
 """
 
 from __future__ import annotations
@@ -11,39 +12,36 @@ import glob
 import tempfile
 
 
-def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
-    """(name, start_ns, duration_ns) of every GPU stream event in the trace."""
+def _planes(trace_dir: str):
+    """Every plane of every trace file under `trace_dir`."""
     from jax.profiler import ProfileData
 
-    events = []
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        data = ProfileData.from_file(path)
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
-    return events
+        yield from ProfileData.from_file(path).planes
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every GPU stream event in the trace."""
+    return [
+        (e.name, int(e.start_ns), int(e.duration_ns))
+        for plane in _planes(trace_dir)
+        if plane.name.startswith("/device:GPU")
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for e in line.events
+    ]
 
 
 def host_events(trace_dir: str) -> list[tuple[str, str, int, int]]:
     """(thread, name, start_ns, duration_ns) of every host-side event (XLA's and PjRt's TraceMe
     annotations: executable launches, thunks, command-buffer records and updates, transfers)."""
-    from jax.profiler import ProfileData
-
-    events = []
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        data = ProfileData.from_file(path)
-        for plane in data.planes:
-            if not plane.name.startswith("/host:"):
-                continue
-            for line in plane.lines:
-                events += [
-                    (line.name, e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events
-                ]
-    return events
+    return [
+        (line.name, e.name, int(e.start_ns), int(e.duration_ns))
+        for plane in _planes(trace_dir)
+        if plane.name.startswith("/host:")
+        for line in plane.lines
+        for e in line.events
+    ]
 
 
 def busy_ns(events: list[tuple[str, int, int]]) -> int:
