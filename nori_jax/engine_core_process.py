@@ -225,7 +225,7 @@ class _Clients:
             sock.close(linger=1000 if i == 0 else 0)
 
 
-_IDLE_POLL_MS = 1000  # an idle core wakes this often to see whether its parent still runs
+_IDLE_POLL_MS = 1000  # an idle core wakes this often (to see whether its parent still runs)
 
 
 def _worth_sending(out: EngineCoreOutputs, accepted: list, rejected: list) -> bool:
@@ -272,7 +272,7 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
         rejected: list[list[Rejection]] = [[] for _ in range(n)]
         aborted: list[FinishedRequest] = []
         events = poller.poll(0 if busy else _IDLE_POLL_MS)
-        if not events and not busy and os.getppid() != parent:
+        if os.getppid() != parent:  # a cheap check; busy, a dead client 0 would block our sends
             logger.warning("the API server that started this engine core is gone: stopping")
             return
         if events:

@@ -75,9 +75,7 @@ def _wait_both_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: f
         time.sleep(0.3)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("api-servers")
+def _start(tmp: Path) -> tuple[str, subprocess.Popen, Path]:
     port = _free_port()
     exe = shutil.which("nori-jax") or str(Path(sys.executable).with_name("nori-jax"))
     cmd = [exe, "serve", "--config", "tiny-cpu", "--port", str(port), "--api-server-count", "2"]
@@ -87,6 +85,12 @@ def served(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait_both_healthy(url, proc, log, 180)
+    return url, proc, log
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    url, proc, log = _start(tmp_path_factory.mktemp("api-servers"))
     yield url, proc, log
     if proc.poll() is None:
         proc.kill()
@@ -214,3 +218,23 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_nothing_outlives_a_killed_server(tmp_path) -> None:
+    """API server 0 killed outright (no drain): the engine core and the other API server notice
+    their parent is gone and exit, so no process keeps the device or the port."""
+    url, proc, log = _start(tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # in flight when the kill comes
+        pending = [pool.submit(_generate, url) for _ in range(4)]
+        children = list(_children(proc.pid))
+        proc.kill()
+        proc.wait()
+        for f in pending:
+            try:
+                f.result(timeout=60)
+            except Exception:  # noqa: BLE001 - their server was killed: any end is fine
+                pass
+    deadline = time.monotonic() + 20
+    while any(_state(c) not in ("gone", "Z") for c in children):
+        assert time.monotonic() < deadline, [(c, _state(c)) for c in children]
+        time.sleep(0.1)
