@@ -279,12 +279,12 @@ class EngineCoreClient(StreamingClient):
             self._core = self._spawn()
         else:
             self._core = _SharedCore(self._zmq, shared_core[0], shared_core[1])
-            # Hello: the core answers with its Ready (it may have announced itself before this
-            # process existed) and ends what it still runs for a predecessor of this index.
-            self._core.send_when_connected(
-                self._encode_now(ClientReset(self.client_index)), startup_timeout_s
-            )
         try:
+            if shared_core is not None:
+                # Hello: the core answers with its Ready (it may have announced itself before
+                # this process existed) and ends what it still runs for a predecessor's index.
+                hello = msgspec.msgpack.encode(ClientReset(self.client_index))
+                self._core.send_when_connected(hello, startup_timeout_s)
             self.info = self._core.wait_ready(startup_timeout_s, lambda: False)
         except BaseException:
             self._core.close()
@@ -310,10 +310,6 @@ class EngineCoreClient(StreamingClient):
         self._num_restarts = 0
         self._reader: threading.Thread | None = None
         self._rng = np.random.default_rng(config.seed)
-
-    @staticmethod
-    def _encode_now(msg) -> bytes:
-        return msgspec.msgpack.Encoder().encode(msg)
 
     @property
     def owns_core(self) -> bool:
