@@ -1,8 +1,9 @@
 """Several API server processes in front of one engine core: `nori-jax serve --api-server-count N`.
 
-One API server process streams about 25,000-40,000 tokens a second before its own CPU (HTTP, SSE
-encoding, detokenization, one GIL) bounds it (benchmarks/engine/api_server_bench.py), well under
-what the engine core makes on a GPU. N processes share the work:
+One API server process spends 25-40 us of CPU per streamed token (HTTP, SSE encoding,
+detokenization, one GIL; measured on the 2-core CPU machine by
+benchmarks/engine/api_server_bench.py), so it streams a few tens of thousands of tokens a second at
+most, under what the engine core makes on a GPU. N processes share the work:
 
     nori-jax serve (API server 0) --- starts ---> engine-core process (one, as with N = 1)
           |  starts and watches                     ^  ZeroMQ: one socket pair per API server
@@ -18,9 +19,10 @@ and each request's tokens come back to the API server that sent it. Every API se
 step's finishes and stats, so /metrics and /health answer for the whole engine whichever process a
 scrape reaches (`api_server` in /health's body says which one did).
 
-API server 0 restarts another that exits (it ends what the dead one had in flight in the core) and
-ends with it: on SIGTERM it passes the signal on, waits while the others drain, then drains and
-stops the core. The others exit when API server 0 does (Linux's parent-death signal).
+API server 0 restarts another that exits (it ends what the dead one had in flight in the core),
+up to 5 times in 10 minutes each, and ends with it: on SIGTERM it passes the signal on, waits
+while the others drain, then drains and stops the core. The others exit when API server 0 does
+(Linux's parent-death signal).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from serve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 _RESTART_DELAY_S = 1.0
+# As for the engine core (core_client.py): an API server that dies this often is not restarted.
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,7 @@ class ApiServers:
         self._stopping = False
         self._lock = threading.Lock()
         self.num_restarts = 0
+        self._restarts: dict[int, list[float]] = {}  # restart times by API server index
         self._watcher: threading.Thread | None = None
 
     @property
@@ -128,12 +133,28 @@ class ApiServers:
             for i, p in exited:
                 if self._stopping:
                     return
+                now = time.monotonic()
+                recent = [t for t in self._restarts.get(i, []) if now - t < RESTART_WINDOW_S]
+                if len(recent) >= MAX_RESTARTS:  # a crash loop: the others serve on without it
+                    logger.error(
+                        "API server %d (process %d) exited with %s; not restarted: %d restarts "
+                        "within %g s",
+                        i,
+                        p.pid,
+                        p.returncode,
+                        len(recent),
+                        RESTART_WINDOW_S,
+                    )
+                    with self._lock:
+                        del self._procs[i]
+                    continue
                 logger.error(
                     "API server %d (process %d) exited with %s; restarting it",
                     i,
                     p.pid,
                     p.returncode,
                 )
+                self._restarts[i] = [*recent, now]
                 time.sleep(_RESTART_DELAY_S)
                 if not self._stopping:
                     self._spawn(i)

@@ -238,3 +238,34 @@ def test_nothing_outlives_a_killed_server(tmp_path) -> None:
     while any(_state(c) not in ("gone", "Z") for c in children):
         assert time.monotonic() < deadline, [(c, _state(c)) for c in children]
         time.sleep(0.1)
+
+
+def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
+    """One that dies again and again is restarted MAX_RESTARTS times, then left down (the others
+    serve on), as the engine core is."""
+    from types import SimpleNamespace
+
+    from nori_jax.engine_config import EngineConfig
+    from serve import api_servers
+    from serve.settings import ServerSettings
+
+    monkeypatch.setattr(api_servers, "_RESTART_DELAY_S", 0.0)
+    servers = api_servers.ApiServers(
+        2, EngineConfig(), ServerSettings(model_name="m"), ("127.0.0.1", 1), "/tmp", "info", False
+    )
+    spawned = []
+
+    def spawn(index: int) -> None:  # a process that has already exited
+        spawned.append(index)
+        servers._procs[index] = SimpleNamespace(
+            pid=1000 + len(spawned), returncode=1, poll=lambda: 1
+        )
+
+    monkeypatch.setattr(servers, "_spawn", spawn)
+    servers.start()
+    deadline = time.monotonic() + 10
+    while servers._procs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    servers.terminate()
+    assert spawned == [1] * (1 + api_servers.MAX_RESTARTS)
+    assert servers.num_restarts == api_servers.MAX_RESTARTS and not servers._procs
