@@ -24,7 +24,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-COMMAND_BUFFER_UPDATES = ("always", "skip_temp")
+COMMAND_BUFFER_UPDATES = ("auto", "always", "skip_temp")
 _UPDATE_FLAG = "--xla_gpu_command_buffer_update_mode"
 _MODE_VALUE = {"always": "ALWAYS_UPDATE", "skip_temp": "SKIP_TEMP"}
 # JAX's share of a GPU's memory for its preallocating allocator (XLA_PYTHON_CLIENT_MEM_FRACTION).
@@ -42,7 +42,7 @@ def flag_in(xla_flags: str) -> str | None:
 
 def with_update_mode(xla_flags: str, mode: str) -> str:
     """`xla_flags` with the update mode for `mode` (any earlier setting of it replaced)."""
-    if mode not in COMMAND_BUFFER_UPDATES:
+    if mode not in _MODE_VALUE:
         raise ValueError(f"command_buffer_update={mode!r} must be one of {COMMAND_BUFFER_UPDATES}")
     kept = [w for w in xla_flags.split() if not w.startswith(_UPDATE_FLAG + "=")]
     if mode != "always":
@@ -58,22 +58,38 @@ def in_effect(mode: str, xla_flags: str | None = None) -> bool:
     return given == _MODE_VALUE[mode]
 
 
-def apply(command_buffer_update: str) -> None:
-    """Put the engine's XLA settings into XLA_FLAGS before JAX starts its backends.
+def apply(command_buffer_update: str) -> str:
+    """Put the engine's XLA settings into XLA_FLAGS before JAX starts its backends; return the
+    mode in effect.
 
-    ValueError for an unknown mode; RuntimeError if JAX has started already without the setting
-    (XLA read its flags then: a later change would silently do nothing).
+    "auto": skip_temp, unless XLA_FLAGS already names a mode (the user's choice stands) or JAX
+    has started already (XLA read its flags then; the process keeps what it has, logged).
+    ValueError for an unknown mode; RuntimeError if an explicit mode cannot take effect because
+    JAX has started without it (a later change would silently do nothing).
     """
     if command_buffer_update not in COMMAND_BUFFER_UPDATES:
         raise ValueError(
             f"command_buffer_update={command_buffer_update!r} must be one of "
             f"{COMMAND_BUFFER_UPDATES}"
         )
-    if in_effect(command_buffer_update):
-        return
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    started = xla_bridge.backends_are_initialized()
+    if command_buffer_update == "auto":
+        given = flag_in(os.environ.get("XLA_FLAGS", ""))
+        if given is not None or started:
+            mode = "skip_temp" if given == _MODE_VALUE["skip_temp"] else "always"
+            if started and given is None:
+                logger.info(
+                    "XLA command buffers: update mode always (JAX started before the engine; "
+                    "XLA_FLAGS='%s' at process start gives skip_temp)",
+                    with_update_mode("", "skip_temp"),
+                )
+            return mode
+        command_buffer_update = "skip_temp"
+    if in_effect(command_buffer_update):
+        return command_buffer_update
+    if started:
         flag = with_update_mode("", command_buffer_update) or f"{_UPDATE_FLAG}=ALWAYS_UPDATE"
         raise RuntimeError(
             f"command_buffer_update={command_buffer_update!r} must reach XLA before this process "
@@ -84,6 +100,7 @@ def apply(command_buffer_update: str) -> None:
         os.environ.get("XLA_FLAGS", ""), command_buffer_update
     )
     logger.info("XLA command buffers: update mode %s", command_buffer_update)
+    return command_buffer_update
 
 
 def uses_vmm_allocator() -> bool:

@@ -63,16 +63,30 @@ def test_apply_after_jax_started_refuses_instead_of_doing_nothing(monkeypatch):
         xla_flags.apply("skip_temp")
     assert "XLA_FLAGS" not in os.environ
     monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=SKIP_TEMP")
-    xla_flags.apply("skip_temp")  # already in effect: accepted
+    assert xla_flags.apply("skip_temp") == "skip_temp"  # already in effect: accepted
+
+
+def test_auto_keeps_what_a_started_process_or_the_user_chose(monkeypatch):
+    import jax
+
+    jax.numpy.zeros(1).block_until_ready()
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert xla_flags.apply("auto") == "always"  # too late for skip_temp: no error, no change
+    assert "XLA_FLAGS" not in os.environ
+    for given, mode in (("SKIP_TEMP", "skip_temp"), ("ALWAYS_UPDATE", "always")):
+        monkeypatch.setenv("XLA_FLAGS", f"{FLAG}={given}")
+        assert xla_flags.apply("auto") == mode
+        assert os.environ["XLA_FLAGS"] == f"{FLAG}={given}"
 
 
 def test_apply_before_jax_reaches_xla(tmp_path):
-    """In a fresh process: the engine's setting lands in XLA_FLAGS and XLA accepts the flag (an
-    unknown flag or value would abort the process when JAX starts its backend)."""
+    """In a fresh process: the engine's setting ("auto": skip_temp) lands in XLA_FLAGS and XLA
+    accepts the flag (an unknown flag or value would abort the process when JAX starts its
+    backend)."""
     code = (
         "import os\n"
         "from nori_jax.executor import xla_flags\n"
-        "xla_flags.apply('skip_temp')\n"
+        "print(xla_flags.apply('auto'))\n"
         "import jax\n"
         "print(float(jax.numpy.arange(4.0).sum()), os.environ['XLA_FLAGS'])\n"
     )
@@ -81,7 +95,12 @@ def test_apply_before_jax_reaches_xla(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["6.0", "--xla_cpu_enable_fast_math=false", f"{FLAG}=SKIP_TEMP"]
+    assert out.stdout.split() == [
+        "skip_temp",
+        "6.0",
+        "--xla_cpu_enable_fast_math=false",
+        f"{FLAG}=SKIP_TEMP",
+    ]
 
 
 def _gpu_mesh(stats: dict[str, int], tp: int = 1):
