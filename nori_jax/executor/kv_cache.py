@@ -46,20 +46,22 @@ def num_pages_for_memory(
 
     On an accelerator: utilization x the allocator's limit, minus what is in use, per device (each
     device holds 1/tp of every page). The rest stays free for the step's activations. Under XLA's
-    VMM allocator (xla_flags.py), whose statistics report only what it has mapped so far, the
-    limit is the one the default allocator would have (the device's memory x JAX's memory
-    fraction), and what is in use at least the weights' share of this device (`weight_bytes`: all
-    devices together).
+    VMM allocator (xla_flags.py), which reports no statistics, the limit is the one the default
+    allocator would have (the device's memory x JAX's memory fraction), and what is in use the
+    weights' share of this device (`weight_bytes`: all devices together).
     """
     # This process's first device of the mesh (in a multi-host engine the others are remote).
     local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     stats = local.memory_stats()
     tp = mesh.shape["model"]
-    if stats and "bytes_limit" in stats:
+    if local.platform == "gpu" and xla_flags.uses_vmm_allocator():
+        # The VMM allocator keeps no statistics (memory_stats() is None on the H200).
+        limit = xla_flags.device_memory_limit(local.local_hardware_id)
+        in_use = max((stats or {}).get("bytes_in_use", 0), weight_bytes // tp)
+        budget = limit * gpu_memory_utilization - in_use
+        per_page = bytes_per_page(cfg, page_size, dtype, tp) / tp
+    elif stats and "bytes_limit" in stats:
         limit, in_use = stats["bytes_limit"], stats["bytes_in_use"]
-        if local.platform == "gpu" and xla_flags.uses_vmm_allocator():
-            limit = xla_flags.device_memory_limit(local.local_hardware_id)
-            in_use = max(in_use, weight_bytes // tp)
         budget = limit * gpu_memory_utilization - in_use
         per_page = bytes_per_page(cfg, page_size, dtype, tp) / tp
     else:

@@ -4,10 +4,8 @@ compiled ahead of time.
     forward(params, kv_pages, prev_tokens, tokens, rows) -> (logits float32[S, V], kv_pages)
     sample[program](logits, rows) -> (next_tokens int32[S], logprobs float32[S])
 
-`params` is the model's parameters as a flat list of arrays stacked by kind, built once at
-start-up (executor/param_stack.py: about one array per weight kind, not one per layer and kind; the
-graphdef, the tree structure and the stacking are closed over), so a launch flattens no NNX state
-and passes few buffers. `tokens`
+`params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
+graphdef and the tree structure are closed over), so a launch flattens no NNX state. `tokens`
 and `rows` are the step's two packed int32 buffers (core/step_layout.py): one host-to-device
 transfer each. `kv_pages` is donated and comes back updated in place; only S tokens and S
 logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`, still on the
@@ -58,11 +56,8 @@ class LaunchTimes:
     sampler: float = 0.0  # dispatch of the sampler program and the async copy back
 
 
-def _forward(
-    graphdef, treedef, stack_layout, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows
-):
-    leaves = stack_layout.unstack(params)  # static slices of the stacks: no copies
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+def _forward(graphdef, treedef, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
     kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
     tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
@@ -114,16 +109,14 @@ class ModelRunner:
         self.buckets = list(buckets)
         cfg = loaded.config
         kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
-        # Stacked by kind (a launch pays per input buffer: executor/param_stack.py), before the
-        # pool is allocated, so the stacking's transient copy never meets a full device.
-        self._params, stack_layout, treedef = loaded.stacked_parameters()
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
         self.kv_scales = kv_scales
+        self._params, treedef = jax.tree.flatten(loaded.state)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
         self._forward_fn = jax.jit(
-            functools.partial(_forward, loaded.graphdef, treedef, stack_layout, layout, kv_scales),
+            functools.partial(_forward, loaded.graphdef, treedef, layout, kv_scales),
             donate_argnums=(1,),
             out_shardings=(self._replicated, [self._kv_sharding] * cfg.num_layers),
         )

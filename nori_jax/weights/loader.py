@@ -24,7 +24,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nori_jax.dummy_tokenizer import byte_tokenizer
-from nori_jax.executor.param_stack import StackLayout, stack_leaves, unstacked_copy
 from nori_jax.executor.placement import put
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
@@ -45,39 +44,17 @@ class LoadedModel:
     config: ModelConfig
     dtype: jnp.dtype
     graphdef: nnx.GraphDef
-    _state: nnx.State | None  # parameters as device arrays on the mesh, until stacked
+    state: nnx.State  # parameters as device arrays on the mesh
     tokenizer: Tokenizer | None
     source: str
     from_cache: bool = False  # parameters restored from the orbax cache, not converted
     # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
     generation_config: dict = dataclasses.field(default_factory=dict)
     quantization: WeightQuantization | None = None  # how the linear layers' weights are stored
-    _stacked: tuple[list[jax.Array], StackLayout, jax.tree_util.PyTreeDef] | None = None
-
-    @property
-    def state(self) -> nnx.State:
-        """The parameters as an NNX state of device arrays. Once stacked for the forward pass
-        (`stacked_parameters`), each access builds a fresh unstacked copy: for inspection and
-        one-off computations, not for a step loop."""
-        if self._stacked is None:
-            return self._state
-        stacks, layout, treedef = self._stacked
-        return jax.tree.unflatten(treedef, unstacked_copy(stacks, layout))
-
-    def stacked_parameters(self) -> tuple[list[jax.Array], StackLayout, jax.tree_util.PyTreeDef]:
-        """The parameters stacked by kind (executor/param_stack.py), with what unstacks them:
-        built on the first call, which hands the per-layer arrays over (they are deleted)."""
-        if self._stacked is None:
-            leaves, treedef = jax.tree.flatten(self._state)
-            stacks, layout = stack_leaves(leaves)
-            self._stacked, self._state = (stacks, layout, treedef), None
-        return self._stacked
 
     @property
     def weight_bytes(self) -> int:
-        if self._stacked is not None:
-            return stored_bytes(self._stacked[0])
-        return stored_bytes(jax.tree.leaves(self._state))
+        return stored_bytes(jax.tree.leaves(self.state))
 
     @property
     def model_config_info(self) -> dict[str, str]:
