@@ -34,7 +34,6 @@ from pallas_kernels.ragged_paged_attention.tuning import ROWS
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 WGMMA = plgpu.Layout.WGMMA
-UPCAST_2X = plgpu.Layout.WGMMA_UPCAST_2X  # 8-bit values held for a cheap upcast into WGMMA
 ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 
 
@@ -57,11 +56,8 @@ def _dequantize(st: Statics, src, dst) -> None:
     """An fp8 block [bk, D] (a K or V stage) into dst [bk, D] (st.mma_dtype, swizzled SMEM), 64
     rows at a time, fenced for wgmma's reads."""
     for r0 in range(0, st.tuning.block_kv, ROWS):
-        # 32-bit SMEM loads (four 8-bit values a thread), then one warp shuffle into WGMMA's
-        # layout for the 16-bit store.
-        x = plgpu.load(src.at[pl.ds(r0, ROWS)], layout=UPCAST_2X)
-        x = plgpu.layout_cast(x.astype(st.mma_dtype), WGMMA)
-        dst.at[pl.ds(r0, ROWS)][...] = x
+        x = plgpu.load(src.at[pl.ds(r0, ROWS)], layout=WGMMA, optimized=False)
+        dst.at[pl.ds(r0, ROWS)][...] = x.astype(st.mma_dtype)
     plgpu.commit_smem()
 
 
