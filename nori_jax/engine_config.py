@@ -90,10 +90,11 @@ class EngineConfig:
         help="plan step N+1 while the device runs step N (outputs trail the device by one step)",
     )
     command_buffer_update: str = option(
-        "always",
+        "auto",
         help="GPU: how XLA updates a step's CUDA graph between launches; skip_temp keeps the "
         "temporary buffer at a fixed address (XLA's VMM allocator) and skips most updates "
-        "(host dispatch 2.8 -> 1.0 ms at 64 sequences on an H200; docs/benchmarks.md)",
+        "(host dispatch 2.8 -> 1.0 ms at 64 sequences on an H200; docs/benchmarks.md); auto: "
+        "skip_temp unless XLA_FLAGS names a mode or JAX started before the engine",
         choices=COMMAND_BUFFER_UPDATES,
     )
     compilation_cache_dir: str | None = option(
