@@ -8,8 +8,9 @@ dispatch, for 1.8 ms of device work (docs/benchmarks.md, "Host costs"). "skip_te
 temporary buffer at a fixed virtual address (its VMM allocator), so launches skip those updates.
 
 The mode needs XLA's VMM allocator, which XLA then picks instead of the default preallocating
-one. Its memory statistics do not report the preallocated limit the KV pool is sized from, so
-`device_memory_limit` gives the pool the same budget from the device's total memory.
+one. It keeps no memory statistics (`memory_stats()` is None on the H200), so
+`device_memory_limit` gives the KV pool the default allocator's budget from the device's total
+memory. "auto", the engine's default, is skip_temp where it can still reach XLA.
 
 XLA reads its flags once, when JAX starts its backends: `apply` must run before any JAX call of
 the process (building the engine does it first); afterwards it only checks that the setting is
