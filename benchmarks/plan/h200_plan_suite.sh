@@ -12,6 +12,9 @@ set -u
 OUT=${OUT:-/tmp/plan}
 export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
 SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
+# Four API servers: one saturates near 128 req/s on the 135M shape, a cost the planner does not
+# model (docs/benchmarks.md, "Served: sweep and knee").
+SERVE="--api-server-count ${API_SERVERS:-4}"
 RATES_135M=${RATES_135M:-24,48,96,144}
 RATES_1B=${RATES_1B:-12,24,48,96}
 N=${N:-1000}
@@ -37,10 +40,10 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
         --request-rate inf 2>&1 | grep -E "Total token|Median|P99 T|Simulated: steps"
     done ;;
   sweep135)
-    OUT="$OUT/serve_smollm2-135m" MODEL=smollm2-135m RATES=$RATES_135M N=$N EXTRA="$SHAPES" \
+    OUT="$OUT/serve_smollm2-135m" MODEL=smollm2-135m RATES=$RATES_135M N=$N EXTRA="$SHAPES $SERVE" \
       timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
   sweep1b)
-    OUT="$OUT/serve_llama3.2-1b" MODEL=llama3.2-1b RATES=$RATES_1B N=$N EXTRA="$SHAPES" \
+    OUT="$OUT/serve_llama3.2-1b" MODEL=llama3.2-1b RATES=$RATES_1B N=$N EXTRA="$SHAPES $SERVE" \
       timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
   compare)
     for m in smollm2-135m llama3.2-1b; do
