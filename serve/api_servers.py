@@ -160,21 +160,22 @@ class ApiServers:
                     self._spawn(i)
                     self.num_restarts += 1
 
+    def _snapshot(self) -> list[subprocess.Popen]:
+        """The processes now running or last spawned (the restart thread may replace one)."""
+        with self._lock:
+            return list(self._procs.values())
+
     def terminate(self) -> None:
         """Ask every other API server to drain and exit (SIGTERM)."""
         self._stopping = True
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
+        for p in self._snapshot():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait for every other API server to exit; False if some still ran at the timeout."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
+        for p in self._snapshot():
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -183,9 +184,7 @@ class ApiServers:
 
     def kill(self) -> None:
         self._stopping = True
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
+        for p in self._snapshot():
             if p.poll() is None:
                 p.kill()
             p.wait()
