@@ -225,10 +225,27 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         for token_id in prompt_ids[-self.CONTEXT_TOKENS :]:
             self._stream.step(self._backend, token_id)
+        self._skip_special_tokens = skip_special_tokens
+        self._pending: list[int] = []  # tokens since the last text: an incomplete UTF-8 tail
         self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         delta = self._stream.step(self._backend, token_id) or ""
-        self.text += delta
+        if delta:
+            self._pending.clear()
+            self.text += delta
+        else:
+            self._pending.append(token_id)
         return delta
+
+    def flush(self) -> str:
+        """At the end of the output: the text still held back, with U+FFFD for bytes that never
+        completed a character, so the whole text is what decoding every token at once gives (a
+        run of invalid bytes would otherwise produce no text at all)."""
+        if not self._pending:
+            return ""
+        tail = self._backend.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
+        self._pending.clear()
+        self.text += tail
+        return tail

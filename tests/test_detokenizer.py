@@ -87,3 +87,43 @@ def test_incomplete_character_is_held_back():
     assert len(ids) == 5
     detok = IncrementalDetokenizer(tok, [])
     assert [detok.add(i) for i in ids] == ["a", "", "", "", "🎉"]
+
+
+def test_bytes_that_never_complete_a_character_are_flushed_at_the_end():
+    """A run of invalid UTF-8 bytes streams nothing; at the end they become U+FFFD, so the whole
+    text is what decoding every token at once gives."""
+    tok = byte_tokenizer(512)
+    detok = IncrementalDetokenizer(tok, tok.encode("hi", add_special_tokens=False))
+    assert [detok.add(0xFF) for _ in range(3)] == ["", "", ""]
+    assert detok.flush() == tok.decode([0xFF] * 3) == "\ufffd" * 3
+    assert detok.flush() == "" and detok.text == "\ufffd" * 3
+    # a truncated emoji after text: the text streams, the partial character comes at the end
+    ids = tok.encode("a🎉", add_special_tokens=False)[:-1]
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(detok.add(i) for i in ids) == "a"
+    tail = detok.flush()
+    assert tail.startswith("\ufffd") and detok.text == "a" + tail == tok.decode(ids)
+
+
+def test_a_streamed_output_of_invalid_bytes_still_carries_its_text():
+    """Through the output processor: a request whose every token is an invalid byte ends with
+    its text in the final delta and in the finished output (not an empty stream)."""
+    import numpy as np
+
+    from nori_jax.core.output_processor import OutputProcessor
+    from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestMetrics
+    from nori_jax.sampling_params import SamplingParams
+
+    tok = byte_tokenizer(512)
+    proc = OutputProcessor(tok)
+    proc.add("r", None, [104, 105], SamplingParams(max_tokens=3), stream=True)
+    deltas = ""
+    final = FinishedRequest("r", "length", 2, 3, RequestMetrics(*[None] * 5, 0, 0))
+    for step in range(3):
+        done = [final] if step == 2 else []
+        outs = EngineCoreOutputs(["r"], np.int32([0xFE]).tobytes(), {}, done, [])
+        emitted, ended = proc.process(outs)
+        assert not ended
+        deltas += "".join(o.new_text for o in emitted)
+    assert emitted[-1].finished and emitted[-1].finish_reason == "length"
+    assert deltas == emitted[-1].text == tok.decode([0xFE] * 3) == "\ufffd" * 3

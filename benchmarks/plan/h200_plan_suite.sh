@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The planner against the H200 (issue 26's validation): calibrate the SmolLM2-135M and
 # Llama-3.2-1B shapes, measure offline runs and served sweeps of the same workload, and print
-# predicted against measured. Each part fits in one 10-minute device call:
-#   PARTS=calibrate OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh   # both calibrations
-#   PARTS="offline sweep135" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh
-#   PARTS=sweep1b OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh
+# predicted against measured (docs/planning.md, "How close it is"). Two device calls:
+#   PARTS="calibrate offline" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh   # ~4 minutes
+#   PARTS="sweep135 sweep1b" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh    # ~6 minutes
 #   PARTS=compare OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh     # CPU is enough
-# Then copy $OUT/calibration/*.yaml to configs/calibration/ (it replaces the derived 135M file).
+# Then copy $OUT/calibration/*.yaml to configs/calibration/.
 # Needs the bench extra, and the wheels the GPU image lacks on PYTHONPATH.
 set -u
 OUT=${OUT:-/tmp/plan}
@@ -15,7 +14,7 @@ SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
 # Four API servers: one saturates near 128 req/s on the 135M shape, a cost the planner does not
 # model (docs/benchmarks.md, "Served: sweep and knee").
 SERVE="--api-server-count ${API_SERVERS:-4}"
-RATES_135M=${RATES_135M:-24,48,96,144}
+RATES_135M=${RATES_135M:-24,48,96,144,192,256}
 RATES_1B=${RATES_1B:-12,24,48,96}
 N=${N:-1000}
 here=$(dirname "$0")
@@ -40,16 +39,23 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
         --request-rate inf 2>&1 | grep -E "Total token|Median|P99 T|Simulated: steps"
     done ;;
   sweep135)
+    # The printed report is kept beside the JSON: the JSON of 1,000 requests a rate (per-request
+    # arrays) is ~30 MB, more than a device call returns; report_to_sweep.py rebuilds its summary.
     OUT="$OUT/serve_smollm2-135m" MODEL=smollm2-135m RATES=$RATES_135M N=$N EXTRA="$SHAPES $SERVE" \
-      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
+      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tee "$OUT/serve_smollm2-135m.log" | tail -12 ;;
   sweep1b)
     OUT="$OUT/serve_llama3.2-1b" MODEL=llama3.2-1b RATES=$RATES_1B N=$N EXTRA="$SHAPES $SERVE" \
-      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tail -12 ;;
+      timeout 560 "$here/../engine/serve_sweep.sh" 2>&1 | tee "$OUT/serve_llama3.2-1b.log" | tail -12 ;;
   compare)
     for m in smollm2-135m llama3.2-1b; do
-      [ -f "$OUT/serve_$m/sweep.json" ] || { echo "no measured sweep of $m"; continue; }
+      measured="$OUT/serve_$m/sweep.json"
+      if [ ! -f "$measured" ] && [ -f "$OUT/serve_$m.log" ]; then
+        measured="$OUT/serve_$m.summary.json"
+        python3 "$here/report_to_sweep.py" "$OUT/serve_$m.log" > "$measured" || continue
+      fi
+      [ -f "$measured" ] || { echo "no measured sweep of $m"; continue; }
       python3 -m nori_jax.cli plan sweep --calibration "$(cal "$m")" --num-prompts "$N" \
-        --measured "$OUT/serve_$m/sweep.json" --plot "$OUT/plan_vs_measured_$m.png" \
+        --measured "$measured" --plot "$OUT/plan_vs_measured_$m.png" \
         --result-json "$OUT/plan_vs_measured_$m.json" 2>&1 | tail -14
     done ;;
   *) echo "unknown part $part" ;;

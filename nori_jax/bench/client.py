@@ -234,7 +234,10 @@ class SseStream:
         if self.error is None and not self.done and self.finish_reason is None:
             self.fail(f"stream closed before the end ({len(self.times)} text chunks received)")
         elif self.error is None and not self.times:
-            self.fail("stream ended without any generated text")
+            # Tokens whose text is empty (special tokens the server skips) end up here too: the
+            # usage count tells that apart from a server that generated nothing.
+            usage = "" if self.usage_tokens is None else f" (usage: {self.usage_tokens} tokens)"
+            self.fail(f"stream ended without any generated text{usage}")
 
     def fail(self, reason: str) -> None:
         if self.error is None:

@@ -142,6 +142,7 @@ class OutputProcessor:
         reason = "error" if error else "stop" if s.stopped else f.finish_reason
         if s.detok is not None:
             if not s.stopped:  # a stop string's cut text is final; else check the tail once
+                s.held += s.detok.flush()
                 self._cut_at_stop_string(s)
             s.released.append(s.held)
             s.held = ""
@@ -177,7 +178,7 @@ class OutputProcessor:
             if reason == "stop" and ids and self._is_stop_token(s, ids[-1]):
                 ids = ids[:-1]
             detok = self._detokenizer(s)
-            return "".join(detok.add(t) for t in ids)
+            return "".join(detok.add(t) for t in ids) + detok.flush()
 
         return decode
 

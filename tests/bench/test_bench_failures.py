@@ -93,7 +93,7 @@ def test_sse_parsing_is_independent_of_how_bytes_arrive(chunking: int | None) ->
         ([TOK, b'data: {"error": {"message": "engine died"}}\n\n'], "engine died"),
         ([TOK, b"data: {not json\n\n"], "malformed stream event"),
         ([TOK], "stream closed before the end"),
-        ([USAGE, b"data: [DONE]\n\n"], "without any generated text"),
+        ([USAGE, b"data: [DONE]\n\n"], "without any generated text (usage: 2 tokens)"),
     ],
 )
 def test_bad_streams_fail_with_their_reason(events: list[bytes], reason: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -151,6 +152,17 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     assert "knee_request_rate" in result and VLLM_KEYS <= result["runs"][0].keys()
     assert rj.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(csv.DictReader((tmp_path / "s.csv").open()))) == 20
+    # the printed report carries the summary a plan comparison needs (report_to_sweep.py)
+    script = Path(__file__).parents[2] / "benchmarks" / "plan" / "report_to_sweep.py"
+    spec = importlib.util.spec_from_file_location("report_to_sweep", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rebuilt = module.parse(out)["runs"]
+    assert [r["request_rate"] for r in rebuilt] == [50.0, 100.0]
+    for got, want in zip(rebuilt, result["runs"], strict=True):
+        assert set(got) <= set(want)
+        for key in ("completed", "failed", "total_token_throughput", "p99_ttft_ms", "p99_tpot_ms"):
+            assert got[key] == pytest.approx(want[key], abs=0.006), key
 
 
 @pytest.mark.parametrize(
