@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -270,7 +271,8 @@ class EngineCoreClient(StreamingClient):
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
         self._level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self._dir = tempfile.mkdtemp(prefix="nori-core-")
+        # The sockets' directory: only the client that starts the core binds its sockets there.
+        self._dir = tempfile.mkdtemp(prefix="nori-core-") if shared_core is None else None
         self._zmq = zmq.Context()
         self._generation = 0
         self._extra_clients = list(extra_clients)
@@ -289,6 +291,7 @@ class EngineCoreClient(StreamingClient):
         except BaseException:
             self._core.close()
             self._zmq.term()
+            self._remove_dir()
             raise
         tok = self.info.tokenizer
         self.tokenizer: Tokenizer | None = Tokenizer.from_state(tok) if tok else None
@@ -401,6 +404,11 @@ class EngineCoreClient(StreamingClient):
             self._reader.join(10)
         core.close()
         self._zmq.term()
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- requests ---------------------------------------------------------------------------
 

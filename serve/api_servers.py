@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,11 +184,13 @@ class ApiServers:
         return True
 
     def kill(self) -> None:
+        """Kill those still running, then remove the sockets' directory (the last step)."""
         self._stopping = True
         for p in self._snapshot():
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def main() -> int:

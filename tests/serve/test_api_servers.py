@@ -4,7 +4,7 @@ core (serve/api_servers.py), run as a user runs it.
 Connections spread over both and every request gets its own tokens back; each API server's
 /metrics is the whole engine's; a killed API server is restarted while the other serves on; the
 engine core's death fails the requests in flight on both and both serve again once it restarted;
-SIGTERM stops every process.
+SIGTERM stops every process and leaves no temporary directory behind.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def _start(tmp: Path) -> tuple[str, subprocess.Popen, Path]:
     cmd = [exe, "serve", "--config", "tiny-cpu", "--port", str(port), "--api-server-count", "2"]
     cmd += ["--max-num-waiting", "64", "--no-access-log"]
     log = tmp / "server.log"
+    (tmp / "tmp").mkdir()  # its temporary files (the sockets' directories) go here
+    env = os.environ | {"TMPDIR": str(tmp / "tmp")}
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     _wait_both_healthy(url, proc, log, 180)
     return url, proc, log
@@ -210,6 +212,7 @@ def test_sigterm_stops_every_process(served) -> None:
     while any(os.path.exists(f"/proc/{c}") and _state(c) != "Z" for c in children):
         assert time.monotonic() < deadline, [(c, _state(c)) for c in children]
         time.sleep(0.1)
+    assert not list((log.parent / "tmp").iterdir())  # no sockets' directory left behind
 
 
 def _state(pid: int) -> str:
