@@ -4,7 +4,7 @@
 # PERF.md workload on the Llama-3.1-8B shape (random weights) in each weight mode, in the order
 # given (alternate them for an A/B: MODES="none fp8 none fp8").
 #   OUT=/tmp/quant benchmarks/engine/quant_suite.sh
-#   PARTS=matmul TOKENS=16,256 benchmarks/engine/quant_suite.sh
+#   PARTS=matmul TOKENS=16,256 MATMUL_SHAPES="gate/up 4096x14336" benchmarks/engine/quant_suite.sh
 # Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh) and qwix.
 set -u
 OUT=${OUT:-/tmp/quant}
@@ -13,6 +13,7 @@ MODES=${MODES:-"none fp8 int4 int8"}
 N=${N:-1000}
 export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
 SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
+ALL_SHAPES="qkv-q 4096x4096,kv 4096x1024,gate/up 4096x14336,down 14336x4096"
 mkdir -p "$OUT"
 here=$(dirname "$0")
 quiet() { grep -v "^W1\|^I0000\|INFO"; }
@@ -21,7 +22,10 @@ for part in $PARTS; do
     matmul)
       echo "=== matmuls, Llama-3.1-8B shapes ($(date +%T))"
       timeout ${T_MATMUL:-300} python3 "$here/../kernels/quant_matmul_bench.py" \
-        --tokens "${TOKENS:-16,256,1024,4096}" --json "$OUT/matmul.json" 2>&1 | quiet | grep "^|" ;;
+        --tokens "${TOKENS:-16,256,1024,4096}" --shapes "${MATMUL_SHAPES:-$ALL_SHAPES}" \
+        --json "$OUT/matmul.json" 2>&1 | quiet | grep -E " T= *[0-9]+ |^device" ;;  # row by row:
+      # a run stopped by its timeout still shows what it measured (2026-12-03: none of the
+      # table, 110 s for two token counts)
     offline)
       for mode in $MODES; do
         flag=""; [ "$mode" != none ] && flag="--quantization $mode"

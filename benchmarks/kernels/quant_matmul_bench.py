@@ -178,9 +178,9 @@ def main() -> None:
                     f"x{r['vs_bf16']:.2f} vs bf16  {r['lowering']}",
                     flush=True,
                 )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                if args.json:  # after every row: a run stopped by a timeout keeps what it has
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
     print("\n| shape | T | variant | us | TFLOP/s | weight TB/s | vs bf16 | lowering |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
