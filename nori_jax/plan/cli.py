@@ -127,6 +127,13 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         "--frontend-ms-per-step", type=float, default=0.0, help="and per engine step's output"
     )
     g.add_argument(
+        "--frontend-servers",
+        type=int,
+        default=1,
+        help="API server processes (serve --api-server-count), each paying the frontend costs "
+        "of its own requests",
+    )
+    g.add_argument(
         "--disaggregate",
         metavar="P:D",
         help="prefill on P replicas, decode on D, the KV moved between them (default: off)",
@@ -346,7 +353,9 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         whatif=whatif,
         percentiles=percentiles,
         goodput_slos_ms=_bounds(args.goodput, "--goodput"),
-        frontend=Frontend(args.frontend_ms_per_step / 1e3, args.frontend_us_per_token / 1e6),
+        frontend=Frontend(
+            args.frontend_ms_per_step / 1e3, args.frontend_us_per_token / 1e6, args.frontend_servers
+        ),
         disaggregate=disaggregate,
         kv_transfer=transfer,
     )

@@ -17,9 +17,11 @@ and post-processed (plus the optional frontend stage below), which gives each re
 inter-token gaps and E2E; `nori_jax.bench.metrics.compute_metrics` turns them into the numbers
 `bench serve` reports. Outputs have the workload's lengths (`ignore_eos`, as the measured runs).
 
-The frontend stage models the API server process (detokenization, SSE, HTTP writes): a FIFO
-server behind the core that takes `step_s + token_s * tokens` per step's output; 0 (the default)
-leaves it out.
+The frontend stage models the API server processes (detokenization, SSE, HTTP writes): `servers`
+FIFO servers behind the core (`--api-server-count`), request i on server i mod `servers` (the
+kernel spreads connections over the processes sharing the port), each taking
+`step_s + token_s * tokens` of every step's output that holds tokens of its requests (the core
+sends each API server its own requests' tokens); 0 costs (the default) leave it out.
 """
 
 from __future__ import annotations
@@ -66,10 +68,25 @@ class SimEngine:
 class Frontend:
     step_s: float = 0.0
     token_s: float = 0.0
+    servers: int = 1  # API server processes, each a FIFO of its own requests' outputs
 
     def __post_init__(self) -> None:
         if not (self.step_s >= 0 and self.token_s >= 0):
             raise ValueError(f"frontend costs must be >= 0, got {self}")
+        if self.servers < 1:
+            raise ValueError(f"frontend servers must be >= 1, got {self.servers}")
+
+    def deliver(self, t: float, request_ids: Sequence[str], free: list[float]) -> list[float]:
+        """When each of one step's tokens (the core done with it at `t`) leaves its API server;
+        `free[k]`, when server k is next idle, is advanced."""
+        n = self.servers
+        counts = [0] * n
+        for rid in request_ids:
+            counts[int(rid) % n] += 1
+        for k, c in enumerate(counts):
+            if c:
+                free[k] = max(t, free[k]) + self.step_s + self.token_s * c
+        return [free[int(rid) % n] for rid in request_ids]
 
     @property
     def enabled(self) -> bool:
@@ -187,7 +204,7 @@ def simulate(
     stats = SimStats()
     times: list[list[float]] = [[] for _ in requests]
     rejected_at: dict[int, float] = {}
-    front_free = 0.0
+    front_free = [0.0] * frontend.servers
     nxt, idle_spins = 0, 0
     while True:
         while nxt < len(requests) and requests[nxt].arrival_s <= clock.now:
@@ -217,14 +234,13 @@ def simulate(
                 )
         else:
             idle_spins = 0
-        t = clock.now
         if frontend.enabled and out.request_ids:
-            front_free = (
-                max(t, front_free) + frontend.step_s + frontend.token_s * len(out.request_ids)
-            )
-            t = front_free
-        for rid in out.request_ids:
-            times[int(rid)].append(t)
+            delivered = frontend.deliver(clock.now, out.request_ids, front_free)
+            for rid, t in zip(out.request_ids, delivered, strict=True):
+                times[int(rid)].append(t)
+        else:
+            for rid in out.request_ids:
+                times[int(rid)].append(clock.now)
         stats.steps += st.num_steps
         stats.num_preemptions += st.num_preemptions
         stats.prefix_cache_hits += st.prefix_cache_hits
@@ -233,7 +249,7 @@ def simulate(
         stats.in_core.append(st.num_running + st.num_waiting)
     st_times = core.step_times
     stats.tokens, stats.padded_tokens = st_times.tokens, st_times.padded_tokens
-    stats.simulated_s = max(clock.now, front_free)
+    stats.simulated_s = max(clock.now, *front_free)
     stats.device_busy_s, stats.host_busy_s = clock.device_busy, clock.host_busy
     stats.rejected = len(rejected_at)
     stats.steps_beyond_calibration = ex.beyond

@@ -208,3 +208,24 @@ def test_a_frontend_stage_caps_the_streamed_token_rate():
     assert slow.run.metrics["duration"] >= 1.0 > alone.run.metrics["duration"]
     assert slow.run.metrics["output_throughput"] <= 1000.0 + 1e-6
     assert slow.stats.steps == alone.stats.steps  # the core decides the same; only delivery lags
+
+
+def test_several_api_servers_split_the_frontend_cost_by_request():
+    """`--api-server-count 4`: each server streams its own requests' tokens, so four deliver the
+    same tokens four times as fast; one server is the single FIFO above, exactly."""
+    cal = synthetic_calibration()
+    engine, _ = sim_engine(cal)
+    reqs = [SimRequest(list(range(10, 42)), 50, 0.0) for _ in range(20)]
+    one = simulate(engine, cal.costs, reqs, request_rate=math.inf, frontend=Frontend(0.0, 1e-3))
+    four = simulate(
+        engine, cal.costs, reqs, request_rate=math.inf, frontend=Frontend(0.0, 1e-3, servers=4)
+    )
+    assert four.stats.steps == one.stats.steps
+    # 5 requests x 50 tokens per server at 1 ms each: the last leaves after >= 0.25 s, not 1 s.
+    assert 0.25 <= four.run.metrics["duration"] < 0.5 * one.run.metrics["duration"]
+    assert four.run.metrics["output_throughput"] <= 4000.0 + 1e-6
+    # every token is delivered no earlier than the core produced it, in order per request
+    for ts in four.token_times:
+        assert ts == sorted(ts) and len(ts) == 50
+    with pytest.raises(ValueError, match="servers must be >= 1"):
+        Frontend(0.0, 1e-3, servers=0)
