@@ -33,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trace_events import busy_ns, device_kernels, host_events  # noqa: E402
 
 
-def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> None:
+def fill_decoding(
+    engine: LLMEngine, batch: int, context: int, stream: bool, seed: int = 0
+) -> None:
     """Admit `batch` requests and step until each has its first token (all now decode)."""
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(seed)
@@ -41,31 +43,26 @@ def fill_decoding(engine: LLMEngine, batch: int, context: int, seed: int = 0) ->
     pending = set()
     for _ in range(batch):
         prompt = rng.integers(10, vocab - 10, context).tolist()
-        pending.add(engine.add_request(None, prompt, params))
+        pending.add(engine.add_request(None, prompt, params, stream=stream))
     while pending:
-        for out in engine.step():
-            pending.discard(out.request_id)
+        engine.step()
+        pending = {r for r in pending if not engine.processor.num_output_tokens(r)}
 
 
-def _direct_transfer(runner) -> None:
-    """Replace the runner's launch with one that passes numpy buffers to both executables (the
-    rows buffer then crosses twice), to compare with one device_put of both."""
+def time_outputs(engine: LLMEngine) -> list[float]:
+    """Wrap the engine's output processor so its host time per call is recorded (seconds)."""
+    spent: list[float] = []
+    process = engine.processor.process
 
-    def launch(bucket, tokens, rows, program):
+    def timed(outs):
         t0 = time.perf_counter()
-        logits, runner.kv_pages = runner._forwards[bucket](
-            runner._params, runner.kv_pages, runner._prev_tokens, tokens, rows
-        )
-        t1 = time.perf_counter()
-        next_tokens, logprobs = runner._samplers[program](logits, rows)
-        runner._prev_tokens = next_tokens
-        next_tokens.copy_to_host_async()
-        logprobs.copy_to_host_async()
-        runner.launch_times.forward += t1 - t0
-        runner.launch_times.sampler += time.perf_counter() - t1
-        return next_tokens, logprobs
+        try:
+            return process(outs)
+        finally:
+            spent.append(time.perf_counter() - t0)
 
-    runner._launch = launch
+    engine.processor.process = timed
+    return spent
 
 
 def main() -> None:
@@ -80,24 +77,25 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument(
-        "--direct-transfer",
+        "--stream",
         action="store_true",
-        help="experiment: hand the numpy buffers to each executable (no device_put)",
+        help="stream every request (text deltas per step, as the in-process server does); by "
+        "default only finished outputs, as LLM.generate and the engine-core process",
     )
     args = parser.parse_args()
 
     import jax
 
     engine = LLMEngine(engine_config_from_args(args))
-    if args.direct_transfer:
-        _direct_transfer(engine.runner)
-    fill_decoding(engine, args.batch, args.context)
+    fill_decoding(engine, args.batch, args.context, args.stream)
+    outputs_spent = time_outputs(engine)
     for _ in range(5):  # settle: every row is a decode row from here on
         engine.step()
 
     st0 = engine.step_times
     before = (st0.steps, st0.schedule, st0.launch, st0.wait, st0.postprocess)
     lt0 = dataclasses.replace(engine.runner.launch_times)
+    outputs_spent.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -108,6 +106,7 @@ def main() -> None:
         name: 1e3 * (getattr(st, name) - before[i + 1]) / n
         for i, name in enumerate(("schedule", "launch", "wait", "postprocess"))
     }
+    stages["outputs"] = 1e3 * sum(outputs_spent) / n  # the output processor, outside the core
     lt = engine.runner.launch_times
     launch_parts = {
         f.name: 1e3 * (getattr(lt, f.name) - getattr(lt0, f.name)) / n

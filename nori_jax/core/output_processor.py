@@ -50,6 +50,10 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def num_output_tokens(self, request_id: str) -> int:
+        """Tokens received so far for an unfinished request of this processor."""
+        return len(self._streams[request_id].token_ids)
+
     def add(
         self,
         request_id: str,
