@@ -33,9 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trace_events import busy_ns, device_kernels, host_events  # noqa: E402
 
 
-def fill_decoding(
-    engine: LLMEngine, batch: int, context: int, stream: bool, seed: int = 0
-) -> None:
+def fill_decoding(engine: LLMEngine, batch: int, context: int, stream: bool, seed: int = 0) -> None:
     """Admit `batch` requests and step until each has its first token (all now decode)."""
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(seed)

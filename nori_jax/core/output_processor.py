@@ -43,6 +43,10 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
+        # The token lists of the streams that need nothing per token but the token itself
+        # (final-only outputs, no text made while running, no logprobs): what `LLM.generate`
+        # and `bench offline` ask for. `process` appends to these without touching the stream.
+        self._plain: dict[str, list[int]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -70,6 +74,11 @@ class OutputProcessor:
         if params.logprobs is not None:
             s.logprobs = []
         self._streams[request_id] = s
+        self._plain.pop(request_id, None)
+        # Never stopped while running either: a stream stops only through its detokenizer or
+        # its stop strings, and without a detokenizer a final-only stream checks neither.
+        if not stream and s.detok is None and s.logprobs is None:
+            self._plain[request_id] = s.token_ids
 
     def _detokenizer(self, s: _Stream) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
@@ -88,7 +97,12 @@ class OutputProcessor:
         touched: dict[str, _Stream] = {}
         ended: dict[str, str] = {}
         lp = outs.logprobs
+        plain = self._plain
         for rid, tok in zip(outs.request_ids, outs.token_ids.tolist(), strict=True):
+            token_ids = plain.get(rid)
+            if token_ids is not None:  # the common row: one dict lookup and an append
+                token_ids.append(tok)
+                continue
             s = streams.get(rid)
             if s is None or s.stopped:
                 continue  # not ours, or tokens sampled after a stop string
@@ -142,6 +156,7 @@ class OutputProcessor:
         s = self._streams.pop(f.request_id, None)
         if s is None:
             return None
+        self._plain.pop(f.request_id, None)
         error = s.error or f.error
         reason = "error" if error else "stop" if s.stopped else f.finish_reason
         if s.detok is not None:
@@ -241,6 +256,7 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its caller has gone)."""
         self._streams.pop(request_id, None)
+        self._plain.pop(request_id, None)
 
 
 def _failed_output(f: FinishedRequest, e: Exception) -> RequestOutput:

@@ -32,6 +32,19 @@ def page_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def chain_page_hashes(parent: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]:
+    """`page_hash` of each full page of int32 `tokens` in turn, the chain continuing from
+    `parent`: the same digests, hashed straight from slices of one array (no list to convert
+    per page)."""
+    hashes = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(tokens[start : start + page_size])  # the buffer: the bytes tobytes() gives
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if num_pages < 2:

@@ -78,8 +78,12 @@ class PlanBuilder:
 
         row_slots = np.full(s, self.padding_slot, np.int32)
         row_slots[:nrows] = out.row_slots
+        # Only the real rows' page-table rows: the padding rows stay as new_rows() made them,
+        # zero, which is the padding slot's row. mode="clip" (the slots are all in range): with
+        # `out=`, take's default mode "raise" copies through a temporary buffer, and this is the
+        # largest copy of the step (max_num_seqs x max_pages_per_seq).
         page_table = view("page_table")
-        np.take(self.page_table, row_slots, axis=0, out=page_table)
+        np.take(self.page_table, out.row_slots, axis=0, out=page_table[:nrows], mode="clip")
         start = np.zeros(s, np.int32)
         start[:nd] = out.decode_positions
         q_lens = np.zeros(s, np.int32)
@@ -116,10 +120,10 @@ class PlanBuilder:
         view("logits_indices")[:] = np.maximum(cu_q_lens[1:] - 1, 0)
         view("distribution")[:] = (nd, nrows)
         temperature, top_p, top_k = view("temperature"), view("top_p"), view("top_k")
-        np.take(self.temperature, row_slots, out=temperature)
-        np.take(self.top_p, row_slots, out=top_p)
-        np.take(self.top_k, row_slots, out=top_k)
-        np.take(self.seeds, row_slots, out=view("seeds"))
+        np.take(self.temperature, row_slots, out=temperature, mode="clip")
+        np.take(self.top_p, row_slots, out=top_p, mode="clip")
+        np.take(self.top_k, row_slots, out=top_k, mode="clip")
+        np.take(self.seeds, row_slots, out=view("seeds"), mode="clip")
         program, filtered = choose_program(temperature[:nrows], top_p[:nrows], top_k[:nrows], s)
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter

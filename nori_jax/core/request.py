@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import time
 
+import numpy as np
+
 from nori_jax.sampling_params import SamplingParams
 
 
@@ -46,7 +48,10 @@ class RequestTimes:
         return self.last_token - self.first_token
 
 
-@dataclasses.dataclass
+# eq=False: a request is compared by identity. The scheduler removes requests from its lists
+# (`running.remove(req)` on every finish); a generated field-by-field __eq__ made each of those
+# compare a thousand running requests tuple by tuple, the largest host cost of a mixed step.
+@dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -72,6 +77,9 @@ class Request:
     num_preemptions: int = 0
     is_long: bool = False
     slot: int | None = None  # row in the scheduler's BatchSlots while running
+    # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
+    # hashes read slices of it instead of converting a list of ints each time.
+    _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +108,17 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) as int32[end - start]; within the prompt, a read-only view."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, np.int32)
+            self._prompt_array.flags.writeable = False
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self._prompt_array[start:end]
+        out = np.asarray(self.output_token_ids[max(start - p, 0) : end - p], np.int32)
+        return out if start >= p else np.concatenate([self._prompt_array[start:], out])
 
     @property
     def last_token(self) -> int:

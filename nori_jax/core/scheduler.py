@@ -25,11 +25,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import operator
 import time
 
 import numpy as np
 
-from nori_jax.core.paging import ROOT_HASH, PageAllocator, page_hash
+from nori_jax.core.paging import ROOT_HASH, PageAllocator, chain_page_hashes
 from nori_jax.core.request import Request, RequestStatus
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.core.scheduler_output import (
@@ -42,6 +43,8 @@ from nori_jax.core.scheduler_output import (
 )
 from nori_jax.core.slot_counters import SlotCounters
 from nori_jax.core.step_plan import token_buckets
+
+_slot_of = operator.attrgetter("slot")
 
 
 class QueueFullError(RuntimeError):
@@ -229,7 +232,8 @@ class Scheduler:
             self._admit_arrived()
 
         # 1. Decodes, oldest first: they keep every running stream moving.
-        run = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
+        # map(attrgetter) rather than a generator: no Python frame per running request.
+        run = np.fromiter(map(_slot_of, self.running), np.int64, len(self.running))
         total = c.known[run] + c.pending[run]
         remaining = total - c.computed[run]
         done = (c.pending[run] > 0) & (total >= c.stop_at[run])  # the pending token ends it
@@ -402,11 +406,12 @@ class Scheduler:
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         if not self.allocator.enable_prefix_caching:
             return []
-        ps = self.page_size
-        while len(req.page_hashes) < num_pages:
-            i = len(req.page_hashes)
-            parent = req.page_hashes[-1] if i else ROOT_HASH
-            req.page_hashes.append(page_hash(parent, req.token_ids(i * ps, (i + 1) * ps)))
+        ps, have = self.page_size, len(req.page_hashes)
+        if have < num_pages:
+            parent = req.page_hashes[-1] if have else ROOT_HASH
+            tokens = req.token_array(have * ps, num_pages * ps)
+            assert len(tokens) == (num_pages - have) * ps, "hashing a page not yet full"
+            req.page_hashes.extend(chain_page_hashes(parent, tokens, ps))
         return req.page_hashes[:num_pages]
 
     def _output(self, decodes: np.ndarray, prefills: list[tuple[Request, int]]) -> SchedulerOutput:
@@ -447,10 +452,12 @@ class Scheduler:
             slot = req.slot
             start, total = int(c.computed[slot]), int(c.known[slot] + c.pending[slot])
             sample_index = total - req.num_prompt_tokens
-            rows.append(PrefillRow(slot, start, req.token_ids(start, start + n), sample_index))
+            rows.append(PrefillRow(slot, start, req.token_array(start, start + n), sample_index))
             samples[first_chunk + j] = self._advance(slot, n, first_chunk + j)
         chunk_slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
         row_slots = np.concatenate([decodes, extra_slots, chunk_slots]).astype(np.int32)
+        row_num_tokens = np.ones(first_chunk + len(chunks), np.int32)  # not a list per decode
+        row_num_tokens[first_chunk:] = [n for _, n in chunks]
         events, self._events = self._events, []
         return SchedulerOutput(
             decode_slots=np.concatenate([decodes, extra_slots]).astype(np.int32),
@@ -460,10 +467,10 @@ class Scheduler:
             decode_sample_index=np.concatenate([decode_sample_index, extra_sample_index]),
             prefills=rows,
             events=events,
-            row_requests=[c.requests[s] for s in row_slots.tolist()],
+            row_requests=c.requests[row_slots].tolist(),
             row_slots=row_slots,
             row_epochs=c.epoch[row_slots],
-            row_num_tokens=np.asarray([1] * first_chunk + [n for _, n in chunks], np.int32),
+            row_num_tokens=row_num_tokens,
             row_samples=samples,
             num_tokens=nd + sum(n for _, n in prefills),
         )
@@ -499,13 +506,15 @@ class Scheduler:
         rows = np.flatnonzero(out.row_samples & live)
         tokens = next_tokens[rows].astype(np.int32)
         sslots = slots[rows]
-        for i, tok in zip(rows.tolist(), tokens.tolist(), strict=True):
-            reqs[i].output_token_ids.append(tok)
+        # A live row's slot still holds the request it was planned for, so the rows' requests
+        # and ids are gathered by slot (numpy takes) rather than looked up row by row.
+        for req, tok in zip(c.requests[sslots].tolist(), tokens.tolist(), strict=True):
+            req.output_token_ids.append(tok)
         c.known[sslots] += 1
         c.pending[sslots] -= 1
         c.last_token[sslots] = tokens
         c.last_token_time[sslots] = now
-        request_ids = [reqs[i].request_id for i in rows.tolist()]
+        request_ids = c.request_ids[sslots].tolist()
         update = StepUpdate(request_ids, tokens, {}, [], [])
 
         for j in np.flatnonzero(c.known[sslots] - c.prompt_len[sslots] == 1).tolist():
@@ -519,7 +528,10 @@ class Scheduler:
 
         # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
         ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
-        ends |= np.isin(tokens, self._eos_ids) & ~c.ignore_eos[sslots]
+        # A broadcast compare, not np.isin: a request has one to a few EOS ids, and isin's
+        # set-up costs more than the compare.
+        is_eos = (tokens[:, None] == self._eos_ids).any(axis=1)
+        ends |= is_eos & ~c.ignore_eos[sslots]
         for j in np.flatnonzero(ends).tolist():
             req = reqs[rows[j]]
             reason = self._finish_reason(req, int(tokens[j]))

@@ -48,7 +48,7 @@ BatchEvent = Acquire | AddPages | Release
 class PrefillRow:
     slot: int
     start: int  # position of the chunk's first token
-    token_ids: list[int]
+    token_ids: np.ndarray  # int32[n] (a view of the request's prompt array where it can be)
     sample_index: int  # output index sampled if the chunk reaches the end of the known tokens
 
 

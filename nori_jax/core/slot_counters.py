@@ -34,7 +34,10 @@ class SlotCounters:
         self.has_stop_ids = np.zeros(n, bool)
         self.wants_logprobs = np.zeros(n, bool)
         self.last_token_time = np.zeros(n, np.float64)
-        self.requests: list[Request | None] = [None] * n
+        # Object arrays, so a step gathers its rows' requests (and ids) with one numpy take
+        # instead of a Python loop over a thousand rows.
+        self.requests = np.full(n, None, object)  # Request | None per slot
+        self.request_ids = np.full(n, None, object)  # str | None per slot
         self._free = list(range(n - 1, -1, -1))
 
     @property
@@ -58,6 +61,7 @@ class SlotCounters:
         self.wants_logprobs[slot] = p.logprobs is not None
         self.last_token_time[slot] = req.times.last_token or 0.0
         self.requests[slot] = req
+        self.request_ids[slot] = req.request_id
         req.slot = slot
         return slot
 
@@ -71,6 +75,7 @@ class SlotCounters:
         if self.last_token_time[slot]:
             req.times.last_token = float(self.last_token_time[slot])
         self.requests[slot] = None
+        self.request_ids[slot] = None
         self.epoch[slot] += 1
         self._free.append(slot)
         req.slot = None

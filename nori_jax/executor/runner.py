@@ -7,7 +7,7 @@ compiled ahead of time.
 `params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
 graphdef and the tree structure are closed over), so a launch flattens no NNX state. `tokens`
 and `rows` are the step's two packed int32 buffers (core/step_layout.py): one host-to-device
-transfer each, made by the compiled call itself in a single process. `kv_pages` is donated and comes back updated in place; only S tokens and S
+transfer each. `kv_pages` is donated and comes back updated in place; only S tokens and S
 logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`, still on the
 device: decode rows whose input is the previous step's sample read it from there
 (`prev_index`), which lets the host plan step N+1 while step N runs.
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 class LaunchTimes:
     """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
 
-    transfer: float = 0.0  # device_put of the step's two buffers (0 where the programs take numpy)
+    transfer: float = 0.0  # device_put of the step's two buffers
     forward: float = 0.0  # dispatch of the forward pass
     sampler: float = 0.0  # dispatch of the sampler program and the async copy back
 
@@ -115,9 +115,6 @@ class ModelRunner:
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
-        # Across processes a numpy argument would need the all-process check that
-        # put_replicated avoids (placement.py); within one process the executables take numpy.
-        self._pass_numpy = self._replicated.is_fully_addressable
         self._forward_fn = jax.jit(
             functools.partial(_forward, loaded.graphdef, treedef, layout, kv_scales),
             donate_argnums=(1,),
@@ -262,13 +259,7 @@ class ModelRunner:
         if forward is None:
             raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
         t0 = time.perf_counter()
-        if self._pass_numpy:
-            # The compiled call copies numpy arguments to the device on its C++ path: about a
-            # quarter of what a separate device_put of the pair costs on the host (docs/
-            # benchmarks.md, Host costs). `rows` then crosses twice, once per program.
-            tokens_d, rows_d = tokens, rows
-        else:
-            tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
+        tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
         t1 = time.perf_counter()
         logits, self.kv_pages = forward(
             self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
