@@ -4,7 +4,8 @@ returns only small files; a 1,000-request sweep's JSON with its per-request arra
 
     python benchmarks/plan/report_to_sweep.py serve.log > sweep.json
 
-Only the summary lines vLLM's report prints are read; per-request data cannot be recovered.
+Only the summary lines vLLM's report prints are read, and the "Server" block's (the engine's
+steps from its /metrics; None where the report has none); per-request data cannot be recovered.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ LABELS = {
     "Output token throughput (tok/s)": "output_throughput",
     "Total token throughput (tok/s)": "total_token_throughput",
 }
+# the "Server" block (nori_jax/bench/report.py SERVER_ROWS)
+SERVER_LABELS = {
+    "Engine steps": "server_steps",
+    "Mean step time (ms)": "server_mean_step_ms",
+    "Mean scheduler time (ms)": "server_mean_scheduler_ms",
+    "Tokens per step": "server_tokens_per_step",
+}
+LABELS |= SERVER_LABELS
+_INTS = ("completed", "failed", "server_steps")
 for _metric, _name in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el")):
     for _stat, _key in (("Mean", "mean"), ("Median", "median"), ("P99", "p99")):
         LABELS[f"{_stat} {_metric} (ms)"] = f"{_key}_{_name}_ms"
@@ -35,13 +45,14 @@ def parse(text: str) -> dict:
     runs: list[dict] = []
     for line in text.splitlines():
         if line.startswith("Traffic request rate:"):
-            runs.append({"request_rate": float(line.split(":", 1)[1])})
+            rate = float(line.split(":", 1)[1])
+            runs.append({"request_rate": rate} | dict.fromkeys(SERVER_LABELS.values()))
             continue
         m = _LINE.match(line.strip())
         if runs and m and m["label"].strip() in LABELS:
             key = LABELS[m["label"].strip()]
             value = float(m["value"])
-            runs[-1][key] = int(value) if key in ("completed", "failed") else value
+            runs[-1][key] = int(value) if key in _INTS else value
     missing = [r["request_rate"] for r in runs if "p99_tpot_ms" not in r]
     if not runs or missing:
         raise SystemExit(f"no complete report in the input (incomplete rates: {missing})")

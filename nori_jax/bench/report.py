@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from nori_jax.bench.config import METRIC_NAMES, BenchConfig
 from nori_jax.bench.metrics import percentile_word, tpot_s
 from nori_jax.bench.run import RunResult, Workload
+from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS
 
 _WIDTH = 50
 _HEADERS = {
@@ -69,6 +70,8 @@ def print_run(cfg: BenchConfig, run: RunResult, out: TextIO) -> None:
         row(f"Median {short} (ms):", f"median_{name}_ms")
         for p in cfg.metric_percentiles:
             row(f"P{percentile_word(p)} {short} (ms):", f"p{percentile_word(p)}_{name}_ms")
+    if run.server:
+        _print_server(run.server, out)
     print("=" * _WIDTH, file=out)
     reasons = collections.Counter(r.error for r in run.results if not r.success)
     if reasons:
@@ -83,6 +86,26 @@ def print_run(cfg: BenchConfig, run: RunResult, out: TextIO) -> None:
             "requests completed",
             file=out,
         )
+
+
+# The "Server" block's rows: label, key, format (benchmarks/plan/report_to_sweep.py reads them)
+SERVER_ROWS = (
+    ("Engine steps:", "server_steps", "d"),
+    ("Mean step time (ms):", "server_mean_step_ms", ".2f"),
+    ("Mean scheduler time (ms):", "server_mean_scheduler_ms", ".3f"),
+    ("Tokens per step:", "server_tokens_per_step", ".1f"),
+)
+
+
+def _print_server(server: dict[str, Any], out: TextIO) -> None:
+    """The server's own numbers over the run, from its /metrics (server_metrics.py)."""
+    print("Server (engine steps, from /metrics)".center(_WIDTH, "-"), file=out)
+    if server.get("server_steps") is None:
+        print(f"Not available: {server.get(ERROR_KEY) or 'no data'}", file=out)
+        return
+    for label, key, fmt in SERVER_ROWS:
+        value = server.get(key)
+        print(f"{label:<40} {'n/a' if value is None else format(value, fmt):<10}", file=out)
 
 
 def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]:
@@ -116,6 +139,7 @@ def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]
         "seed": cfg.workload.seed,
         "goodput_slos_ms": dict(cfg.goodput_slos_ms),
         **run.health,
+        **{k: run.server.get(k) for k in (*SERVER_KEYS, ERROR_KEY)},
         "warnings": run.warnings,
         "interrupted": run.interrupted,
     }
@@ -155,21 +179,38 @@ def write_csv(path: str | Path, w: Workload, runs: Sequence[RunResult]) -> None:
                 ])  # fmt: skip
 
 
+# The sweep table's server columns: header, key, format
+_SERVER_COLUMNS = (
+    ("step ms", "server_mean_step_ms", ".2f"),
+    ("sched ms", "server_mean_scheduler_ms", ".3f"),
+    ("tok/step", "server_tokens_per_step", ".1f"),
+)
+
+
 def sweep_table(runs: Sequence[RunResult]) -> str:
-    """One line per rate: what the knee is read from."""
+    """One line per rate: what the knee is read from, and the server's mean step (its /metrics)
+    when some run has it."""
+    server = any(run.server.get("server_steps") is not None for run in runs)
     head = (
         f"{'rate':>8} {'req/s':>8} {'total tok/s':>12} {'TTFT P50':>9} {'TTFT P99':>9} "
         f"{'TPOT P50':>9} {'TPOT P99':>9} {'failed':>6}"
     )
+    if server:
+        head += "".join(f" {name:>9}" for name, _, _ in _SERVER_COLUMNS)
     lines = [" Rate sweep ".center(len(head), "="), head]
     for run in runs:
         m = run.metrics
-        lines.append(
+        line = (
             f"{run.request_rate:>8g} {m['request_throughput']:>8.2f} "
             f"{m['total_token_throughput']:>12.1f} {m['median_ttft_ms']:>9.1f} "
             f"{m['p99_ttft_ms']:>9.1f} {m['median_tpot_ms']:>9.1f} {m['p99_tpot_ms']:>9.1f} "
             f"{m['failed']:>6d}"
         )
+        if server:
+            for _, key, fmt in _SERVER_COLUMNS:
+                value = run.server.get(key)
+                line += f" {'-' if value is None else format(value, fmt):>9}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from nori_jax.bench.prompts import (
     load_tokenizer,
     served_tokenizer,
 )
+from nori_jax.bench.server_metrics import Snapshot, scrape, window
 from nori_jax.bench.workers import run_workers
 
 _SEED_CONTENT = 3  # the stream of a sweep's fresh prompt tokens
@@ -52,6 +53,9 @@ class RunResult:
     health: dict[str, Any]
     warnings: list[str]
     interrupted: bool = False  # Ctrl-C: `results` holds what had finished
+    # The server's /metrics over the measured requests (server_metrics.SERVER_KEYS and
+    # ERROR_KEY); empty when not scraped (a simulated run)
+    server: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def default_num_processes(num_prompts: int) -> int:
@@ -147,7 +151,16 @@ def run_once(
         for r, t, body in zip(w.requests, arrivals, w.bodies, strict=True)
     ]
     warm = [WireRequest(r.index, 0.0, b) for r, b in zip(w.warmup, w.warmup_bodies, strict=True)]
-    outcomes, interrupted = run_workers(_shards(cfg, wires, warm), progress)
+    # The server's /metrics totals after the warm-up, just before the start, and after the end.
+    # One scrape is right even with `serve --api-server-count N`: whichever API server answers,
+    # its /metrics holds the whole engine's steps (the core sends every server every step's
+    # stats and finishes). A server without them leaves the fields None (server_metrics.py).
+    before: list[Snapshot | str] = []
+    on_ready = lambda: before.append(scrape(cfg.base_url, cfg.headers))  # noqa: E731
+    outcomes, interrupted = run_workers(_shards(cfg, wires, warm), progress, on_ready)
+    start = before[0] if before else "the run never started"
+    after = scrape(cfg.base_url, cfg.headers) if isinstance(start, Snapshot) else start
+    server = window(start, after)
     results = sorted((r for o in outcomes for r in o.results), key=lambda r: r.index)
     input_lens = [
         res.server_prompt_tokens
@@ -161,7 +174,7 @@ def run_once(
     metrics = compute_metrics(results, input_lens, duration, m, cfg.goodput_slos_ms)
     health, warnings = client_health(outcomes, math.isfinite(rate), metrics["median_itl_ms"])
     warnings += _warnings(cfg, w, results, outcomes)
-    return RunResult(rate, metrics, results, input_lens, health, warnings, interrupted)
+    return RunResult(rate, metrics, results, input_lens, health, warnings, interrupted, server)
 
 
 def _shards(cfg: BenchConfig, wires: list[WireRequest], warm: list[WireRequest]) -> list[ShardSpec]:

@@ -39,9 +39,12 @@ STOP = "stop"
 
 
 def run_workers(
-    specs: list[ShardSpec], progress: Callable[[int], None]
+    specs: list[ShardSpec],
+    progress: Callable[[int], None],
+    on_ready: Callable[[], None] | None = None,
 ) -> tuple[list[ShardOutcome], bool]:
-    """Every shard's outcome, in order, and whether Ctrl-C cut the run short."""
+    """Every shard's outcome, in order, and whether Ctrl-C cut the run short. `on_ready` runs
+    once every process is ready (warm-up answered), just before the start instant is set."""
     root = str(Path(__file__).resolve().parents[2])  # this checkout, whatever sys.path says
     path = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(path)}
@@ -91,6 +94,8 @@ def run_workers(
             warm = max(_waves(len(s.warmup), s.concurrency) * s.timeout_s for s in specs)
             deadline = time.monotonic() + _SPAWN_GRACE_S + warm
             receive_until(lambda: len(ready | errors.keys()) == len(specs), deadline)
+            if on_ready is not None:
+                on_ready()
             start = time.time() + _START_MARGIN_S
             for wid in sorted(ready - errors.keys()):
                 if not _write(procs[wid], start):

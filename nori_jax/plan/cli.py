@@ -539,7 +539,12 @@ def _sweep(args: argparse.Namespace) -> int:
 def _sweep_inner(args: argparse.Namespace) -> int:
     from nori_jax.bench import report
     from nori_jax.bench.sweep import SweepConfig, find_knee, run_sweep
-    from nori_jax.plan.compare import comparison, comparison_table, load_measured_sweep
+    from nori_jax.plan.compare import (
+        comparison,
+        comparison_table,
+        load_measured_sweep,
+        simulated_step_ms,
+    )
     from nori_jax.plan.planner import Planner
 
     measured = load_measured_sweep(args.measured) if args.measured else None
@@ -564,8 +569,12 @@ def _sweep_inner(args: argparse.Namespace) -> int:
     outcomes = {}
 
     def run_at(rate: float):
-        outcomes[rate] = planner.run_at(rate)
-        return outcomes[rate].run
+        outcome = planner.run_at(rate)
+        if "steps" in outcome.summary:  # one engine (a disaggregated pair has no single step)
+            step_ms = simulated_step_ms(outcome.run, outcome.summary["steps"])
+            outcome.summary["mean_step_ms"] = step_ms
+        outcomes[rate] = outcome
+        return outcome.run
 
     runs, knee, reason = run_sweep(cfg, run_at)
     print(report.sweep_table(runs))
@@ -582,7 +591,8 @@ def _sweep_inner(args: argparse.Namespace) -> int:
     rows, measured_knee = [], None
     if measured is not None:
         measured_knee = find_knee(measured, cfg)
-        rows = comparison(runs, measured)
+        step_ms = {r: o.summary.get("mean_step_ms") for r, o in outcomes.items()}
+        rows = comparison(runs, measured, step_ms)
         if rows:
             print(comparison_table(rows))
         print(

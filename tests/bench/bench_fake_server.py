@@ -2,7 +2,9 @@
 
 Runs in its own process (`python bench_fake_server.py` prints its port), so the client under
 test never shares a GIL with it and measured delays are the injected ones. Behaviour is set per
-test with POST /_control; GET /_stats says what the server saw.
+test with POST /_control; GET /_stats says what the server saw. GET /metrics, as the behaviour
+`metrics` says: absent (404), this engine's step series (`"engine"`: every token sent is a step of
+4 ms with 0.5 ms of scheduling, in two `replica` label sets of the same numbers), or any text.
 
 Injected timing of a request that asks for n tokens with a p-token prompt: the i-th token
 (i = 0..n-1) is sent at  t_receive + ttft_s + ttft_per_prompt_token_s * p + i * itl_s, scheduled
@@ -19,7 +21,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 DEFAULTS: dict[str, Any] = {
     "ttft_s": 0.02,
@@ -34,7 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "max_output": None,  # stop after this many tokens whatever max_tokens says
     "tokenizer_dir": None,  # count text prompts with this HF tokenizer (exact usage)
     "model_root": None,  # the `root` of the /v1/models card (vLLM's: the model's path)
+    "metrics": None,  # GET /metrics: None: 404; "engine": step series (see above); else this text
 }
+STEP_S, SCHEDULE_S = 0.004, 0.0005
 
 state: dict[str, Any] = {
     "behaviour": dict(DEFAULTS),
@@ -42,6 +46,8 @@ state: dict[str, Any] = {
     "prompt_tokens": [],
     "sent": [],  # per completed stream: {"prompt_tokens", "ttft_s", "itl_s"} as actually yielded
     "tok": None,
+    "tokens": 0,  # tokens sent, each one engine step of the /metrics
+    "finished_prompt_tokens": 0,  # prompt tokens of finished streams (nori:prompt_tokens)
 }
 app = FastAPI()
 
@@ -50,6 +56,7 @@ app = FastAPI()
 async def control(request: Request) -> dict[str, Any]:
     behaviour = dict(DEFAULTS) | await request.json()
     state.update(behaviour=behaviour, count=0, prompt_tokens=[], sent=[], tok=None)
+    state.update(tokens=0, finished_prompt_tokens=0)
     if behaviour["tokenizer_dir"]:
         from nori_jax.tokenizer import Tokenizer
 
@@ -60,6 +67,33 @@ async def control(request: Request) -> dict[str, Any]:
 @app.get("/_stats")
 async def stats() -> dict[str, Any]:
     return {"count": state["count"], "prompt_tokens": state["prompt_tokens"], "sent": state["sent"]}
+
+
+@app.get("/metrics")
+async def metrics() -> Any:
+    text = state["behaviour"]["metrics"]
+    if text is None:
+        return PlainTextResponse("Not Found", status_code=404)
+    if text == "engine":
+        n, lines = state["tokens"], []
+        for name, kind, value in (
+            ("nori:step_duration_seconds", "histogram", (n, n * STEP_S)),
+            ("nori:scheduler_duration_seconds", "histogram", (n, n * SCHEDULE_S)),
+            ("nori:generation_tokens", "counter", n),
+            ("nori:prompt_tokens", "counter", state["finished_prompt_tokens"]),
+        ):
+            lines.append(f"# TYPE {name} {kind}")
+            for replica in ("0", "1"):
+                label = f'replica="{replica}"'
+                if kind == "counter":
+                    lines.append(f"{name}_total{{{label}}} {float(value)}")
+                    continue
+                count, total = value
+                lines.append(f'{name}_bucket{{le="+Inf",{label}}} {float(count)}')
+                lines.append(f"{name}_count{{{label}}} {float(count)}")
+                lines.append(f"{name}_sum{{{label}}} {total}")
+        text = "\n".join(lines) + "\n"
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 @app.get("/v1/models")
@@ -124,6 +158,9 @@ async def _generate(request: Request, chat: bool) -> Any:
             if broken and i == 2:
                 raise ConnectionResetError("fake server drops the connection")
             times.append(time.perf_counter())
+            state["tokens"] += 1  # counted before the client can see the token, as a server does
+            if i == n_out - 1:
+                state["finished_prompt_tokens"] += n_prompt
             yield event({"object": "chat.completion.chunk" if chat else "text_completion",
                          "choices": [choice(i)]})  # fmt: skip
         itl = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]

@@ -137,6 +137,7 @@ def test_cli_single_run_writes_json_and_csv_with_failures(
 def test_cli_sweep_reports_a_knee_or_none_and_plots(
     server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    server.set(metrics="engine")  # a /metrics with this engine's step series
     rj = tmp_path / "sweep.json"
     code = cli.main([
         "serve", "--base-url", server.base_url, "--model", "fake-model", "--dataset", "fixed",
@@ -146,7 +147,7 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
     ])  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    assert "Rate sweep" in out and "Knee:" in out
+    assert "Rate sweep" in out and "Knee:" in out and "step ms" in out
     result = json.loads(rj.read_text())
     assert result["request_rates"] == [50.0, 100.0] and len(result["runs"]) == 2
     assert "knee_request_rate" in result and VLLM_KEYS <= result["runs"][0].keys()
@@ -163,6 +164,17 @@ def test_cli_sweep_reports_a_knee_or_none_and_plots(
         assert set(got) <= set(want)
         for key in ("completed", "failed", "total_token_throughput", "p99_ttft_ms", "p99_tpot_ms"):
             assert got[key] == pytest.approx(want[key], abs=0.006), key
+        assert got["server_steps"] == want["server_steps"] == 2 * 10 * 4
+        for key in ("server_mean_step_ms", "server_mean_scheduler_ms", "server_tokens_per_step"):
+            assert got[key] == pytest.approx(want[key], abs=0.06), key
+    # a report without the Server block (another engine's server) rebuilds them as None
+    plain = "\n".join(line for line in out.splitlines() if "Server" not in line)
+    plain = "\n".join(
+        line for line in plain.splitlines() if not line.startswith(tuple(module.SERVER_LABELS))
+    )
+    assert all(
+        r[key] is None for r in module.parse(plain)["runs"] for key in module.SERVER_LABELS.values()
+    )
 
 
 @pytest.mark.parametrize(

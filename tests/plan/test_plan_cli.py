@@ -112,3 +112,50 @@ def test_bad_flags_are_clear_errors(cal_file, capsys):
     size = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
     assert main([*size, "--slo", "ttft"]) == 2
     assert "--slo wants NAME:MS" in capsys.readouterr().err
+
+
+def test_sweep_compares_the_mean_step_when_the_measured_runs_carry_it(cal_file, tmp_path, capsys):
+    """`bench serve` against this engine's server adds server_mean_step_ms (its /metrics); the
+    comparison then shows the simulated mean step beside it."""
+    sim = tmp_path / "sim.json"
+    argv = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--sweep", "10,40"]
+    assert main([*argv, "--result-json", str(sim)]) == 0
+    text = capsys.readouterr().out
+    assert "step ms" not in text  # simulated runs have no server columns
+    sweep = json.loads(sim.read_text())
+    step_ms = [r["simulated"]["mean_step_ms"] for r in sweep["runs"]]
+    # busy time over steps: at least the device's mean step, at most the run's length per step
+    for r, ms in zip(sweep["runs"], step_ms, strict=True):
+        assert r["simulated"]["mean_device_ms_per_step"] <= ms
+        assert ms <= 1e3 * r["duration"] / r["simulated"]["steps"]
+    measured = tmp_path / "measured.json"
+    for r, ms in zip(sweep["runs"], step_ms, strict=True):
+        r["server_mean_step_ms"] = 2 * ms  # the served steps twice as slow
+    sweep["runs"][0]["server_mean_step_ms"] = None  # a rate the server gave no numbers for
+    measured.write_text(json.dumps(sweep))
+    out = tmp_path / "vs.json"
+    argv = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--measured", str(measured)]
+    assert main([*argv, "--result-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("Simulated vs measured") :].splitlines()
+    assert "step ms sim / measured" in table[1]
+    assert table[2].rstrip().endswith("-")  # rate 10: no measured step
+    assert table[3].rstrip().endswith(f"{step_ms[1]:.2f} / {2 * step_ms[1]:<13.2f}   -50%")
+    rows = json.loads(out.read_text())["comparison"]
+    assert "server_mean_step_ms" not in rows[0]
+    assert rows[1]["server_mean_step_ms"]["rel_error"] == pytest.approx(-0.5)
+
+
+def test_simulated_mean_step_is_the_busy_time_over_the_steps():
+    from nori_jax.bench.client import RequestResult
+    from nori_jax.bench.run import RunResult
+    from nori_jax.plan.compare import simulated_step_ms
+
+    def done(sent: float, latency: float) -> RequestResult:
+        return RequestResult(0, sent, sent, sent, success=True, error="", latency_s=latency)
+
+    # [0, 1) and [0.5, 2) overlap: busy 2 s; idle until 5; [5, 6): 1 s; a failure counts nothing
+    results = [done(0.0, 1.0), done(0.5, 1.5), done(5.0, 1.0), RequestResult(3, 7.0)]
+    run = RunResult(1.0, {}, results, [], {}, [])
+    assert simulated_step_ms(run, 300) == pytest.approx(10.0)
+    assert simulated_step_ms(run, 0) is None

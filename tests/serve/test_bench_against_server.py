@@ -1,6 +1,7 @@
 """`nori-jax bench serve` against the real server (tiny preset), as the README runs it: no
 --tokenizer (the server's model card names its preset, whose byte-level vocabulary the client
-rebuilds), text prompts of exactly the drawn lengths, every request accounted for in /metrics."""
+rebuilds), text prompts of exactly the drawn lengths, every request accounted for in /metrics,
+and the engine's steps over the run read from /metrics (server_metrics.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def test_short_bench_run_against_the_real_server(server: Server, tmp_path, capsy
         "--num-client-processes", "1",
     ])  # fmt: skip
     assert rc == 0
-    assert "tokenizer: preset tiny-llama (byte-level)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tokenizer: preset tiny-llama (byte-level)" in printed
+    assert "Server (engine steps, from /metrics)" in printed and "Engine steps:" in printed
     r = json.loads(out.read_text())
     assert r["completed"] == 12 and r["failed"] == 0
     assert r["tokenizer_id"] == "preset tiny-llama (byte-level)"
@@ -46,5 +49,11 @@ def test_short_bench_run_against_the_real_server(server: Server, tmp_path, capsy
     assert r["total_input_tokens"] == sum(r["input_lens"])
     assert r["total_output_tokens"] == sum(r["output_lens"]) > 0
     assert r["mean_ttft_ms"] > 0 and r["request_throughput"] > 0
+    # the server's own view of the run: one token per request per step at most
+    assert r["server_metrics_error"] is None
+    assert r["server_steps"] >= max(r["output_lens"])
+    assert r["server_mean_step_ms"] > 0 and r["server_mean_scheduler_ms"] > 0
+    tokens = r["server_tokens_per_step"] * r["server_steps"]  # the run's requests, no others
+    assert tokens == pytest.approx(r["total_input_tokens"] + r["total_output_tokens"])
     server.wait_idle()
     assert _success_total(server.url) - before == 12

@@ -1,0 +1,128 @@
+"""The server's own view of a run: its engine steps, read from its Prometheus /metrics.
+
+The client measures latency from the outside, where a server's slow steps and a slow network look
+the same. This engine exports what its core did (nori_jax/metrics.py):
+`nori:step_duration_seconds` (wall time of one engine step), `nori:scheduler_duration_seconds`
+(host time to schedule a step and build its plan) and the token counters. `bench serve` reads
+/metrics right before a rate's measured requests start (after the warm-up) and right after they
+end, and reports the differences:
+
+- server_steps: engine steps in the window (the step histogram's count),
+- server_mean_step_ms: their mean wall time (its sum / count),
+- server_mean_scheduler_ms: the mean host time to schedule and plan a step,
+- server_tokens_per_step: (generated + prompt tokens) / steps; prompt tokens are counted when a
+  request finishes, so over a window holding whole requests this is every token through a step.
+
+Every series is summed over its label sets, so a data-parallel server's `replica="i"` series
+give the totals of every replica (its mean step is then over every replica's steps). With several
+API server processes (`serve --api-server-count N`) a scrape reaches any one of them, and that is
+enough: the engine core sends every API server every step's stats and finishes, so each server's
+/metrics holds the whole engine's numbers.
+
+A server without them (vLLM, SGLang, a proxy), or one whose /metrics fails or does not parse,
+leaves every field None; the run carries on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+SERVER_KEYS = (
+    "server_steps",
+    "server_mean_step_ms",
+    "server_mean_scheduler_ms",
+    "server_tokens_per_step",
+)
+ERROR_KEY = "server_metrics_error"  # why the fields are None (no /metrics, unparsable, ...)
+SCRAPE_TIMEOUT_S = 10.0
+
+_STEP = "nori:step_duration_seconds"
+_SCHEDULER = "nori:scheduler_duration_seconds"
+_SAMPLES = {
+    f"{_STEP}_count": "step_count",
+    f"{_STEP}_sum": "step_sum",
+    f"{_SCHEDULER}_count": "scheduler_count",
+    f"{_SCHEDULER}_sum": "scheduler_sum",
+    "nori:generation_tokens_total": "generation_tokens",
+    "nori:prompt_tokens_total": "prompt_tokens",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One scrape's running totals; None for a series the server does not export."""
+
+    step_count: float
+    step_sum: float
+    scheduler_count: float | None = None
+    scheduler_sum: float | None = None
+    generation_tokens: float | None = None
+    prompt_tokens: float | None = None
+
+
+def parse(text: str) -> Snapshot:
+    """The totals of a Prometheus exposition; ValueError if it does not parse or has no steps."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if (field := _SAMPLES.get(s.name)) is not None:
+                    totals[field] = totals.get(field, 0.0) + float(s.value)
+    except Exception as e:  # the parser raises ValueError, and others on odd input
+        raise ValueError(f"unparsable /metrics ({type(e).__name__}: {e})") from None
+    if "step_count" not in totals or "step_sum" not in totals:
+        raise ValueError(f"no {_STEP} in /metrics (not this engine's server?)")
+    return Snapshot(**totals)
+
+
+def scrape(
+    base_url: str, headers: Mapping[str, str], timeout_s: float = SCRAPE_TIMEOUT_S
+) -> Snapshot | str:
+    """The server's totals now, or why they cannot be read. Never raises: a benchmark carries on
+    whatever its server's /metrics does."""
+    url = base_url.rstrip("/") + "/metrics"
+    # no proxies: like the load, straight to the server
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers=dict(headers))
+    try:
+        with opener.open(request, timeout=timeout_s) as r:
+            text = r.read().decode("utf-8", errors="replace")
+        return parse(text)
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # refused, HTTP 404, timeout, a connection reset
+        return f"could not read {url} ({type(e).__name__}: {e})"
+
+
+def window(before: Snapshot | str, after: Snapshot | str) -> dict[str, Any]:
+    """The run's server fields (SERVER_KEYS, each None if unknown) and ERROR_KEY."""
+    out: dict[str, Any] = dict.fromkeys(SERVER_KEYS) | {ERROR_KEY: None}
+    for snap in (before, after):
+        if isinstance(snap, str):
+            out[ERROR_KEY] = snap
+            return out
+    assert isinstance(before, Snapshot) and isinstance(after, Snapshot)
+
+    def delta(field: str) -> float | None:
+        a, b = getattr(before, field), getattr(after, field)
+        return None if a is None or b is None else b - a
+
+    steps, step_s = delta("step_count"), delta("step_sum")
+    if steps is None or step_s is None or steps < 0 or step_s < 0:
+        out[ERROR_KEY] = "the server's counters went back (a restarted server?)"
+        return out
+    out["server_steps"] = int(round(steps))
+    if steps > 0:
+        out["server_mean_step_ms"] = 1e3 * step_s / steps
+        tokens = [delta("generation_tokens"), delta("prompt_tokens")]
+        if all(t is not None and t >= 0 for t in tokens):
+            out["server_tokens_per_step"] = sum(tokens) / steps  # type: ignore[arg-type]
+    sched, sched_s = delta("scheduler_count"), delta("scheduler_sum")
+    if sched and sched > 0 and sched_s is not None and sched_s >= 0:
+        out["server_mean_scheduler_ms"] = 1e3 * sched_s / sched
+    return out

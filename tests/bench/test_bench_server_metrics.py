@@ -1,0 +1,94 @@
+"""The server's engine steps over a run, read from its /metrics (server_metrics.py): the window
+is the measured requests only, label sets are summed, and a server without them (or with a
+broken /metrics) leaves the fields None while the run goes on."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from bench_helpers import FakeServer, bench_config, run_bench
+
+from nori_jax.bench.report import print_run, result_dict, sweep_table
+from nori_jax.bench.run import prepare_workload, run_once
+from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS, Snapshot, parse, window
+
+
+def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None:
+    # the fake server's /metrics: every token sent is one 4 ms step with 0.5 ms of scheduling,
+    # shown twice (replica="0" and "1"), so the sums double the steps and keep the means
+    server.set(metrics="engine")
+    cfg = bench_config(server, {"request_rate": 200.0, "warmup_requests": 3})
+    workload = prepare_workload(cfg)
+    run = run_once(cfg, workload, 200.0, lambda n: None)
+    assert run.metrics["completed"] == 20
+    prompt_tokens = sum(server.stats()["prompt_tokens"][3:])  # the warm-up came first
+    s = run.server
+    assert s["server_steps"] == 2 * 20 * 8  # not the warm-up's 3 * 8 tokens
+    assert s["server_mean_step_ms"] == pytest.approx(4.0)
+    assert s["server_mean_scheduler_ms"] == pytest.approx(0.5)
+    assert s["server_tokens_per_step"] == pytest.approx((20 * 8 + prompt_tokens) / (20 * 8))
+    assert s[ERROR_KEY] is None
+    result = result_dict(cfg, workload, run)
+    assert {k: result[k] for k in SERVER_KEYS} == {k: s[k] for k in SERVER_KEYS}
+    out = io.StringIO()
+    print_run(cfg, run, out)
+    text = out.getvalue()
+    assert "-------Server (engine steps, from /metrics)-------" in text
+    assert "Engine steps:                            320" in text
+    assert "Mean step time (ms):                     4.00" in text
+    table = sweep_table([run]).splitlines()
+    assert table[1].endswith("  step ms  sched ms  tok/step")
+    assert table[2].split()[-3:] == ["4.00", "0.500", f"{s['server_tokens_per_step']:.1f}"]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "reason"),
+    [
+        (None, "HTTPError"),  # 404: vLLM without its metrics, a proxy
+        ("<html>oops</html>\n", "unparsable"),
+        ("garbage {{{\n", "unparsable"),
+        ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n", "no nori:"),
+    ],
+)
+def test_without_usable_metrics_the_fields_are_none(
+    server: FakeServer, metrics: str | None, reason: str
+) -> None:
+    server.set(metrics=metrics)
+    run = run_bench(server, {"num_prompts": 6})
+    assert run.metrics["completed"] == 6 and not [w for w in run.warnings if "metrics" in w]
+    assert all(run.server[k] is None for k in SERVER_KEYS)
+    assert reason in run.server[ERROR_KEY]
+    out = io.StringIO()
+    print_run(bench_config(server), run, out)
+    assert "Not available: " in out.getvalue()
+    assert "step ms" not in sweep_table([run])  # no server columns when no run has them
+
+
+def test_no_server_at_all_leaves_the_fields_none() -> None:
+    from nori_jax.bench.server_metrics import scrape
+
+    reason = scrape("http://127.0.0.1:9", {}, timeout_s=2.0)  # discard port: refused
+    assert isinstance(reason, str) and "/metrics" in reason
+    assert window(reason, reason)["server_steps"] is None
+
+
+def test_window_arithmetic_and_its_edge_cases() -> None:
+    text = (
+        "# TYPE nori:step_duration_seconds histogram\n"
+        'nori:step_duration_seconds_bucket{le="+Inf"} 10.0\n'
+        "nori:step_duration_seconds_count 10.0\n"
+        "nori:step_duration_seconds_sum 0.05\n"
+    )
+    a = parse(text)
+    assert a == Snapshot(step_count=10.0, step_sum=0.05)
+    b = Snapshot(step_count=30.0, step_sum=0.25)
+    w = window(a, b)  # no scheduler or token series: those stay None
+    assert w["server_steps"] == 20 and w["server_mean_step_ms"] == pytest.approx(10.0)
+    assert w["server_mean_scheduler_ms"] is None and w["server_tokens_per_step"] is None
+    idle = window(a, a)  # no step in the window: no mean
+    assert idle["server_steps"] == 0 and idle["server_mean_step_ms"] is None
+    back = window(b, a)  # a server restarted between the scrapes
+    assert back["server_steps"] is None and "went back" in back[ERROR_KEY]
+    with pytest.raises(ValueError, match="no nori:step_duration_seconds"):
+        parse("")
