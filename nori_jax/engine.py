@@ -345,8 +345,16 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(EngineCoreRequest(request_id, token_ids, params, seed, self._eos, arrival))
-        self.processor.add(request_id, text, token_ids, params, tuple(self._eos), stream)
+        # The core is in this process: its finish brings the whole output, so the processor
+        # need not collect a final-only request's tokens step by step.
+        self._submit(
+            EngineCoreRequest(
+                request_id, token_ids, params, seed, self._eos, arrival, final_token_ids=True
+            )
+        )
+        self.processor.add(
+            request_id, text, token_ids, params, tuple(self._eos), stream, final_ids_from_core=True
+        )
         return request_id
 
     def _submit(self, request: EngineCoreRequest) -> None:

@@ -120,7 +120,6 @@ def test_a_streamed_output_of_invalid_bytes_still_carries_its_text():
     deltas = ""
     final = FinishedRequest("r", "length", 2, 3, RequestMetrics(*[None] * 5, 0, 0))
     for step in range(3):
-        assert proc.num_output_tokens("r") == step
         done = [final] if step == 2 else []
         outs = EngineCoreOutputs(["r"], np.int32([0xFE]).tobytes(), {}, done, [])
         emitted, ended = proc.process(outs)

@@ -91,8 +91,10 @@ def main() -> None:
     for i, (prompt, n_out) in enumerate(zip(reqs.prompts, reqs.output_lens, strict=True)):
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
         rid = f"r{i}"
-        core.add_request(EngineCoreRequest(rid, prompt, params, i, EOS, time.monotonic()))
-        processor.add(rid, None, prompt, params, tuple(EOS), stream=False)
+        # As LLMEngine.add_request: the core in this process hands each finish its whole output.
+        req = EngineCoreRequest(rid, prompt, params, i, EOS, time.monotonic(), final_token_ids=True)
+        core.add_request(req)
+        processor.add(rid, None, prompt, params, tuple(EOS), stream=False, final_ids_from_core=True)
 
     # EngineCore.launch_step / complete_step and LLMEngine._process, stage by stage.
     clock = time.perf_counter

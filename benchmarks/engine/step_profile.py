@@ -44,7 +44,7 @@ def fill_decoding(engine: LLMEngine, batch: int, context: int, stream: bool, see
         pending.add(engine.add_request(None, prompt, params, stream=stream))
     while pending:
         engine.step()
-        pending = {r for r in pending if not engine.processor.num_output_tokens(r)}
+        pending = {r for r in pending if not engine.scheduler.requests[r].output_token_ids}
 
 
 def time_outputs(engine: LLMEngine) -> list[float]:

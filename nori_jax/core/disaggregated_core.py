@@ -80,6 +80,7 @@ def _moved_request(req: Request, pages: list[int], num_cached_pages: int) -> Req
         num_registered_pages=num_cached_pages,
         page_hashes=list(req.page_hashes),
         num_preemptions=req.num_preemptions,
+        final_token_ids=req.final_token_ids,
     )
 
 

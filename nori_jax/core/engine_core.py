@@ -58,6 +58,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     seed: int  # the sampling seed actually used (params.seed or one drawn by the frontend)
     eos_token_ids: list[int]
     arrival_time: float  # time.monotonic() (one clock for every process of a host)
+    # Its FinishedRequest carries its whole output (`FinishedRequest.token_ids`): asked by a
+    # frontend in this process (LLMEngine), whose output processor then skips a final-only
+    # request's tokens step by step (the scheduler keeps them all anyway). The API servers'
+    # client leaves it off: they get every token in the step outputs, over the socket.
+    final_token_ids: bool = False
 
 
 @dataclasses.dataclass
@@ -106,6 +111,7 @@ def finished_request(req: Request, error: str | None = None) -> FinishedRequest:
         len(req.output_token_ids),
         request_metrics(req),
         error,
+        list(req.output_token_ids) if req.final_token_ids else None,
     )
 
 
@@ -158,6 +164,7 @@ class EngineCore:
                 seed=r.seed,
                 eos_token_ids=tuple(r.eos_token_ids),
                 times=RequestTimes(r.arrival_time),
+                final_token_ids=r.final_token_ids,
             )
         )
 

@@ -36,6 +36,9 @@ class _Stream:
     num_reported: int = 0  # output tokens already handed out
     num_pieces_reported: int = 0  # released text pieces already handed out
     stopped: bool = False  # a stop string (or an error) ended it; the core's finish is awaited
+    # Final-only, and its tokens come whole with the core's FinishedRequest (add's
+    # final_ids_from_core): `token_ids` stays empty until then.
+    ids_at_finish: bool = False
     error: str | None = None  # handling its outputs raised: it ends with reason "error"
 
 
@@ -47,16 +50,15 @@ class OutputProcessor:
         # (final-only outputs, no text made while running, no logprobs): what `LLM.generate`
         # and `bench offline` ask for. `process` appends to these without touching the stream.
         self._plain: dict[str, list[int]] = {}
+        # Streams that need nothing per token at all: plain ones whose tokens come with the
+        # core's finish. A step whose rows are all theirs is not read row by row.
+        self._at_finish = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
     def __len__(self) -> int:
         return len(self._streams)
-
-    def num_output_tokens(self, request_id: str) -> int:
-        """Tokens received so far for an unfinished request of this processor."""
-        return len(self._streams[request_id].token_ids)
 
     def add(
         self,
@@ -66,7 +68,11 @@ class OutputProcessor:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         stream: bool = True,
+        final_ids_from_core: bool = False,
     ) -> None:
+        """Register a request. `final_ids_from_core`: the core was sent it with
+        `EngineCoreRequest.final_token_ids` (its FinishedRequest will carry the whole output)."""
+        self.drop(request_id)
         s = _Stream(request_id, prompt, prompt_token_ids, params, stream, tuple(eos_token_ids))
         s.max_stop_len = max(map(len, params.stop), default=0)
         if self.tokenizer is not None and (stream or params.stop):
@@ -74,11 +80,14 @@ class OutputProcessor:
         if params.logprobs is not None:
             s.logprobs = []
         self._streams[request_id] = s
-        self._plain.pop(request_id, None)
         # Never stopped while running either: a stream stops only through its detokenizer or
         # its stop strings, and without a detokenizer a final-only stream checks neither.
         if not stream and s.detok is None and s.logprobs is None:
-            self._plain[request_id] = s.token_ids
+            if final_ids_from_core:
+                s.ids_at_finish = True
+                self._at_finish += 1
+            else:
+                self._plain[request_id] = s.token_ids
 
     def _detokenizer(self, s: _Stream) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
@@ -98,14 +107,18 @@ class OutputProcessor:
         ended: dict[str, str] = {}
         lp = outs.logprobs
         plain = self._plain
-        for rid, tok in zip(outs.request_ids, outs.token_ids.tolist(), strict=True):
+        if self._at_finish == len(streams):
+            rows = ()  # every stream takes its tokens from its finish: nothing per row
+        else:
+            rows = zip(outs.request_ids, outs.token_ids.tolist(), strict=True)
+        for rid, tok in rows:
             token_ids = plain.get(rid)
             if token_ids is not None:  # the common row: one dict lookup and an append
                 token_ids.append(tok)
                 continue
             s = streams.get(rid)
-            if s is None or s.stopped:
-                continue  # not ours, or tokens sampled after a stop string
+            if s is None or s.stopped or s.ids_at_finish:
+                continue  # not ours, tokens sampled after a stop string, or taken at the finish
             s.token_ids.append(tok)
             if s.logprobs is not None:
                 s.logprobs.append(lp.get(rid, 0.0))
@@ -157,6 +170,14 @@ class OutputProcessor:
         if s is None:
             return None
         self._plain.pop(f.request_id, None)
+        if s.ids_at_finish:
+            self._at_finish -= 1
+            if f.token_ids is None:
+                raise RuntimeError(
+                    f"request {f.request_id!r}: added with final_ids_from_core, but its finish "
+                    "carries no token ids (EngineCoreRequest.final_token_ids not set)"
+                )
+            s.token_ids = f.token_ids
         error = s.error or f.error
         reason = "error" if error else "stop" if s.stopped else f.finish_reason
         if s.detok is not None:
@@ -255,8 +276,10 @@ class OutputProcessor:
 
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its caller has gone)."""
-        self._streams.pop(request_id, None)
+        s = self._streams.pop(request_id, None)
         self._plain.pop(request_id, None)
+        if s is not None and s.ids_at_finish:
+            self._at_finish -= 1
 
 
 def _failed_output(f: FinishedRequest, e: Exception) -> RequestOutput:

@@ -42,6 +42,10 @@ class FinishedRequest(msgspec.Struct, array_like=True, gc=False):
     num_output_tokens: int
     metrics: RequestMetrics
     error: str | None = None  # finish_reason "error": what this request made fail
+    # The whole output, for a request sent with `EngineCoreRequest.final_token_ids` (by a
+    # frontend in the core's process: its output processor then keeps no per-step list for a
+    # final-only request); None otherwise (the API servers get every token per step anyway).
+    token_ids: list[int] | None = None
 
 
 class FirstToken(msgspec.Struct, array_like=True, gc=False):

@@ -98,7 +98,11 @@ class PlanBuilder:
         pos = out.decode_positions
         tokens[_INPUT_IDS, :nd] = out.decode_input_ids
         tokens[_POSITIONS, :nd] = pos
-        tokens[_SLOT_MAPPING, :nd] = self.page_table[dec, pos // ps] * ps + pos % ps
+        # The page ids by flat index into the table (a 1-D take: cheaper than the 2-D fancy
+        # index over a thousand rows), one divmod for page and offset.
+        page, offset_in_page = np.divmod(pos, ps)
+        flat = self.page_table.ravel().take(dec * self.page_table.shape[1] + page)
+        tokens[_SLOT_MAPPING, :nd] = flat * ps + offset_in_page
         tokens[_PREV_INDEX, :nd] = out.decode_prev_index
         # Prefill chunks: few rows, many tokens each.
         offset = nd

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import operator
 import time
 
 import numpy as np
@@ -43,8 +42,6 @@ from nori_jax.core.scheduler_output import (
 )
 from nori_jax.core.slot_counters import SlotCounters
 from nori_jax.core.step_plan import token_buckets
-
-_slot_of = operator.attrgetter("slot")
 
 
 class QueueFullError(RuntimeError):
@@ -85,6 +82,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.waiting_long: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the oldest first
+        # Their slots in the same order, kept beside the list as it changes (_join_running,
+        # _leave_running) rather than gathered from a thousand requests every step. Replaced,
+        # never written in place: `schedule` holds the step's snapshot while it preempts.
+        self._running_slots = np.zeros(0, np.int64)
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -172,8 +173,7 @@ class Scheduler:
     def _hand_off(self, req: Request) -> None:
         """A request's first token is known: it leaves the batch (or the queue) and waits."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-            self._release_slot(req)
+            self._leave_running(req)
         else:  # preempted with its first sample in flight: no KV here, the decode side recomputes
             (self.waiting_long if req.is_long else self.waiting).remove(req)
         req.status = RequestStatus.TRANSFER
@@ -189,7 +189,7 @@ class Scheduler:
             self._events.append(
                 Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
             )
-            self.running.append(req)
+            self._join_running(req)
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """Finish a live request now (stop string, abort, timeout); frees its pages at once."""
@@ -199,8 +199,7 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             (self.waiting_long if req.is_long else self.waiting).remove(req)
         elif req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-            self._release_slot(req)
+            self._leave_running(req)
         elif req.status is RequestStatus.TRANSFER:
             (self.handed_off if req in self.handed_off else self.arrived).remove(req)
         self.allocator.free(req.pages)
@@ -217,6 +216,19 @@ class Scheduler:
             int(self.slots.computed[req.slot]) if req.slot is not None else req.num_computed_tokens
         )
 
+    def _join_running(self, req: Request) -> None:
+        """`req` (its slot just acquired) joins the running batch, newest."""
+        self.running.append(req)
+        self._running_slots = np.append(self._running_slots, req.slot)
+
+    def _leave_running(self, req: Request) -> None:
+        """`req` leaves the running batch and its slot."""
+        i = self.running.index(req)  # identity (Request has no __eq__)
+        del self.running[i]
+        slots = self._running_slots
+        self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
+        self._release_slot(req)
+
     def _release_slot(self, req: Request) -> None:
         self._events.append(Release(req.slot))
         self.slots.release(req)
@@ -232,8 +244,7 @@ class Scheduler:
             self._admit_arrived()
 
         # 1. Decodes, oldest first: they keep every running stream moving.
-        # map(attrgetter) rather than a generator: no Python frame per running request.
-        run = np.fromiter(map(_slot_of, self.running), np.int64, len(self.running))
+        run = self._running_slots
         total = c.known[run] + c.pending[run]
         remaining = total - c.computed[run]
         done = (c.pending[run] > 0) & (total >= c.stop_at[run])  # the pending token ends it
@@ -338,8 +349,7 @@ class Scheduler:
         return not (self.hand_off and c.computed[req.slot] >= c.prompt_len[req.slot])
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._release_slot(req)
+        self._leave_running(req)
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed_tokens = 0
@@ -389,7 +399,7 @@ class Scheduler:
             )
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
-            self.running.append(req)
+            self._join_running(req)
             prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
@@ -406,13 +416,18 @@ class Scheduler:
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         if not self.allocator.enable_prefix_caching:
             return []
-        ps, have = self.page_size, len(req.page_hashes)
+        return self._hash_pages(req, num_pages)[:num_pages]
+
+    def _hash_pages(self, req: Request, num_pages: int) -> list[bytes]:
+        """`req.page_hashes` itself, extended to at least `num_pages` keys."""
+        hashes, ps = req.page_hashes, self.page_size
+        have = len(hashes)
         if have < num_pages:
-            parent = req.page_hashes[-1] if have else ROOT_HASH
+            parent = hashes[-1] if have else ROOT_HASH
             tokens = req.token_array(have * ps, num_pages * ps)
             assert len(tokens) == (num_pages - have) * ps, "hashing a page not yet full"
-            req.page_hashes.extend(chain_page_hashes(parent, tokens, ps))
-        return req.page_hashes[:num_pages]
+            hashes.extend(chain_page_hashes(parent, tokens, ps))
+        return hashes
 
     def _output(self, decodes: np.ndarray, prefills: list[tuple[Request, int]]) -> SchedulerOutput:
         """The step's rows; advances each request's progress as if the step had run."""
@@ -506,10 +521,11 @@ class Scheduler:
         rows = np.flatnonzero(out.row_samples & live)
         tokens = next_tokens[rows].astype(np.int32)
         sslots = slots[rows]
-        # A live row's slot still holds the request it was planned for, so the rows' requests
-        # and ids are gathered by slot (numpy takes) rather than looked up row by row.
-        for req, tok in zip(c.requests[sslots].tolist(), tokens.tolist(), strict=True):
-            req.output_token_ids.append(tok)
+        # A live row's slot still holds the request it was planned for, so the rows' output
+        # lists and ids are gathered by slot (numpy takes) rather than looked up row by row
+        # (the lists themselves: no attribute lookup per row).
+        for output, tok in zip(c.output_lists[sslots].tolist(), tokens.tolist(), strict=True):
+            output.append(tok)
         c.known[sslots] += 1
         c.pending[sslots] -= 1
         c.last_token[sslots] = tokens
@@ -569,13 +585,18 @@ class Scheduler:
         and any later step that reads them runs after the step that writes them."""
         c = self.slots
         full = np.minimum(c.computed[slots], c.known[slots]) // self.page_size
-        for slot in slots[full > c.registered[slots]].tolist():
-            req = c.requests[slot]
-            num_full = int(min(c.computed[slot], c.known[slot]) // self.page_size)
-            hashes = self._page_hashes(req, num_full)
-            for j in range(int(c.registered[slot]), num_full):
-                self.allocator.register(req.pages[j], hashes[j])
-            c.registered[slot] = num_full
+        new = full > c.registered[slots]
+        if not new.any():
+            return
+        slots, full = slots[new], full[new]
+        register = self.allocator.register
+        for req, first, num_full in zip(
+            c.requests[slots].tolist(), c.registered[slots].tolist(), full.tolist(), strict=True
+        ):
+            hashes, pages = self._hash_pages(req, num_full), req.pages
+            for j in range(first, num_full):
+                register(pages[j], hashes[j])
+        c.registered[slots] = full
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -593,10 +614,12 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
+        assert self._running_slots.tolist() == slots, "running slots out of step with running"
         assert c.num_free + len(self.running) == self.config.max_num_seqs
         for r in self.running:
             s = r.slot
             assert r.status is RequestStatus.RUNNING and c.requests[s] is r
+            assert c.output_lists[s] is r.output_token_ids, "output list rebound while running"
             assert c.known[s] == r.num_tokens and c.num_pages[s] == len(r.pages)
             assert len(r.pages) * self.page_size >= c.computed[s]
             assert len(r.pages) <= self.config.max_pages_per_seq

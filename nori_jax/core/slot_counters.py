@@ -38,6 +38,9 @@ class SlotCounters:
         # instead of a Python loop over a thousand rows.
         self.requests = np.full(n, None, object)  # Request | None per slot
         self.request_ids = np.full(n, None, object)  # str | None per slot
+        # The occupant's `output_token_ids` list (the same object: a request's list is never
+        # rebound), which `Scheduler.update` appends each step's tokens to.
+        self.output_lists = np.full(n, None, object)
         self._free = list(range(n - 1, -1, -1))
 
     @property
@@ -62,6 +65,7 @@ class SlotCounters:
         self.last_token_time[slot] = req.times.last_token or 0.0
         self.requests[slot] = req
         self.request_ids[slot] = req.request_id
+        self.output_lists[slot] = req.output_token_ids
         req.slot = slot
         return slot
 
@@ -76,6 +80,7 @@ class SlotCounters:
             req.times.last_token = float(self.last_token_time[slot])
         self.requests[slot] = None
         self.request_ids[slot] = None
+        self.output_lists[slot] = None
         self.epoch[slot] += 1
         self._free.append(slot)
         req.slot = None

@@ -29,3 +29,18 @@ def test_token_array_spans_prompt_and_output_and_leaves_the_prompt_read_only():
     assert req.token_array(4, 6).tolist() == [5, 6]
     assert not req.token_array(0, 2).flags.writeable
     assert req.token_array(0, 6).tolist() == req.token_ids(0, 6)
+
+
+def test_the_scheduler_extends_a_request_chain_page_by_page():
+    """Keys added a few pages at a time (prompt pages at admission, then the page across prompt
+    and output, then output pages as they fill) are the chain over prompt + output at once."""
+    from fake_runner import make_scheduler
+
+    s = make_scheduler(page_size=16)
+    req = Request("r", list(range(100, 140)), SamplingParams(max_tokens=60), seed=0)
+    req.output_token_ids += list(range(2000, 2056))  # 96 tokens: 6 full pages
+    expected = chain_page_hashes(ROOT_HASH, req.token_array(0, 96), 16)
+    assert s._hash_pages(req, 2) == expected[:2]  # prompt pages
+    assert s._hash_pages(req, 3) == expected[:3]  # the page across prompt and output
+    assert s._hash_pages(req, 6) == expected  # output pages alone
+    assert s._page_hashes(req, 4) == expected[:4]
