@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 from nori_jax.bench.offline import OfflineConfig, draw_requests
 from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
@@ -32,24 +30,10 @@ from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.metrics import EngineMetrics
 from nori_jax.sampling_params import SamplingParams
 
-VOCAB = 49152  # SmolLM2
+# The same fake device as the decode-only bench beside this script (its directory is on sys.path).
+from host_step_bench import VOCAB, FakeExecutor  # noqa: E402  isort: skip
+
 EOS = [2]
-
-
-class FakeExecutor:
-    """Random next tokens, one per row of the batch (`next_tokens[S]`, as the runner fetches)."""
-
-    num_recompiles = 0
-
-    def __init__(self, rows: int, seed: int = 0):
-        self.rng = np.random.default_rng(seed)
-        self.rows = rows
-
-    def launch(self, plan):
-        return self.rng.integers(10, VOCAB, self.rows).astype(np.int32)
-
-    def fetch(self, handle):
-        return handle, np.zeros(self.rows, np.float32)
 
 
 def main() -> None:

@@ -114,6 +114,23 @@ class FakeDevice:
         return tokens
 
 
+class FakeExecutor:
+    """An EngineCore executor over a FakeDevice: `launch` runs the plan, `fetch` returns its
+    tokens and `logprobs(n)` for them (zeros unless a test wants values it can recognize)."""
+
+    num_recompiles = 0
+
+    def __init__(self, device: FakeDevice, logprobs=lambda n: np.zeros(n, np.float32)):
+        self.device = device
+        self.logprobs = logprobs
+
+    def launch(self, plan):
+        return self.device.execute(plan)
+
+    def fetch(self, tokens):
+        return tokens, self.logprobs(len(tokens))
+
+
 def fake_step(s: Scheduler, out: SchedulerOutput):
     """Synchronous: build and execute the step, then update."""
     if not hasattr(s, "_fake"):

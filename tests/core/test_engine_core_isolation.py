@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
-from fake_runner import VOCAB, FakeDevice, expected_output, make_scheduler
+from fake_runner import VOCAB, FakeDevice, FakeExecutor, expected_output, make_scheduler
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.core.scheduler_output import Acquire
 from nori_jax.sampling_params import ParameterError, SamplingParams
 
 POISON_SEED = 666
-
-
-class FakeExecutor:
-    num_recompiles = 0
-
-    def __init__(self, device: FakeDevice):
-        self.device = device
-
-    def launch(self, plan):
-        return self.device.execute(plan)
-
-    def fetch(self, tokens):
-        return tokens, np.zeros(len(tokens), np.float32)
 
 
 def make_core(overlap: bool) -> EngineCore:

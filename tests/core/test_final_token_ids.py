@@ -9,7 +9,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from fake_runner import FakeDevice, make_scheduler
+from fake_runner import FakeDevice, FakeExecutor, make_scheduler
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
@@ -17,17 +17,8 @@ from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestMet
 from nori_jax.sampling_params import SamplingParams
 
 
-class FakeExecutor:
-    num_recompiles = 0
-
-    def __init__(self, device: FakeDevice):
-        self.device = device
-
-    def launch(self, plan):
-        return self.device.execute(plan)
-
-    def fetch(self, tokens):
-        return tokens, np.linspace(-1.0, 0.0, len(tokens), dtype=np.float32)
+def _logprobs(n: int) -> np.ndarray:
+    return np.linspace(-1.0, 0.0, n, dtype=np.float32)  # values a wrong copy would not match
 
 
 def _settings(i: int) -> tuple[SamplingParams, bool]:
@@ -40,7 +31,9 @@ def _settings(i: int) -> tuple[SamplingParams, bool]:
 
 def _run(final_ids: bool, overlap: bool, num_pages: int) -> tuple[list, list]:
     s = make_scheduler(num_pages=num_pages, max_model_len=128, kv_headroom=0.0)
-    core = EngineCore(s, s._builder, FakeExecutor(FakeDevice(s)), async_scheduling=overlap)
+    core = EngineCore(
+        s, s._builder, FakeExecutor(FakeDevice(s), _logprobs), async_scheduling=overlap
+    )
     proc = OutputProcessor(None)
     rng = np.random.default_rng(0)
     for i in range(24):
