@@ -103,13 +103,18 @@ def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
 
 def test_killing_one_replica_fails_only_its_requests(server: Server) -> None:
     engine: DataParallelClient = server.engine
-    body = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    # As long as the preset's 256-token context allows (10 prompt tokens), and the four sent at
+    # one instant (a barrier after each client is made): a request that started late on a loaded
+    # CI machine could otherwise see a neighbour finish before the replicas are counted.
+    body = {"max_tokens": 240, "ignore_eos": True, "temperature": 0.0, "stream": True}
     results: dict[int, tuple[int, list[str]]] = {}
     started = [threading.Event() for _ in range(4)]
+    together = threading.Barrier(4)
 
     def streamed(i: int) -> None:
         prompt = list(range(10 + 20 * i, 20 + 20 * i))  # distinct: 2 per replica by load
         with client(server) as c:
+            together.wait(30)
             with c.stream("POST", "/v1/completions", json=body | {"prompt": prompt}) as r:
                 lines = []
                 for line in r.iter_lines():
