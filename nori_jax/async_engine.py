@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from nori_jax.client_base import StreamingClient
 from nori_jax.core.outputs import RequestOutput
+from nori_jax.heap_freeze import heap_frozen
 from nori_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -288,19 +289,8 @@ class AsyncEngine(StreamingClient):
 
     def _run(self) -> None:
         try:
-            while True:
-                self._apply_commands()
-                if self._stop_requested:
-                    break
-                if not self.engine.has_unfinished_requests():
-                    # Going idle: finish the step still in flight, bring the gauges up to date
-                    # (aborts happen between steps), then sleep until a command arrives.
-                    self._deliver(self.engine.drain())
-                    self.engine.get_metrics()
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                self._deliver(self.engine.step())
+            with heap_frozen():  # for the loop's life: see heap_freeze.py
+                self._loop()
         except BaseException as e:  # noqa: BLE001 - whatever kills the loop must fail every request
             logger.exception("engine loop died")
             self._die(e)
@@ -308,6 +298,21 @@ class AsyncEngine(StreamingClient):
         for request_id in list(self._streams):
             self.engine.abort(request_id)  # leave the engine clean for whoever uses it next
         self._fail_all(lambda: EngineStoppedError("the engine was stopped"))
+
+    def _loop(self) -> None:
+        while True:
+            self._apply_commands()
+            if self._stop_requested:
+                return
+            if not self.engine.has_unfinished_requests():
+                # Going idle: finish the step still in flight, bring the gauges up to date
+                # (aborts happen between steps), then sleep until a command arrives.
+                self._deliver(self.engine.drain())
+                self.engine.get_metrics()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            self._deliver(self.engine.step())
 
     def _apply_commands(self) -> None:
         while True:

@@ -42,6 +42,7 @@ from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
+from nori_jax.heap_freeze import freeze_process_heap
 from nori_jax.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ def run_engine_core(
             os.getpid(),
         )
         ready = encode(Ready(info))
+        freeze_process_heap()  # this process is the engine alone: see heap_freeze.py
         clients.send_all(ready)
         _serve(parts.core, inputs, clients, encode, ready)
     except BaseException as e:  # noqa: BLE001 - the clients must hear why the core ended

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from nori_jax.engine_config import EngineConfig
 from nori_jax.executor.step_broadcast import FollowerLost, LeaderLost
+from nori_jax.heap_freeze import freeze_process_heap
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def follow(config: EngineConfig) -> int:
             f"process_id={dist.process_id} of num_processes={dist.num_processes}"
         )
     parts = build_engine(config)
+    freeze_process_heap()  # this process is the engine alone: see heap_freeze.py
     try:
         recompiles = run_follower(parts.runner, dist)
     except LeaderLost as e:

@@ -9,6 +9,7 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import make_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_defaults import resolve_engine_config
+from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.stream_generate import StreamRequest, stream_requests
@@ -90,11 +91,12 @@ class LLM:
             for prompt, p, tok in zip(prompts, param_list, tokenized, strict=True)
         ]
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        self.engine.drain()
+        with heap_frozen():  # no full garbage collection walks the engine's heap mid-loop
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+            self.engine.drain()
         return [finished[i] for i in ids]
 
     def generate_stream(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.core.scheduler import QueueFullError
+from nori_jax.heap_freeze import heap_frozen
 from nori_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,31 +47,33 @@ def stream_requests[K](
     held: StreamRequest[K] | None = None  # refused by a full queue: offered again after a step
     exhausted = False
     try:
-        while True:
-            while not exhausted and len(in_flight) < max_in_flight:
-                if held is None:
-                    held = next(source, None)
+        # No full garbage collection walks the engine's heap mid-loop (heap_freeze.py).
+        with heap_frozen():
+            while True:
+                while not exhausted and len(in_flight) < max_in_flight:
                     if held is None:
-                        exhausted = True
+                        held = next(source, None)
+                        if held is None:
+                            exhausted = True
+                            break
+                    try:
+                        request_id = engine.add_request(
+                            held.request_id, held.prompt, held.params, stream=False
+                        )
+                    except QueueFullError:
                         break
-                try:
-                    request_id = engine.add_request(
-                        held.request_id, held.prompt, held.params, stream=False
-                    )
-                except QueueFullError:
+                    except ValueError as e:
+                        key, held = held.key, None
+                        yield key, e
+                        continue
+                    in_flight[request_id] = held.key
+                    held = None
+                if not in_flight and exhausted:
                     break
-                except ValueError as e:
-                    key, held = held.key, None
-                    yield key, e
-                    continue
-                in_flight[request_id] = held.key
-                held = None
-            if not in_flight and exhausted:
-                break
-            for out in engine.step():
-                if out.finished and out.request_id in in_flight:
-                    yield in_flight.pop(out.request_id), out
-        engine.drain()  # the step still in flight (overlapped scheduling) computed nothing of ours
+                for out in engine.step():
+                    if out.finished and out.request_id in in_flight:
+                        yield in_flight.pop(out.request_id), out
+            engine.drain()  # the step still in flight (overlapped scheduling): none of ours
     finally:
         for request_id in in_flight:
             engine.abort(request_id)

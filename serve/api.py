@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
+from nori_jax.heap_freeze import heap_frozen
 from serve import chat, completions, generate
 from serve.context import ServeContext, get_context
 from serve.errors import install_error_handlers
@@ -70,8 +71,11 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not engine.is_started:
             engine.start()
-        yield
-        await engine.shutdown(settings.drain_timeout_s)
+        # The start-up heap (FastAPI's routes, the tokenizer; the model with an in-process
+        # engine) stays out of full collections while the server runs: heap_freeze.py.
+        with heap_frozen(collect=True):
+            yield
+            await engine.shutdown(settings.drain_timeout_s)
 
     app = FastAPI(title="Nori-JAX", lifespan=lifespan)
     app.state.ctx = ctx

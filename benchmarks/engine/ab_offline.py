@@ -6,8 +6,12 @@
 
 Runs the trees A B A B ... (the GPU machine's host drifts 15-30% between calls, so only rows of
 one call compare), each in a fresh process with the tree first on PYTHONPATH and its own
-compilation cache (warm from the second round on). Prints one table row per run: total and
-output tok/s, steps, and the engine's stage split; writes each run's JSON and log under --out.
+compilation cache (warm from the second round on; `--cache-dir` gives them one, which is sound:
+XLA's cache is keyed by the program, and it spares each tree its cold first run when the trees
+differ on the host side only). `--env NAME:KEY=VALUE` sets a variable for one tree's runs, so
+one tree can run twice under two settings (`--tree on=. --tree off=. --env off:X=0`). Prints one
+table row per run: total and output tok/s, steps, and the engine's stage split; writes each run's
+JSON and log under --out.
 """
 
 from __future__ import annotations
@@ -21,12 +25,22 @@ import time
 from pathlib import Path
 
 
-def run_one(name: str, tree: Path, bench_args: list[str], out: Path, r: int, timeout: float):
+def run_one(
+    name: str,
+    tree: Path,
+    bench_args: list[str],
+    out: Path,
+    r: int,
+    timeout: float,
+    cache_dir: str | None = None,
+    extra_env: dict[str, str] | None = None,
+):
     out = out.resolve()
     result = out / f"{name}_{r}.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{tree.resolve()}:{env.get('PYTHONPATH', '')}"
-    env["NORI_JAX_CACHE_DIR"] = f"/tmp/nori_xla_{name}"
+    env["NORI_JAX_CACHE_DIR"] = cache_dir or f"/tmp/nori_xla_{name}"
+    env.update(extra_env or {})
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "nori_jax.cli", "bench", "offline", *bench_args]
     cmd += ["--result-json", str(result)]
@@ -64,18 +78,29 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="/tmp/ab_offline")
     p.add_argument("--timeout", type=float, default=400, help="seconds per run")
+    p.add_argument("--cache-dir", help="one compilation cache for every tree (default: one each)")
+    p.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE for tree NAME")
     args, bench_args = p.parse_known_args()
     if bench_args and bench_args[0] == "--":
         bench_args = bench_args[1:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trees = [t.split("=", 1) for t in args.tree]
+    envs: dict[str, dict[str, str]] = {}
+    for item in args.env:
+        name, _, assignment = item.partition(":")
+        key, sep, value = assignment.partition("=")
+        if not sep or name not in dict(trees):
+            p.error(f"--env {item!r}: expected NAME:KEY=VALUE for a --tree NAME")
+        envs.setdefault(name, {})[key] = value
     rows = []
     header = f"{'tree':<8}{'rnd':>3}{'total/s':>11}{'out/s':>10}{'steps':>7}{'ms/st':>8}"
     header += f"{'sch/lau/wai/pp%':>16}{'rec':>5}{'wall':>7}"
     for r in range(args.rounds):
         for name, path in trees:
-            d = run_one(name, Path(path), bench_args, out, r, args.timeout)
+            d = run_one(
+                name, Path(path), bench_args, out, r, args.timeout, args.cache_dir, envs.get(name)
+            )
             rows.append(d)
             print(row(d), flush=True)
     (out / "ab_offline.json").write_text(json.dumps(rows, indent=1))

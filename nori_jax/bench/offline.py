@@ -31,6 +31,7 @@ from nori_jax.bench.workload import (
     workload_from_args,
 )
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
+from nori_jax.heap_freeze import heap_frozen
 
 if TYPE_CHECKING:
     from nori_jax import LLMEngine
@@ -118,7 +119,8 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
         run(list(range(w.warmup_requests)), float("inf"))
     times0, metrics0 = dataclasses.asdict(engine.step_times), engine.get_metrics()
     measured = list(range(w.warmup_requests, len(reqs.prompts)))
-    elapsed, other, finished = run(measured, w.request_rate)
+    with heap_frozen():  # as LLM.generate runs its loop (nori_jax/heap_freeze.py)
+        elapsed, other, finished = run(measured, w.request_rate)
     d = {k: v - times0[k] for k, v in dataclasses.asdict(engine.step_times).items()}
     delta = lambda name: engine.get_metrics()[f"nori:{name}_total"] - metrics0[f"nori:{name}_total"]  # noqa: E731
     latency = {}
