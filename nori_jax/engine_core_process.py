@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -268,12 +269,14 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
     poller.register(inputs, zmq.POLLIN)
     n = len(clients.sockets)
     parent = os.getppid()
+    sent_s = 0.0  # the last iteration's send, reported with this one's step
     while True:
         busy = core.has_unfinished() or core.has_in_flight
         accepted: list[list[str]] = [[] for _ in range(n)]
         rejected: list[list[Rejection]] = [[] for _ in range(n)]
         aborted: list[FinishedRequest] = []
         events = poller.poll(0 if busy else _IDLE_POLL_MS)
+        t_in = time.perf_counter()  # after the poll: an idle core's wait is not work
         if os.getppid() != parent:  # a cheap check; busy, a dead client 0 would block our sends
             logger.warning("the API server that started this engine core is gone: stopping")
             return
@@ -308,6 +311,7 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
                         finished = core.abort(rid, msg.reason)
                         if finished is not None:
                             aborted.append(finished)
+        received_s = time.perf_counter() - t_in
         if core.has_unfinished():
             out = core.step()
         elif core.has_in_flight:
@@ -315,7 +319,11 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
         else:
             out = EngineCoreOutputs.empty()
         out.finished.extend(aborted)
+        if out.stats is not None:
+            out.stats.io_seconds, sent_s = received_s + sent_s, 0.0
+        t_send = time.perf_counter()
         clients.send_step(out, accepted, rejected, encode)
+        sent_s += time.perf_counter() - t_send
 
 
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode

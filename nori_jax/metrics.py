@@ -119,6 +119,12 @@ class EngineMetrics:
         self.step_duration = hist(
             "step_duration_seconds", "Wall time of one engine step.", _STEP_BUCKETS
         )
+        self.core_io = Counter(
+            "nori:engine_core_io_seconds",
+            "The engine-core process's time outside its steps: reading requests off its socket, "
+            "encoding and sending each step's outputs to the API servers.",
+            registry=r,
+        )
         self.scheduler_duration = hist(
             "scheduler_duration_seconds",
             "Host time to schedule one step and build its plan.",
@@ -212,6 +218,8 @@ class EngineMetrics:
             self.scheduler_duration.observe(st.schedule_seconds)
         if st.step_seconds:
             self.step_duration.observe(st.step_seconds)
+        if st.io_seconds:
+            self.core_io.inc(st.io_seconds)
 
     def observe_finished(self, f: FinishedRequest) -> None:
         m = f.metrics

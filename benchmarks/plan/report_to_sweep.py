@@ -31,6 +31,7 @@ SERVER_LABELS = {
     "Mean step time (ms)": "server_mean_step_ms",
     "Mean scheduler time (ms)": "server_mean_scheduler_ms",
     "Tokens per step": "server_tokens_per_step",
+    "Mean core I/O per step (ms)": "server_mean_core_io_ms",
 }
 LABELS |= SERVER_LABELS
 _INTS = ("completed", "failed", "server_steps")

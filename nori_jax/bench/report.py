@@ -94,6 +94,7 @@ SERVER_ROWS = (
     ("Mean step time (ms):", "server_mean_step_ms", ".2f"),
     ("Mean scheduler time (ms):", "server_mean_scheduler_ms", ".3f"),
     ("Tokens per step:", "server_tokens_per_step", ".1f"),
+    ("Mean core I/O per step (ms):", "server_mean_core_io_ms", ".3f"),
 )
 
 
@@ -184,6 +185,7 @@ _SERVER_COLUMNS = (
     ("step ms", "server_mean_step_ms", ".2f"),
     ("sched ms", "server_mean_scheduler_ms", ".3f"),
     ("tok/step", "server_tokens_per_step", ".1f"),
+    ("io ms", "server_mean_core_io_ms", ".3f"),
 )
 
 

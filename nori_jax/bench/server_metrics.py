@@ -11,7 +11,10 @@ end, and reports the differences:
 - server_mean_step_ms: their mean wall time (its sum / count),
 - server_mean_scheduler_ms: the mean host time to schedule and plan a step,
 - server_tokens_per_step: (generated + prompt tokens) / steps; prompt tokens are counted when a
-  request finishes, so over a window holding whole requests this is every token through a step.
+  request finishes, so over a window holding whole requests this is every token through a step;
+- server_mean_core_io_ms: the engine-core process's time outside its steps per step
+  (`nori:engine_core_io_seconds`: requests off its socket, outputs to the API servers), which
+  the step's own time leaves out; 0 for an engine in the API server's process (no sockets).
 
 Every series is summed over its label sets, so a data-parallel server's `replica="i"` series
 give the totals of every replica (its mean step is then over every replica's steps). With several
@@ -35,6 +38,7 @@ SERVER_KEYS = (
     "server_mean_step_ms",
     "server_mean_scheduler_ms",
     "server_tokens_per_step",
+    "server_mean_core_io_ms",
 )
 ERROR_KEY = "server_metrics_error"  # why the fields are None (no /metrics, unparsable, ...)
 SCRAPE_TIMEOUT_S = 10.0
@@ -48,6 +52,7 @@ _SAMPLES = {
     f"{_SCHEDULER}_sum": "scheduler_sum",
     "nori:generation_tokens_total": "generation_tokens",
     "nori:prompt_tokens_total": "prompt_tokens",
+    "nori:engine_core_io_seconds_total": "core_io_sum",
 }
 
 
@@ -61,6 +66,7 @@ class Snapshot:
     scheduler_sum: float | None = None
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
+    core_io_sum: float | None = None
 
 
 def parse(text: str) -> Snapshot:
@@ -125,4 +131,7 @@ def window(before: Snapshot | str, after: Snapshot | str) -> dict[str, Any]:
     sched, sched_s = delta("scheduler_count"), delta("scheduler_sum")
     if sched and sched > 0 and sched_s is not None and sched_s >= 0:
         out["server_mean_scheduler_ms"] = 1e3 * sched_s / sched
+    io_s = delta("core_io_sum")
+    if steps > 0 and io_s is not None and io_s >= 0:
+        out["server_mean_core_io_ms"] = 1e3 * io_s / steps
     return out

@@ -67,6 +67,9 @@ class StepStats(msgspec.Struct, array_like=True, gc=False):
     schedule_seconds: float
     step_seconds: float
     num_steps: int  # engine steps covered (0 or 1)
+    # The engine-core process's own work around the step (engine_core_process._serve): taking
+    # requests off its socket and sending the step's outputs to the API servers. 0 elsewhere.
+    io_seconds: float = 0.0
 
 
 class KVTransfer(msgspec.Struct, array_like=True, gc=False):

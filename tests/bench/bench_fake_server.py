@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "metrics": None,  # GET /metrics: None: 404; "engine": step series (see above); else this text
 }
 STEP_S, SCHEDULE_S = 0.004, 0.0005
+CORE_IO_S = 0.00025  # the engine-core process's I/O around each step
 
 state: dict[str, Any] = {
     "behaviour": dict(DEFAULTS),
@@ -81,6 +82,7 @@ async def metrics() -> Any:
             ("nori:scheduler_duration_seconds", "histogram", (n, n * SCHEDULE_S)),
             ("nori:generation_tokens", "counter", n),
             ("nori:prompt_tokens", "counter", state["finished_prompt_tokens"]),
+            ("nori:engine_core_io_seconds", "counter", n * CORE_IO_S),
         ):
             lines.append(f"# TYPE {name} {kind}")
             for replica in ("0", "1"):

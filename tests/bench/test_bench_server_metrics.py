@@ -15,8 +15,9 @@ from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS, Snapshot, pars
 
 
 def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None:
-    # the fake server's /metrics: every token sent is one 4 ms step with 0.5 ms of scheduling,
-    # shown twice (replica="0" and "1"), so the sums double the steps and keep the means
+    # the fake server's /metrics: every token sent is one 4 ms step with 0.5 ms of scheduling
+    # and 0.25 ms of the core's I/O around it, shown twice (replica="0" and "1"), so the sums
+    # double the steps and keep the means
     server.set(metrics="engine")
     cfg = bench_config(server, {"request_rate": 200.0, "warmup_requests": 3})
     workload = prepare_workload(cfg)
@@ -27,6 +28,7 @@ def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None
     assert s["server_steps"] == 2 * 20 * 8  # not the warm-up's 3 * 8 tokens
     assert s["server_mean_step_ms"] == pytest.approx(4.0)
     assert s["server_mean_scheduler_ms"] == pytest.approx(0.5)
+    assert s["server_mean_core_io_ms"] == pytest.approx(0.25)
     assert s["server_tokens_per_step"] == pytest.approx((20 * 8 + prompt_tokens) / (20 * 8))
     assert s[ERROR_KEY] is None
     result = result_dict(cfg, workload, run)
@@ -38,8 +40,9 @@ def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None
     assert "Engine steps:                            320" in text
     assert "Mean step time (ms):                     4.00" in text
     table = sweep_table([run]).splitlines()
-    assert table[1].endswith("  step ms  sched ms  tok/step")
-    assert table[2].split()[-3:] == ["4.00", "0.500", f"{s['server_tokens_per_step']:.1f}"]
+    assert table[1].endswith("  step ms  sched ms  tok/step     io ms")
+    tok_step = f"{s['server_tokens_per_step']:.1f}"
+    assert table[2].split()[-4:] == ["4.00", "0.500", tok_step, "0.250"]
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,7 @@ def test_window_arithmetic_and_its_edge_cases() -> None:
     w = window(a, b)  # no scheduler or token series: those stay None
     assert w["server_steps"] == 20 and w["server_mean_step_ms"] == pytest.approx(10.0)
     assert w["server_mean_scheduler_ms"] is None and w["server_tokens_per_step"] is None
+    assert w["server_mean_core_io_ms"] is None
     idle = window(a, a)  # no step in the window: no mean
     assert idle["server_steps"] == 0 and idle["server_mean_step_ms"] is None
     back = window(b, a)  # a server restarted between the scrapes

@@ -74,6 +74,9 @@ def test_streams_through_the_openai_client(server: Server) -> None:
     assert text == whole.choices[0].message.content
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "nori:generation_tokens_total" in metrics and "nori:recompiles_total 0.0" in metrics
+    # the core process's own work around its steps: its socket, the outputs it sends
+    io_s = next(line for line in metrics.splitlines() if line.startswith("nori:engine_core_io"))
+    assert float(io_s.split()[-1]) > 0
     info = next(line for line in metrics.splitlines() if line.startswith("nori:model_config_info"))
     for label in ('dtype="float32"', 'kv_cache_dtype="float32"', 'quantization="none"'):
         assert label in info  # from the core
