@@ -36,6 +36,7 @@ import numpy as np
 
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
 from nori_jax.engine_config import EngineConfig
+from nori_jax.plan import core_io
 from nori_jax.plan.calibration import (
     CALIBRATION_DIR,
     CalibratedEngine,
@@ -362,6 +363,8 @@ def calibrate(
     dtype = np.dtype(parts.model.dtype).name
     ps = parts.scheduler_config.page_size
     transfer = measure_kv_transfer(runner, bytes_per_page(mcfg, ps, parts.model.dtype))
+    # The served core's send path on this host (no device involved): core_io.py.
+    io = {n: core_io.measure(n) for n in core_io.MEASURED_API_SERVERS}
     kind = jax.devices()[0].device_kind
     key = CalibrationKey(model_name(config), dtype, dtype, kind, config.mesh.model)
     scfg = parts.scheduler_config
@@ -385,7 +388,7 @@ def calibrate(
         f"{datetime.date.today().isoformat()}, commit {_git_commit()}, {len(profiles)} profiles"
     )
     cal = Calibration(
-        key, engine, costs, feature_max, quality, source, False, transfer, tuple(check)
+        key, engine, costs, feature_max, quality, source, False, transfer, tuple(check), core_io=io
     )
     return cal, profiles
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from nori_jax.plan.core_io import CoreIO
 from nori_jax.plan.step_model import HOST_STAGES, LinearModel, StepCosts
 
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "calibration"
@@ -130,6 +131,9 @@ class Calibration:
     kv_transfer: KVTransfer | None = None
     check: Sequence[Mapping[str, Any]] = ()  # measured vs predicted wall times (calibrate)
     path: str | None = None  # the file it was read from
+    # The engine-core process's send path per step, by number of API servers (core_io.py);
+    # empty in files recorded before it was measured.
+    core_io: Mapping[int, CoreIO] = dataclasses.field(default_factory=dict)
 
     def kv_pages(self, page_size: int, kv_dtype: str | None = None) -> int:
         """Pages (null page included) of the calibrated KV memory at another page size."""
@@ -157,6 +161,8 @@ class Calibration:
             d["kv_transfer"] = dataclasses.asdict(self.kv_transfer)
         if self.check:
             d["check"] = [dict(c) for c in self.check]
+        if self.core_io:
+            d["core_io"] = {n: dataclasses.asdict(io) for n, io in sorted(self.core_io.items())}
         return d
 
     @classmethod
@@ -193,6 +199,7 @@ class Calibration:
                 kv_transfer=KVTransfer(**kv) if kv else None,
                 check=tuple(d.get("check") or ()),
                 path=path,
+                core_io={int(n): CoreIO(**io) for n, io in (d.get("core_io") or {}).items()},
             )
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e}") from None

@@ -131,7 +131,16 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="API server processes (serve --api-server-count), each paying the frontend costs "
-        "of its own requests",
+        "of its own requests; also picks the calibration's engine-core send cost for that many",
+    )
+    g.add_argument(
+        "--core-io-us-per-step",
+        type=float,
+        help="the engine-core process's send path per step (default: the calibration's, for "
+        "--frontend-servers API servers; 0 where it has none)",
+    )
+    g.add_argument(
+        "--core-io-us-per-row", type=float, help="and per token the step delivers (likewise)"
     )
     g.add_argument(
         "--disaggregate",
@@ -315,6 +324,7 @@ def _calibrations(args: argparse.Namespace, many: bool = False):
 def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = ()):
     from nori_jax.bench.offline import OfflineConfig
     from nori_jax.plan.calibration import KVTransfer
+    from nori_jax.plan.core_io import CoreIO
     from nori_jax.plan.planner import PlanSettings
     from nori_jax.plan.simulator import Frontend
     from nori_jax.plan.whatif import WhatIf
@@ -344,6 +354,10 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         transfer = KVTransfer(
             args.kv_transfer_gbps * 1e9, args.kv_transfer_latency_ms / 1e3, "given"
         )
+    core_io = None  # the calibration's
+    if args.core_io_us_per_step is not None or args.core_io_us_per_row is not None:
+        step_us, row_us = args.core_io_us_per_step or 0.0, args.core_io_us_per_row or 0.0
+        core_io = CoreIO(step_us / 1e6, row_us / 1e6)
     percentiles = _floats(args.metric_percentiles, "--metric-percentiles")
     percentiles += tuple(p for p in (99.0, *extra_percentiles) if p not in percentiles)
     return PlanSettings(
@@ -356,6 +370,7 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         frontend=Frontend(
             args.frontend_ms_per_step / 1e3, args.frontend_us_per_token / 1e6, args.frontend_servers
         ),
+        core_io=core_io,
         disaggregate=disaggregate,
         kv_transfer=transfer,
     )
@@ -428,6 +443,12 @@ def _header(planner) -> None:
         + (f"; disaggregated {planner.settings.disaggregate[0]}:{planner.settings.disaggregate[1]}"
            if planner.settings.disaggregate else "")
     )  # fmt: skip
+    io, servers = planner.core_io, planner.settings.frontend.servers
+    print(
+        f"Engine-core send path ({servers} API server{'s' if servers > 1 else ''}): "
+        + (f"{1e6 * io.step_s:.1f} us per step + {1e6 * io.row_s:.3f} us per token"
+           if io.enabled else "not modelled (none calibrated for that many, or given 0)")
+    )  # fmt: skip
     for w in planner.warnings:
         print(f"WARNING: {w}")
 
@@ -495,6 +516,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(
             f"  check {c['shape']}: measured {c['measured_ms']:.2f} ms/step overlapped, "
             f"model {c['predicted_ms']:.2f}"
+        )
+    for servers, io in sorted(cal.core_io.items()):
+        print(
+            f"  engine-core send path, {servers} API server(s): {1e6 * io.step_s:.1f} us per "
+            f"step + {1e6 * io.row_s:.3f} us per token"
         )
     t = cal.kv_transfer
     print(f"  KV transfer ({t.path}): {t.bytes_per_s / 1e9:.2f} GB/s + {1e3 * t.latency_s:.3f} ms")

@@ -16,6 +16,7 @@ from nori_jax.bench.config import GOODPUT_NAMES
 from nori_jax.bench.offline import OfflineConfig
 from nori_jax.bench.run import RunResult
 from nori_jax.plan.calibration import Calibration, KVTransfer
+from nori_jax.plan.core_io import CoreIO
 from nori_jax.plan.disaggregation import Side, simulate_disaggregated
 from nori_jax.plan.simulator import Frontend, simulate
 from nori_jax.plan.whatif import WhatIf, sim_engine
@@ -29,6 +30,9 @@ class PlanSettings:
     percentiles: tuple[float, ...] = (99.0,)
     goodput_slos_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
     frontend: Frontend = Frontend()
+    # The core's send path per step: None takes the calibration's for frontend.servers API
+    # servers (zero where the file has none).
+    core_io: CoreIO | None = None
     disaggregate: tuple[int, int] | None = None  # (prefill replicas, decode replicas)
     kv_transfer: KVTransfer | None = None  # None: the calibration's measured one
 
@@ -57,6 +61,9 @@ class Planner:
             self.warnings.insert(0, f"{cal.path or 'the calibration'} is derived: {cal.source}")
         scfg = self.engine.scheduler
         self.drawn = draw(settings.shaping, self.engine.vocab_size, scfg.max_model_len)
+        self.core_io = settings.core_io
+        if self.core_io is None:
+            self.core_io = cal.core_io.get(settings.frontend.servers, CoreIO())
         self.transfer = None
         if settings.disaggregate is not None:
             self.transfer = settings.kv_transfer or cal.kv_transfer
@@ -91,6 +98,7 @@ class Planner:
                 percentiles=s.percentiles,
                 goodput_slos_ms=s.goodput_slos_ms,
                 frontend=s.frontend,
+                core_io=self.core_io,
                 feature_max=self.cal.feature_max,
             )
             summary = res.stats.summary()

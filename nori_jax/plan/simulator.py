@@ -22,6 +22,10 @@ FIFO servers behind the core (`--api-server-count`), request i on server i mod `
 kernel spreads connections over the processes sharing the port), each taking
 `step_s + token_s * tokens` of every step's output that holds tokens of its requests (the core
 sends each API server its own requests' tokens); 0 costs (the default) leave it out.
+
+`core_io` (core_io.py) is the engine-core process's own send path after each step (splitting
+the outputs by API server, encoding, ZeroMQ): host time on the core's clock, before the step's
+tokens leave it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from nori_jax.core.paging import PageAllocator
 from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import QueueFullError, Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.plan.core_io import NO_CORE_IO, CoreIO
 from nori_jax.plan.features import StepFeatures
 from nori_jax.plan.step_model import StepCosts
 from nori_jax.plan.virtual_device import SimClock, SimExecutor
@@ -181,6 +186,7 @@ def simulate(
     percentiles: Sequence[float] = (99.0,),
     goodput_slos_ms: Mapping[str, float] | None = None,
     frontend: Frontend = NO_FRONTEND,
+    core_io: CoreIO = NO_CORE_IO,
     feature_max: Mapping[str, float] | None = None,
     record_steps: bool = False,
     prepare: Callable[[EngineCore, int, SimRequest], None] | None = None,
@@ -234,6 +240,10 @@ def simulate(
                 )
         else:
             idle_spins = 0
+        if core_io.enabled and (st.num_steps or out.request_ids):
+            io = core_io.seconds(len(out.request_ids))  # the outputs leave after the send
+            clock.now += io
+            clock.host_busy += io
         if frontend.enabled and out.request_ids:
             delivered = frontend.deliver(clock.now, out.request_ids, front_free)
             for rid, t in zip(out.request_ids, delivered, strict=True):
