@@ -32,6 +32,7 @@ SERVER_LABELS = {
     "Mean scheduler time (ms)": "server_mean_scheduler_ms",
     "Tokens per step": "server_tokens_per_step",
     "Mean core I/O per step (ms)": "server_mean_core_io_ms",
+    "Mean TTFT at the engine (ms)": "server_mean_ttft_ms",
 }
 LABELS |= SERVER_LABELS
 _INTS = ("completed", "failed", "server_steps")

@@ -95,6 +95,7 @@ SERVER_ROWS = (
     ("Mean scheduler time (ms):", "server_mean_scheduler_ms", ".3f"),
     ("Tokens per step:", "server_tokens_per_step", ".1f"),
     ("Mean core I/O per step (ms):", "server_mean_core_io_ms", ".3f"),
+    ("Mean TTFT at the engine (ms):", "server_mean_ttft_ms", ".2f"),
 )
 
 
@@ -186,6 +187,7 @@ _SERVER_COLUMNS = (
     ("sched ms", "server_mean_scheduler_ms", ".3f"),
     ("tok/step", "server_tokens_per_step", ".1f"),
     ("io ms", "server_mean_core_io_ms", ".3f"),
+    ("eng TTFT", "server_mean_ttft_ms", ".1f"),
 )
 
 

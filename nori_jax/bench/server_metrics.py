@@ -14,7 +14,12 @@ end, and reports the differences:
   request finishes, so over a window holding whole requests this is every token through a step;
 - server_mean_core_io_ms: the engine-core process's time outside its steps per step
   (`nori:engine_core_io_seconds`: requests off its socket, outputs to the API servers), which
-  the step's own time leaves out; 0 for an engine in the API server's process (no sockets).
+  the step's own time leaves out; 0 for an engine in the API server's process (no sockets);
+- server_mean_ttft_ms: the mean time to first token as the engine sees it
+  (`nori:time_to_first_token_seconds`: from the request's arrival at the API server's engine
+  client, after HTTP, validation and tokenization, to its first token out of the core's step).
+  The client's mean TTFT less this is the path outside the engine: HTTP in, the API server, and
+  the first token's way back out.
 
 Every series is summed over its label sets, so a data-parallel server's `replica="i"` series
 give the totals of every replica (its mean step is then over every replica's steps). With several
@@ -39,6 +44,7 @@ SERVER_KEYS = (
     "server_mean_scheduler_ms",
     "server_tokens_per_step",
     "server_mean_core_io_ms",
+    "server_mean_ttft_ms",
 )
 ERROR_KEY = "server_metrics_error"  # why the fields are None (no /metrics, unparsable, ...)
 SCRAPE_TIMEOUT_S = 10.0
@@ -53,6 +59,8 @@ _SAMPLES = {
     "nori:generation_tokens_total": "generation_tokens",
     "nori:prompt_tokens_total": "prompt_tokens",
     "nori:engine_core_io_seconds_total": "core_io_sum",
+    "nori:time_to_first_token_seconds_count": "ttft_count",
+    "nori:time_to_first_token_seconds_sum": "ttft_sum",
 }
 
 
@@ -67,6 +75,8 @@ class Snapshot:
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
     core_io_sum: float | None = None
+    ttft_count: float | None = None
+    ttft_sum: float | None = None
 
 
 def parse(text: str) -> Snapshot:
@@ -131,6 +141,9 @@ def window(before: Snapshot | str, after: Snapshot | str) -> dict[str, Any]:
     sched, sched_s = delta("scheduler_count"), delta("scheduler_sum")
     if sched and sched > 0 and sched_s is not None and sched_s >= 0:
         out["server_mean_scheduler_ms"] = 1e3 * sched_s / sched
+    firsts, ttft_s = delta("ttft_count"), delta("ttft_sum")
+    if firsts and firsts > 0 and ttft_s is not None and ttft_s >= 0:
+        out["server_mean_ttft_ms"] = 1e3 * ttft_s / firsts
     io_s = delta("core_io_sum")
     if steps > 0 and io_s is not None and io_s >= 0:
         out["server_mean_core_io_ms"] = 1e3 * io_s / steps

@@ -127,6 +127,13 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         "--frontend-ms-per-step", type=float, default=0.0, help="and per engine step's output"
     )
     g.add_argument(
+        "--frontend-latency-ms",
+        type=float,
+        default=0.0,
+        help="fixed latency of the way in and out (HTTP, sockets) added to every token: a "
+        "served sweep's client mean TTFT less its server_mean_ttft_ms",
+    )
+    g.add_argument(
         "--frontend-servers",
         type=int,
         default=1,
@@ -368,7 +375,10 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         percentiles=percentiles,
         goodput_slos_ms=_bounds(args.goodput, "--goodput"),
         frontend=Frontend(
-            args.frontend_ms_per_step / 1e3, args.frontend_us_per_token / 1e6, args.frontend_servers
+            args.frontend_ms_per_step / 1e3,
+            args.frontend_us_per_token / 1e6,
+            args.frontend_servers,
+            args.frontend_latency_ms / 1e3,
         ),
         core_io=core_io,
         disaggregate=disaggregate,
@@ -621,6 +631,15 @@ def _sweep_inner(args: argparse.Namespace) -> int:
         rows = comparison(runs, measured, step_ms)
         if rows:
             print(comparison_table(rows))
+        outside = [
+            f"{r.request_rate:g}: {m['mean_ttft_ms'] - m['server_mean_ttft_ms']:.1f} ms"
+            for r in measured
+            if (m := r.metrics).get("server_mean_ttft_ms") is not None
+            and m.get("mean_ttft_ms") is not None
+        ]
+        if outside:  # what --frontend-latency-ms stands for, as measured
+            print("Measured path outside the engine (client mean TTFT - engine's), by rate: "
+                  + ", ".join(outside))  # fmt: skip
         print(
             "Measured knee: "
             + (f"{measured_knee.rate:g} req/s" if measured_knee else "not found")

@@ -21,7 +21,8 @@ The frontend stage models the API server processes (detokenization, SSE, HTTP wr
 FIFO servers behind the core (`--api-server-count`), request i on server i mod `servers` (the
 kernel spreads connections over the processes sharing the port), each taking
 `step_s + token_s * tokens` of every step's output that holds tokens of its requests (the core
-sends each API server its own requests' tokens); 0 costs (the default) leave it out.
+sends each API server its own requests' tokens), plus a fixed `latency_s` per token for the
+way in and out (HTTP, the sockets); 0 costs (the default) leave it out.
 
 `core_io` (core_io.py) is the engine-core process's own send path after each step (splitting
 the outputs by API server, encoding, ZeroMQ): host time on the core's clock, before the step's
@@ -74,9 +75,13 @@ class Frontend:
     step_s: float = 0.0
     token_s: float = 0.0
     servers: int = 1  # API server processes, each a FIFO of its own requests' outputs
+    # The path outside the engine that no FIFO models: HTTP in, the request's way to the core,
+    # and each token's way back out to the client; added to every token's time. Measured as the
+    # client's mean TTFT less the engine's (bench serve's server_mean_ttft_ms).
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.step_s >= 0 and self.token_s >= 0):
+        if not (self.step_s >= 0 and self.token_s >= 0 and self.latency_s >= 0):
             raise ValueError(f"frontend costs must be >= 0, got {self}")
         if self.servers < 1:
             raise ValueError(f"frontend servers must be >= 1, got {self.servers}")
@@ -91,11 +96,11 @@ class Frontend:
         for k, c in enumerate(counts):
             if c:
                 free[k] = max(t, free[k]) + self.step_s + self.token_s * c
-        return [free[int(rid) % n] for rid in request_ids]
+        return [free[int(rid) % n] + self.latency_s for rid in request_ids]
 
     @property
     def enabled(self) -> bool:
-        return self.step_s > 0 or self.token_s > 0
+        return self.step_s > 0 or self.token_s > 0 or self.latency_s > 0
 
 
 NO_FRONTEND = Frontend()

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
 }
 STEP_S, SCHEDULE_S = 0.004, 0.0005
 CORE_IO_S = 0.00025  # the engine-core process's I/O around each step
+ENGINE_TTFT_S = 0.015  # each request's first token as the engine sees it
 
 state: dict[str, Any] = {
     "behaviour": dict(DEFAULTS),
@@ -76,13 +77,14 @@ async def metrics() -> Any:
     if text is None:
         return PlainTextResponse("Not Found", status_code=404)
     if text == "engine":
-        n, lines = state["tokens"], []
+        n, k, lines = state["tokens"], len(state["sent"]), []
         for name, kind, value in (
             ("nori:step_duration_seconds", "histogram", (n, n * STEP_S)),
             ("nori:scheduler_duration_seconds", "histogram", (n, n * SCHEDULE_S)),
             ("nori:generation_tokens", "counter", n),
             ("nori:prompt_tokens", "counter", state["finished_prompt_tokens"]),
             ("nori:engine_core_io_seconds", "counter", n * CORE_IO_S),
+            ("nori:time_to_first_token_seconds", "histogram", (k, k * ENGINE_TTFT_S)),
         ):
             lines.append(f"# TYPE {name} {kind}")
             for replica in ("0", "1"):

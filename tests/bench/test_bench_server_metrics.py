@@ -29,6 +29,7 @@ def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None
     assert s["server_mean_step_ms"] == pytest.approx(4.0)
     assert s["server_mean_scheduler_ms"] == pytest.approx(0.5)
     assert s["server_mean_core_io_ms"] == pytest.approx(0.25)
+    assert s["server_mean_ttft_ms"] == pytest.approx(15.0)  # the engine's own view
     assert s["server_tokens_per_step"] == pytest.approx((20 * 8 + prompt_tokens) / (20 * 8))
     assert s[ERROR_KEY] is None
     result = result_dict(cfg, workload, run)
@@ -40,9 +41,9 @@ def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None
     assert "Engine steps:                            320" in text
     assert "Mean step time (ms):                     4.00" in text
     table = sweep_table([run]).splitlines()
-    assert table[1].endswith("  step ms  sched ms  tok/step     io ms")
+    assert table[1].endswith("  step ms  sched ms  tok/step     io ms  eng TTFT")
     tok_step = f"{s['server_tokens_per_step']:.1f}"
-    assert table[2].split()[-4:] == ["4.00", "0.500", tok_step, "0.250"]
+    assert table[2].split()[-5:] == ["4.00", "0.500", tok_step, "0.250", "15.0"]
 
 
 @pytest.mark.parametrize(
