@@ -68,6 +68,11 @@ def test_the_calibration_file_describes_the_engine_and_loads(calibrated, tmp_pat
     assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in back.check)
     assert back.kv_transfer.bytes_per_s > 0 and back.kv_transfer.path == "device-host-device"
     assert "plan calibrate" in back.source and not back.derived
+    # the served core's send path, measured on this host for 1 and 4 API servers
+    assert sorted(back.core_io) == [1, 4]
+    for n, io in back.core_io.items():  # the file keeps 5 significant digits
+        assert io.enabled and io.step_s == pytest.approx(cal.core_io[n].step_s, rel=1e-4)
+        assert io.row_s == pytest.approx(cal.core_io[n].row_s, rel=1e-4)
 
 
 def test_the_simulator_runs_on_a_fresh_calibration(calibrated):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from nori_jax.bench.run import RunResult
 from nori_jax.bench.sweep import SweepConfig
 from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.plan.calibration import KVTransfer
+from nori_jax.plan.core_io import CoreIO
 from nori_jax.plan.disaggregation import Side, simulate_disaggregated
 from nori_jax.plan.planner import Planner, PlanSettings
 from nori_jax.plan.simulator import Frontend, SimRequest, simulate
@@ -229,3 +231,58 @@ def test_several_api_servers_split_the_frontend_cost_by_request():
         assert ts == sorted(ts) and len(ts) == 50
     with pytest.raises(ValueError, match="servers must be >= 1"):
         Frontend(0.0, 1e-3, servers=0)
+
+
+def test_a_frontend_latency_shifts_every_token_and_nothing_else():
+    cal = synthetic_calibration()
+    engine, _ = sim_engine(cal)
+    reqs = [SimRequest(list(range(10, 42)), 20, 0.01 * i) for i in range(10)]
+    base = simulate(engine, cal.costs, reqs, request_rate=100.0)
+    late = simulate(engine, cal.costs, reqs, request_rate=100.0, frontend=Frontend(latency_s=0.005))
+    assert late.stats.steps == base.stats.steps  # the core's decisions are the same
+    for a, b in zip(base.token_times, late.token_times, strict=True):
+        assert b == pytest.approx([t + 0.005 for t in a])
+    m, n = base.run.metrics, late.run.metrics
+    assert n["mean_ttft_ms"] == pytest.approx(m["mean_ttft_ms"] + 5.0)
+    assert n["mean_tpot_ms"] == pytest.approx(m["mean_tpot_ms"])
+    with pytest.raises(ValueError, match="frontend costs must be >= 0"):
+        Frontend(latency_s=-1.0)
+
+
+def test_the_core_send_path_delays_each_step_by_its_rows():
+    """The engine core's send after every step (core_io.py) is host time on the core's clock:
+    with 1 ms per step, every iteration that runs a step takes 1 ms longer, and the tokens
+    leave after it."""
+    cal = synthetic_calibration()
+    engine, _ = sim_engine(cal)
+    reqs = [SimRequest(list(range(10, 42)), 30, 0.0) for _ in range(8)]
+    base = simulate(engine, cal.costs, reqs, request_rate=math.inf)
+    io = simulate(engine, cal.costs, reqs, request_rate=math.inf, core_io=CoreIO(1e-3, 0.0))
+    assert io.stats.steps == base.stats.steps
+    extra = io.stats.host_busy_s - base.stats.host_busy_s
+    # one send per loop iteration with a step or outputs: the steps, plus the final drain
+    assert extra == pytest.approx(1e-3 * (base.stats.steps + 1))
+    # host time the device partly hides (overlapped scheduling), but no token leaves earlier
+    assert io.run.metrics["duration"] > base.run.metrics["duration"]
+    for a, b in zip(base.token_times, io.token_times, strict=True):
+        assert all(y >= x for x, y in zip(a, b, strict=True))
+    per_row = simulate(engine, cal.costs, reqs, request_rate=math.inf, core_io=CoreIO(0.0, 1e-4))
+    tokens = sum(r.output_len for r in reqs)
+    assert per_row.stats.host_busy_s - base.stats.host_busy_s == pytest.approx(1e-4 * tokens)
+
+
+def test_the_planner_takes_the_calibrations_send_path_for_its_api_servers():
+    cal = dataclasses.replace(
+        synthetic_calibration(), core_io={1: CoreIO(1e-6, 0.0), 4: CoreIO(2e-5, 1e-7)}
+    )
+    w = WorkloadConfig(dataset="fixed", num_prompts=4, input_len=8, output_len=4)
+    shaping = OfflineConfig(w)
+    assert Planner(cal, PlanSettings(shaping)).core_io == CoreIO(1e-6, 0.0)
+    four = PlanSettings(shaping, frontend=Frontend(servers=4))
+    assert Planner(cal, four).core_io == CoreIO(2e-5, 1e-7)
+    two = PlanSettings(shaping, frontend=Frontend(servers=2))
+    assert Planner(cal, two).core_io == CoreIO()  # none calibrated for 2: not modelled
+    given = dataclasses.replace(four, core_io=CoreIO(5e-6, 0.0))
+    assert Planner(cal, given).core_io == CoreIO(5e-6, 0.0)
+    with pytest.raises(ValueError, match="core I/O step_s=-1"):
+        CoreIO(-1.0, 0.0)
