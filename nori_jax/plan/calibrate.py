@@ -295,17 +295,30 @@ def fit_launch_wait(
 
 
 def _git_commit() -> str:
+    """The commit of the source that runs, or "unknown": only when this package's tree is the
+    work tree's top (a copy of the sources inside another checkout would report that one's)."""
+    source = Path(__file__).resolve().parent.parent.parent
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
             capture_output=True,
             text=True,
             timeout=5,
-            cwd=Path(__file__).parent,
+            cwd=source,
         )
-        return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != source:
+        return "unknown"
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=5,
+        cwd=source,
+    ).stdout.strip()
+    return lines[1] + ("+changes" if dirty else "")
 
 
 def fit(profiles: list[Profile]) -> tuple[StepCosts, dict]:
