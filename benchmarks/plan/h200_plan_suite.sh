@@ -7,8 +7,10 @@
 #   PARTS="calibrate1b sweep1b" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh    # ~5 minutes
 #   PARTS=compare OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh     # CPU is enough
 # (`calibrate` does both shapes; `offline` runs each shape's offline workload beside its
-# simulation.) compare passes the measured path outside the engine at the lowest rate (client
-# mean TTFT less the engine's, from /metrics) as --frontend-latency-ms.
+# simulation; `apiservers` measures the API servers' CPU per streamed token with a fake core.)
+# compare passes the measured path outside the engine at the lowest rate (client mean TTFT less
+# the engine's, from /metrics) as --frontend-latency-ms, and with `apiservers` run before, the
+# API servers' cost per token as --frontend-us-per-token.
 # Then copy $OUT/calibration/*.yaml to configs/calibration/.
 # Needs the bench extra, and the wheels the GPU image lacks on PYTHONPATH.
 set -u
@@ -40,14 +42,19 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
         --config h200-throughput --model "$m" $SHAPES --out "$OUT/calibration/" 2>&1 | quiet
     done ;;
   offline)
-    for m in smollm2-135m llama3.2-1b; do
-      n=$([ "$m" = smollm2-135m ] && echo 2000 || echo 1000)
+    # PERF.md's workload: 2,000 requests (OFFLINE_MODELS picks the shapes).
+    for m in ${OFFLINE_MODELS:-smollm2-135m llama3.2-1b}; do
+      n=${N_OFFLINE:-2000}
       timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput --model "$m" \
         $SHAPES --num-prompts "$n" --result-json "$OUT/offline_$m.json" 2>&1 | quiet | \
         grep -E "Total token|Steps|p50 / p99"
       python3 -m nori_jax.cli plan simulate --calibration "$(cal "$m")" --num-prompts "$n" \
         --request-rate inf 2>&1 | grep -E "Total token|Median|P99 T|Simulated: steps"
     done ;;
+  apiservers)
+    # The API server processes alone (a fake engine core): CPU microseconds per streamed token.
+    timeout 120 python3 "$here/../engine/api_server_bench.py" --runs 2 --json "$OUT/api_servers.json" \
+      -- $SERVE 2>&1 | tail -4 ;;
   sweep135)
     # The printed report is kept beside the JSON: the JSON of 1,000 requests a rate (per-request
     # arrays) is ~30 MB, more than a device call returns; report_to_sweep.py rebuilds its summary.
@@ -67,8 +74,16 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
       n=$([ "$m" = smollm2-135m ] && echo "$N" || echo "$N_1B")
       latency=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
 print(max(0.0, r['mean_ttft_ms'] - (r.get('server_mean_ttft_ms') or r['mean_ttft_ms'])))" "$measured")
+      per_token=0
+      if [ -f "$OUT/api_servers.json" ]; then  # the median run's
+        per_token=$(python3 -c "import json, statistics, sys; \
+print(statistics.median(r['api_server_us_per_token'] for r in json.load(open(sys.argv[1]))))" \
+          "$OUT/api_servers.json")
+      fi
+      echo "$m: --frontend-latency-ms $latency --frontend-us-per-token $per_token"
       python3 -m nori_jax.cli plan sweep --calibration "$(cal "$m")" --num-prompts "$n" \
         --frontend-servers "${API_SERVERS:-4}" --frontend-latency-ms "$latency" \
+        --frontend-us-per-token "$per_token" \
         --measured "$measured" --plot "$OUT/plan_vs_measured_$m.png" \
         --result-json "$OUT/plan_vs_measured_$m.json" 2>&1 | tail -14
     done ;;
