@@ -1,7 +1,7 @@
 """The API server process alone: how much host CPU one streamed token costs it.
 
     python benchmarks/engine/api_server_bench.py [--num-prompts 1000] [--concurrency 256] \
-        [--output-len 200] [--runs 2] [-- SERVE_FLAGS ...]
+        [--input-len 16] [--output-len 200] [--runs 2] [-- SERVE_FLAGS ...]
 
 Starts `nori-jax serve` (engine core in its own process, as by default) with the engine-core
 program replaced by `fake_core.py`, which streams one token per running request every 5 ms with no
@@ -9,7 +9,10 @@ model. Then `nori-jax bench serve` sends `--num-prompts` streaming /v1/completio
 most `--concurrency` at once, and the script reads from /proc how many CPU seconds the API server
 processes (all their threads; several with `-- --api-server-count N`) and the fake core spent
 during the load. The figure: API-server CPU microseconds per streamed output token, which bounds
-the served throughput of one API server process at about 1e6 / (that figure) tokens per second.
+the served throughput of one API server process at about 1e6 / (that figure) tokens per second,
+and per request. With `--output-len 1` and PERF.md's mean prompt (`--input-len 680`, token ids)
+the per-request figure is what a request costs its API server besides its tokens: parsing and
+validating the body, the way to the core, the response's start and end.
 Flags after `--` go to `nori-jax serve`. Needs the bench extra.
 """
 
@@ -85,11 +88,14 @@ def run_load(port: int, args, out_json: str) -> dict:
         "--base-url",
         f"http://127.0.0.1:{port}",
     ]
-    cmd += ["--dataset", "fixed", "--input-len", "16", "--output-len", str(args.output_len)]
+    cmd += ["--dataset", "fixed", "--input-len", str(args.input_len)]
+    cmd += ["--output-len", str(args.output_len)]
     cmd += ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency)]
     cmd += ["--request-rate", "inf", "--ignore-eos", "--prompt-format", "token-ids"]
     cmd += ["--disable-tqdm", "--warmup-requests", "0", "--result-json", out_json]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        sys.exit(f"bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}")
     with open(out_json) as f:
         return json.load(f)
 
@@ -101,6 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=16, help="prompt tokens (sent as token ids)")
     p.add_argument("--output-len", type=int, default=200)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
@@ -136,6 +143,7 @@ def main() -> None:
                         "output_tok_s": tokens / wall,
                         "api_server_cpu_s": s1 - s0,
                         "api_server_us_per_token": (s1 - s0) / tokens * 1e6,
+                        "api_server_us_per_request": (s1 - s0) / args.num_prompts * 1e6,
                         "fake_core_cpu_s": c1 - c0,
                     }
                 )
@@ -146,12 +154,14 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| run | output tok/s | API server CPU s | us per token | fake core CPU s |")
-    print("|---|---|---|---|---|")
+    print("\n| run | output tok/s | API server CPU s | us per token | us per request", end="")
+    print(" | fake core CPU s |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['run']} | {r['output_tok_s']:,.0f} | {r['api_server_cpu_s']:.1f} | "
-            f"{r['api_server_us_per_token']:.1f} | {r['fake_core_cpu_s']:.1f} |"
+            f"{r['api_server_us_per_token']:.1f} | {r['api_server_us_per_request']:.0f} | "
+            f"{r['fake_core_cpu_s']:.1f} |"
         )
 
 

@@ -351,6 +351,7 @@ def calibrate(
 
     from nori_jax.engine import build_engine
     from nori_jax.executor.kv_cache import bytes_per_page
+    from pallas_kernels.kv_layout import kv_page_dtype
 
     started = time.perf_counter()
     parts = build_engine(config)
@@ -374,12 +375,15 @@ def calibrate(
         for c, f in zip(session.check, check_features, strict=True)
     ]
     dtype = np.dtype(parts.model.dtype).name
+    # The pages' dtype, not the model's: fp8 pages (--kv-cache-dtype) are a calibration apart.
+    kv_dtype = kv_page_dtype(config.kv_cache_dtype, parts.model.dtype)
     ps = parts.scheduler_config.page_size
-    transfer = measure_kv_transfer(runner, bytes_per_page(mcfg, ps, parts.model.dtype))
+    transfer = measure_kv_transfer(runner, bytes_per_page(mcfg, ps, kv_dtype))
     # The served core's send path on this host (no device involved): core_io.py.
     io = {n: core_io.measure(n) for n in core_io.MEASURED_API_SERVERS}
     kind = jax.devices()[0].device_kind
-    key = CalibrationKey(model_name(config), dtype, dtype, kind, config.mesh.model)
+    kv_name = np.dtype(kv_dtype).name
+    key = CalibrationKey(model_name(config), dtype, kv_name, kind, config.mesh.model)
     scfg = parts.scheduler_config
     engine = CalibratedEngine(
         page_size=ps,
@@ -388,7 +392,7 @@ def calibrate(
         max_num_seqs=scfg.max_num_seqs,
         max_num_batched_tokens=scfg.max_num_batched_tokens,
         vocab_size=mcfg.vocab_size,
-        kv_bytes_per_token=bytes_per_page(mcfg, 1, parts.model.dtype),
+        kv_bytes_per_token=bytes_per_page(mcfg, 1, kv_dtype),
         attention_backend=config.attention_backend,
         async_scheduling=config.async_scheduling,
     )

@@ -68,8 +68,8 @@ def test_the_calibration_file_describes_the_engine_and_loads(calibrated, tmp_pat
     assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in back.check)
     assert back.kv_transfer.bytes_per_s > 0 and back.kv_transfer.path == "device-host-device"
     assert "plan calibrate" in back.source and not back.derived
-    # the served core's send path, measured on this host for 1 and 4 API servers
-    assert sorted(back.core_io) == [1, 4]
+    # the served core's send path, measured on this host for 1, 4 and 8 API servers
+    assert sorted(back.core_io) == [1, 4, 8]
     for n, io in back.core_io.items():  # the file keeps 5 significant digits
         assert io.enabled and io.step_s == pytest.approx(cal.core_io[n].step_s, rel=1e-4)
         assert io.row_s == pytest.approx(cal.core_io[n].row_s, rel=1e-4)
@@ -82,3 +82,20 @@ def test_the_simulator_runs_on_a_fresh_calibration(calibrated):
         out = Planner(cal, PlanSettings(OfflineConfig(w))).run_at(rate)
         assert out.run.metrics["completed"] == 20
         assert out.run.metrics["mean_ttft_ms"] > 0
+
+
+def test_fp8_pages_are_a_calibration_of_their_own(tmp_path):
+    """--kv-cache-dtype fp8: the file's key and KV bytes are the pages', not the model's."""
+    config = EngineConfig.from_yaml(
+        "tiny-cpu", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_dtype="fp8"
+    )
+    grid = ProfileGrid(batches=(1,), contexts=(16,), prefill_lens=(40,), mixed_batch=1, steps=2)
+    cal, _ = calibrate(config, grid, log=lambda _: None)
+    back = load_calibration(write(cal, tmp_path))
+    assert back.key.describe() == (
+        "model=tiny-llama dtype=float32 kv_dtype=float8_e4m3fn device=cpu tp=1"
+    )
+    assert back.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 1  # one byte per value
+    query = CalibrationQuery(model="tiny-llama", kv_dtype="fp8")
+    found = find_calibration(query, directory=tmp_path)
+    assert found.key == back.key
