@@ -63,7 +63,14 @@ class Planner:
         self.drawn = draw(settings.shaping, self.engine.vocab_size, scfg.max_model_len)
         self.core_io = settings.core_io
         if self.core_io is None:
-            self.core_io = cal.core_io.get(settings.frontend.servers, CoreIO())
+            servers = settings.frontend.servers
+            self.core_io = cal.core_io.get(servers, CoreIO())
+            if cal.core_io and servers not in cal.core_io:
+                self.warnings.append(
+                    f"{cal.path or 'the calibration'} has the core's send path for "
+                    f"{sorted(cal.core_io)} API servers, not {servers}: it is left out "
+                    "(--core-io-us-per-step/-row give it)"
+                )
         self.transfer = None
         if settings.disaggregate is not None:
             self.transfer = settings.kv_transfer or cal.kv_transfer

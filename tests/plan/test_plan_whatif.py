@@ -281,7 +281,9 @@ def test_the_planner_takes_the_calibrations_send_path_for_its_api_servers():
     four = PlanSettings(shaping, frontend=Frontend(servers=4))
     assert Planner(cal, four).core_io == CoreIO(2e-5, 1e-7)
     two = PlanSettings(shaping, frontend=Frontend(servers=2))
-    assert Planner(cal, two).core_io == CoreIO()  # none calibrated for 2: not modelled
+    assert Planner(cal, two).core_io == CoreIO()  # none calibrated for 2: not modelled, said
+    assert any("for [1, 4] API servers, not 2" in w for w in Planner(cal, two).warnings)
+    assert not any("API servers" in w for w in Planner(cal, four).warnings)
     given = dataclasses.replace(four, core_io=CoreIO(5e-6, 0.0))
     assert Planner(cal, given).core_io == CoreIO(5e-6, 0.0)
     with pytest.raises(ValueError, match="core I/O step_s=-1"):
