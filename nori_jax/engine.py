@@ -160,6 +160,11 @@ def build_engine(
             f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
             "engine is one replica, tensor parallel over every process's devices"
         )
+    if multihost.enabled and config.scheduler.num_scheduler_steps > 1:
+        raise ValueError(
+            f"num_scheduler_steps={config.scheduler.num_scheduler_steps}: multi-step decode is "
+            "not available on a multi-host engine (its step broadcast carries one step)"
+        )
     distributed.join(multihost)  # before any JAX computation; nothing in a single process
     if config.mesh.disaggregated and role is None:
         from nori_jax.disaggregated import build_disaggregated
@@ -232,7 +237,16 @@ def build_engine(
             len(kv_scales),
         )
     runner = ModelRunner(
-        model, mesh, num_pages, page_size, builder.layout, scheduler.buckets, kv_dtype, kv_scales
+        model,
+        mesh,
+        num_pages,
+        page_size,
+        builder.layout,
+        scheduler.buckets,
+        kv_dtype,
+        kv_scales,
+        num_scheduler_steps=scfg.num_scheduler_steps,
+        multi_step_max_seqs=scfg.multi_step_max_seqs,
     )
     runner.compile_all()
     runner.warm_up()

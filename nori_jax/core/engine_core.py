@@ -228,8 +228,9 @@ class EngineCore:
         st = self.step_times
         if plan is not None:
             st.steps += 1
-            st.tokens += plan.num_tokens
-            st.padded_tokens += plan.bucket
+            multi = plan.scheduled.decode_steps
+            st.tokens += plan.num_tokens if multi is None else int(multi.sum())
+            st.padded_tokens += plan.bucket * plan.num_steps
         st.schedule += t1 - t0
         st.launch += t2 - t1
         st.wait += t3 - t2

@@ -106,6 +106,7 @@ class OutputProcessor:
         touched: dict[str, _Stream] = {}
         ended: dict[str, str] = {}
         lp = outs.logprobs
+        lp_used: dict[str, int] = {}  # logprobs taken per request (several tokens: multi-step)
         plain = self._plain
         if self._at_finish == len(streams):
             rows = ()  # every stream takes its tokens from its finish: nothing per row
@@ -121,7 +122,10 @@ class OutputProcessor:
                 continue  # not ours, tokens sampled after a stop string, or taken at the finish
             s.token_ids.append(tok)
             if s.logprobs is not None:
-                s.logprobs.append(lp.get(rid, 0.0))
+                j = lp_used.get(rid, 0)
+                lp_used[rid] = j + 1
+                values = lp.get(rid)
+                s.logprobs.append(values[j] if values is not None and j < len(values) else 0.0)
             if s.detok is not None:
                 f = finished.get(rid)
                 try:

@@ -87,9 +87,11 @@ class KVTransfer(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
-    request_ids: list[str]  # requests that gained a token, in row order
+    # Requests that gained a token, in row order; a request that gained several (a multi-step
+    # launch) is listed once per token, in order.
+    request_ids: list[str]
     token_bytes: bytes  # int32[len(request_ids)] (numpy bytes: one buffer, not a list)
-    logprobs: dict[str, float]  # sampled-token logprob, for the requests that asked
+    logprobs: dict[str, list[float]]  # sampled tokens' logprobs, for the requests that asked
     finished: list[FinishedRequest]
     first_tokens: list[FirstToken]
     stats: StepStats | None = None

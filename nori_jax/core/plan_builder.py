@@ -90,6 +90,8 @@ class PlanBuilder:
         q_lens[:nrows] = out.row_num_tokens
         sample_index = view("sample_index")
         sample_index[:nd] = out.decode_sample_index
+        if out.decode_steps is not None:
+            view("decode_steps")[:nd] = out.decode_steps
 
         # Decode rows, vectorized: one token each. Its id is the last known token, or, when the
         # previous step's sample has not reached the host yet, a placeholder the device fills

@@ -49,6 +49,19 @@ def sampler_programs(max_num_seqs: int) -> list[SamplerProgram]:
     return [GREEDY, RANDOM] + [SamplerProgram("filter", r) for r in filter_buckets(max_num_seqs)]
 
 
+def multi_step_programs(
+    buckets: list[int], max_num_seqs: int, max_rows: int
+) -> list[tuple[int, SamplerProgram]]:
+    """(token bucket, sampler program) of every multi-step launch of at most `max_rows` decode
+    rows (one token each): the buckets up to the one that holds them, and the programs
+    `choose_program` can pick for that many rows."""
+    rows = min(max_rows, max_num_seqs)
+    top_bucket = next((b for b in buckets if b >= rows), buckets[-1])
+    top_filter = next(r for r in filter_buckets(max_num_seqs) if r >= rows)
+    programs = [p for p in sampler_programs(max_num_seqs) if p.filter_rows <= top_filter]
+    return [(b, p) for b in buckets if b <= top_bucket for p in programs]
+
+
 def normalize_top_k(top_k: int, vocab_size: int) -> int:
     """0 (off) for a top_k that keeps the whole vocabulary; the value otherwise."""
     return 0 if top_k <= 0 or top_k >= vocab_size else top_k

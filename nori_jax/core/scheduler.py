@@ -61,7 +61,8 @@ class StepUpdate:
 
     request_ids: list[str]  # requests that gained a token, in row order
     token_ids: np.ndarray  # int32[len(request_ids)]
-    logprobs: dict[str, float]  # for the requests that asked for them
+    # For the requests that asked for them: one per token the request gained, in order.
+    logprobs: dict[str, list[float]]
     finished: list[Request]  # finished by these samples (stop token, length)
     first_tokens: list[Request]  # requests whose first output token this was
 
@@ -255,6 +256,17 @@ class Scheduler:
             self._decode_pages(run[need_page])
             is_decode &= c.epoch[run] == epochs  # preempted meanwhile
         decodes = run[is_decode]
+        if (
+            cfg.num_scheduler_steps > 1
+            and 0 < len(decodes) <= cfg.multi_step_max_seqs
+            and not (remaining > 1).any()
+            and not self.num_waiting
+            and not self.arrived
+            and not self.hand_off
+        ):
+            steps = self._multi_step_pages(decodes)
+            if steps is not None:
+                return self._output(decodes, [], steps)
         budget -= len(decodes)
         scheduled = np.zeros(cfg.max_num_seqs, bool)  # per slot
         scheduled[decodes] = True
@@ -300,6 +312,28 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is req:
                     break
+
+    def _multi_step_pages(self, decodes: np.ndarray) -> np.ndarray | None:
+        """Each decode row's steps in a multi-step launch (int32[D]), with its pages allocated;
+        None when the pool cannot hold them all, or no row has more than one step to take (the
+        step then runs one decode step).
+
+        A row takes `num_scheduler_steps` steps, or fewer where its request reaches max_tokens or
+        the context first: it never computes a position it has no page for. A row whose request
+        stops earlier (EOS, a stop token or string) computes the rest of its steps for nothing;
+        the host drops those samples.
+        """
+        c, ps = self.slots, self.page_size
+        total = c.known[decodes] + c.pending[decodes]
+        steps = np.minimum(self.config.num_scheduler_steps, c.stop_at[decodes] - total)
+        if steps.max() == 1:
+            return None  # every row ends after one step: a plain step costs the device less
+        need = -(-(c.computed[decodes] + steps) // ps) - c.num_pages[decodes]
+        if need.sum() > self.allocator.num_free_pages:
+            return None
+        for slot, n in zip(decodes[need > 0].tolist(), need[need > 0].tolist(), strict=True):
+            self._add_pages(c.requests[slot], self.allocator.allocate(n))
+        return steps.astype(np.int32)
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int, long_budget: int) -> int:
         total = (
@@ -429,8 +463,14 @@ class Scheduler:
             hashes.extend(chain_page_hashes(parent, tokens, ps))
         return hashes
 
-    def _output(self, decodes: np.ndarray, prefills: list[tuple[Request, int]]) -> SchedulerOutput:
-        """The step's rows; advances each request's progress as if the step had run."""
+    def _output(
+        self,
+        decodes: np.ndarray,
+        prefills: list[tuple[Request, int]],
+        decode_steps: np.ndarray | None = None,
+    ) -> SchedulerOutput:
+        """The step's rows; advances each request's progress as if the step had run.
+        `decode_steps`: a multi-step launch (decode rows only), each row's steps."""
         c = self.slots
         nd = len(decodes)
         pending = c.pending[decodes] > 0
@@ -440,8 +480,9 @@ class Scheduler:
         decode_sample_index = (
             c.known[decodes] - c.prompt_len[decodes] + c.pending[decodes]
         ).astype(np.int32)
-        c.computed[decodes] += 1
-        c.pending[decodes] += 1
+        advance = 1 if decode_steps is None else decode_steps
+        c.computed[decodes] += advance
+        c.pending[decodes] += advance
         c.last_row[decodes] = np.arange(nd, dtype=np.int32)
 
         # One-token chunks (a budget cut, a one-token prompt) join the decode rows, so the decode
@@ -488,6 +529,8 @@ class Scheduler:
             row_num_tokens=row_num_tokens,
             row_samples=samples,
             num_tokens=nd + sum(n for _, n in prefills),
+            num_steps=self.config.num_scheduler_steps if decode_steps is not None else 1,
+            decode_steps=decode_steps,
         )
 
     def _advance(self, slot: int, n: int, row: int) -> bool:
@@ -510,8 +553,10 @@ class Scheduler:
         The step already advanced every request's progress when it was planned; this delivers
         the samples. A request finished meanwhile (stop string, abort) is skipped; one preempted
         after this step was planned still receives its token (it is part of its output), then
-        waits.
+        waits. A multi-step launch's samples are `next_tokens[step, row]` (`_update_steps`).
         """
+        if out.decode_steps is not None:
+            return self._update_steps(out, next_tokens, logprobs)
         c, now = self.slots, time.monotonic()
         slots = out.row_slots
         live = c.epoch[slots] == out.row_epochs  # still in the slot it was planned in
@@ -540,7 +585,7 @@ class Scheduler:
             for j in np.flatnonzero(c.wants_logprobs[sslots]).tolist():
                 req, lp = reqs[rows[j]], float(logprobs[rows[j]])
                 req.output_logprobs.append(lp)
-                update.logprobs[req.request_id] = lp
+                update.logprobs[req.request_id] = [lp]
 
         # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
         ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
@@ -572,12 +617,63 @@ class Scheduler:
             update.token_ids = np.append(update.token_ids, np.int32(tok))
             if logprobs is not None and req.params.logprobs is not None:
                 req.output_logprobs.append(float(logprobs[i]))
-                update.logprobs[req.request_id] = float(logprobs[i])
+                update.logprobs[req.request_id] = [float(logprobs[i])]
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
             elif self.hand_off:
                 self._hand_off(req)
+        return update
+
+    def _update_steps(
+        self, out: SchedulerOutput, next_tokens: np.ndarray, logprobs: np.ndarray | None
+    ) -> StepUpdate:
+        """`update` for a multi-step launch: row i's samples are `next_tokens[:steps[i], i]`, cut
+        after the first that finishes its request (a stop token or EOS; max_tokens and the
+        context were already counted in `steps`). The samples after it are dropped."""
+        c, now = self.slots, time.monotonic()
+        slots, steps, reqs = out.row_slots, out.decode_steps, out.row_requests
+        live = c.epoch[slots] == out.row_epochs
+        tokens = next_tokens[:, : len(slots)].astype(np.int32)  # [k, D]
+        # How many samples each row delivers: its steps, or through its first stop token.
+        stops = (tokens[:, :, None] == self._eos_ids).any(axis=2) & ~c.ignore_eos[slots]
+        for i in np.flatnonzero(c.has_stop_ids[slots]).tolist():
+            stops[:, i] |= np.isin(tokens[:, i], reqs[i].params.stop_token_ids)
+        stops[np.arange(len(tokens))[:, None] >= steps] = False
+        take = np.where(stops.any(axis=0), stops.argmax(axis=0) + 1, steps)
+
+        update = StepUpdate([], np.zeros(0, np.int32), {}, [], [])
+        delivered, last = [], []
+        for i, req in enumerate(reqs):
+            if not live[i] and req.is_finished:
+                continue  # finished (stop string, abort): the samples are discarded
+            n = int(take[i])
+            toks = tokens[:n, i]
+            req.output_token_ids.extend(toks.tolist())
+            if live[i]:
+                slot = slots[i]
+                c.known[slot] += n
+                c.pending[slot] -= steps[i]
+                c.last_token[slot] = toks[-1]
+                c.last_token_time[slot] = now
+            else:  # preempted after this launch was planned: its tokens are still its output
+                req.num_pending_tokens -= int(steps[i])
+                req.times.last_token = now
+            update.request_ids.extend([req.request_id] * n)
+            delivered.append(toks)
+            last.append((req, int(toks[-1])))
+            if logprobs is not None and req.params.logprobs is not None:
+                lps = logprobs[:n, i].astype(float).tolist()
+                req.output_logprobs.extend(lps)
+                update.logprobs[req.request_id] = lps
+        if delivered:
+            update.token_ids = np.concatenate(delivered)
+        if self.allocator.enable_prefix_caching:
+            self._register_full_pages(slots[live])
+        for req, tok in last:
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                update.finished.append(self.finish_request(req.request_id, reason))
         return update
 
     def _register_full_pages(self, slots: np.ndarray) -> None:
@@ -623,7 +719,8 @@ class Scheduler:
             assert c.known[s] == r.num_tokens and c.num_pages[s] == len(r.pages)
             assert len(r.pages) * self.page_size >= c.computed[s]
             assert len(r.pages) <= self.config.max_pages_per_seq
-            assert 0 <= c.pending[s] <= 2 and c.computed[s] <= c.known[s] + c.pending[s]
+            assert 0 <= c.pending[s] <= 2 * self.config.num_scheduler_steps
+            assert c.computed[s] <= c.known[s] + c.pending[s]
         for r in list(self.waiting) + list(self.waiting_long):
             assert r.status is RequestStatus.WAITING and not r.pages and r.slot is None
         for r in list(self.handed_off) + list(self.arrived):

@@ -59,6 +59,16 @@ class SchedulerConfig:
         None,
         help="bound on queued requests; one more is refused (HTTP 429); none: unbounded",
     )
+    num_scheduler_steps: int = option(
+        1,
+        help="decode steps per launch (multi-step decode) while every running request decodes, "
+        "none waits and at most --multi-step-max-seqs run; 1: one step per launch",
+    )
+    multi_step_max_seqs: int = option(
+        64,
+        help="the most running sequences a multi-step launch holds (its programs are compiled "
+        "for the token buckets up to this size)",
+    )
 
     def __post_init__(self) -> None:
         if self.long_prefill_threshold == 0:  # the flag's "off" value
@@ -68,6 +78,8 @@ class SchedulerConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_num_long_prefills",
+            "num_scheduler_steps",
+            "multi_step_max_seqs",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

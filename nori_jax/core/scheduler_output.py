@@ -70,6 +70,11 @@ class SchedulerOutput:
     row_num_tokens: np.ndarray  # int32[N]
     row_samples: np.ndarray  # bool[N]: does the row produce an output token?
     num_tokens: int
+    # A multi-step launch (decode rows only) runs `num_steps` decode steps on the device; row i
+    # computes the first `decode_steps[i]` of them (the rest are dropped: max_tokens or the
+    # context ends it first). One step: num_steps 1, decode_steps None.
+    num_steps: int = 1
+    decode_steps: np.ndarray | None = None  # int32[D]
 
     @property
     def num_decodes(self) -> int:

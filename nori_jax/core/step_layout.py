@@ -63,6 +63,9 @@ class StepLayout:
             # Rows whose top-k / top-p filter the sampler computes (sampling_modes.py), then
             # padding (= max_num_seqs, dropped).
             ("filter_rows", (s,), np.int32),
+            # A multi-step launch (StepPlan.num_steps > 1): how many of its decode steps the
+            # row computes; its later steps write the null page and their samples are dropped.
+            ("decode_steps", (s,), np.int32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], 0

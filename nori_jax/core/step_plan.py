@@ -49,6 +49,11 @@ class StepPlan:
         return int(self.tokens.shape[1])
 
     @property
+    def num_steps(self) -> int:
+        """Decode steps this launch runs on the device (> 1: multi-step decode)."""
+        return self.scheduled.num_steps
+
+    @property
     def num_tokens(self) -> int:
         return self.scheduled.num_tokens
 
@@ -90,3 +95,4 @@ class StepPlan:
     seeds = property(lambda self: self.row_field("seeds"))
     sample_index = property(lambda self: self.row_field("sample_index"))
     filter_rows = property(lambda self: self.row_field("filter_rows"))
+    decode_steps = property(lambda self: self.row_field("decode_steps"))

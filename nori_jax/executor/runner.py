@@ -33,7 +33,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nori_jax.core.sampling_modes import GREEDY, SamplerProgram, sampler_programs
+from nori_jax.core.sampling_modes import (
+    GREEDY,
+    SamplerProgram,
+    multi_step_programs,
+    sampler_programs,
+)
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
@@ -56,36 +61,125 @@ class LaunchTimes:
     sampler: float = 0.0  # dispatch of the sampler program and the async copy back
 
 
-def _forward(graphdef, treedef, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows):
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+def _model(graphdef, treedef, params, kv_scales):
     # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
     kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
-    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), kv_scales
+
+
+def _input_ids(tok, prev_tokens):
+    """The step's token ids, with the previous launch's samples where `prev_index` points."""
     prev = tok["prev_index"]
-    input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], tok["input_ids"])
+    return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], tok["input_ids"])
+
+
+def _logits(model, kv_scales, row, input_ids, positions, slot_mapping, kv_lens, kv_pages):
     meta = AttentionInputs(
-        slot_mapping=tok["slot_mapping"],
-        kv_lens=row["kv_lens"],
+        slot_mapping=slot_mapping,
+        kv_lens=kv_lens,
         page_table=row["page_table"],
         cu_q_lens=row["cu_q_lens"],
         distribution=row["distribution"],
     )
-    hidden, kv_pages = model(input_ids, tok["positions"], kv_pages, meta, kv_scales)
+    hidden, kv_pages = model(input_ids, positions, kv_pages, meta, kv_scales)
     return model.compute_logits(hidden[row["logits_indices"]]), kv_pages  # [S, V]
 
 
-def _sample(layout, program, logits, rows):
-    row = unpack_rows(layout, rows)
+def _forward(graphdef, treedef, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows):
+    model, kv_scales = _model(graphdef, treedef, params, kv_scales)
+    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
+    return _logits(
+        model,
+        kv_scales,
+        row,
+        _input_ids(tok, prev_tokens),
+        tok["positions"],
+        tok["slot_mapping"],
+        row["kv_lens"],
+        kv_pages,
+    )
+
+
+def _sample_row(program, logits, row, sample_index):
     return sample(
         logits,
         row["temperature"],
         row["top_p"],
         row["top_k"],
         row["seeds"],
-        row["sample_index"],
+        sample_index,
         row["filter_rows"],
         program=program,
     )
+
+
+def _sample(layout, program, logits, rows):
+    row = unpack_rows(layout, rows)
+    return _sample_row(program, logits, row, row["sample_index"])
+
+
+def _multi_step(
+    graphdef,
+    treedef,
+    layout,
+    kv_scales,
+    page_size,
+    num_steps,
+    program,
+    params,
+    kv_pages,
+    prev_tokens,
+    tokens,
+    rows,
+):
+    """`num_steps` decode steps in one program: forward pass and sampler, each step's samples
+    the next one's inputs, in a `lax.scan` of static length (XLA knows its trip count: no host
+    synchronization). The plan holds decode rows only (token j is row j). Row i computes its
+    first `decode_steps[i]` steps; in the later ones its token writes the null page and reads
+    its last real length, and its samples are garbage the host drops.
+
+    Returns (tokens int32[k, S], logprobs float32[k, S], the last step's tokens int32[S] (the
+    next launch's `prev_tokens`), kv_pages).
+    """
+    model, kv_scales = _model(graphdef, treedef, params, kv_scales)
+    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
+    s, t = layout.max_num_seqs, tokens.shape[1]
+    token_row = jnp.minimum(jnp.arange(t), s - 1)
+    is_row = jnp.arange(t) < row["distribution"][0]
+    token_steps = jnp.where(is_row, row["decode_steps"][token_row], 0)  # int32[T]
+    row_steps = jnp.maximum(row["decode_steps"], 1)  # int32[S]; padding rows: 1
+    page_table, positions0 = row["page_table"], tok["positions"]
+    pages_per_seq = page_table.shape[1]
+
+    def step(carry, i):
+        kv_pages, input_ids = carry
+        active = i < token_steps
+        positions = positions0 + i
+        page = jnp.minimum(positions // page_size, pages_per_seq - 1)
+        slot = page_table[token_row, page] * page_size + positions % page_size
+        slot_mapping = jnp.where(active, slot, 0)  # done rows and padding: the null page
+        kv_lens = row["kv_lens"] + jnp.where(row["kv_lens"] > 0, jnp.minimum(i, row_steps - 1), 0)
+        logits, kv_pages = _logits(
+            model, kv_scales, row, input_ids, positions, slot_mapping, kv_lens, kv_pages
+        )
+        sampled, logprobs = _sample_row(program, logits, row, row["sample_index"] + i)
+        next_ids = jnp.where(is_row, sampled[token_row], 0)
+        return (kv_pages, next_ids), (sampled, logprobs)
+
+    (kv_pages, _), (sampled, logprobs) = jax.lax.scan(
+        step, (kv_pages, _input_ids(tok, prev_tokens)), jnp.arange(num_steps, dtype=jnp.int32)
+    )
+    return sampled, logprobs, sampled[-1], kv_pages
+
+
+def _program_name(kind: str, key) -> str:
+    """ "bucket 128", "sampler greedy", "multi-step bucket 16 greedy": the names the start-up
+    log gives the programs it compiles."""
+    if kind == "sampler":
+        return f"sampler {key.name}"
+    if kind == "multi":
+        return f"multi-step bucket {key[0]} {key[1].name}"
+    return f"bucket {key}"
 
 
 class ModelRunner:
@@ -99,9 +193,13 @@ class ModelRunner:
         buckets: list[int],
         kv_dtype=None,
         kv_scales: np.ndarray | None = None,
+        num_scheduler_steps: int = 1,
+        multi_step_max_seqs: int = 0,
     ):
         """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages).
-        `kv_scales`: float32[num_layers, 2] of fp8 pages (kv_calibration.py); None: 1.0."""
+        `kv_scales`: float32[num_layers, 2] of fp8 pages (kv_calibration.py); None: 1.0.
+        `num_scheduler_steps` > 1: multi-step programs for the buckets and sampler programs a
+        launch of at most `multi_step_max_seqs` decode rows can need."""
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
@@ -127,8 +225,37 @@ class ModelRunner:
             )
             for program in sampler_programs(layout.max_num_seqs)
         }
+        self.num_scheduler_steps = num_scheduler_steps
+        self.multi_step_keys = (
+            multi_step_programs(self.buckets, layout.max_num_seqs, multi_step_max_seqs)
+            if num_scheduler_steps > 1
+            else []
+        )
+        self._multi_fns = {
+            program: jax.jit(
+                functools.partial(
+                    _multi_step,
+                    loaded.graphdef,
+                    treedef,
+                    layout,
+                    kv_scales,
+                    page_size,
+                    num_scheduler_steps,
+                    program,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(
+                    self._replicated,
+                    self._replicated,
+                    self._replicated,
+                    [self._kv_sharding] * cfg.num_layers,
+                ),
+            )
+            for program in {p for _, p in self.multi_step_keys}
+        }
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
+        self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
         self._prev_tokens = put(np.zeros(layout.max_num_seqs, np.int32), self._replicated)
@@ -157,6 +284,18 @@ class ModelRunner:
         lowered.update(
             {("sampler", m): fn.lower(logits_abs, rows_abs) for m, fn in self._sample_fns.items()}
         )
+        lowered.update(
+            {
+                ("multi", (t, p)): self._multi_fns[p].lower(
+                    params_abs,
+                    kv_abs,
+                    prev_abs,
+                    self._abstract((len(TOKEN_FIELDS), t), i32),
+                    rows_abs,
+                )
+                for t, p in self.multi_step_keys
+            }
+        )
 
         logger.info(
             "compiling %d token buckets %s and %d sampler programs",
@@ -168,8 +307,7 @@ class ModelRunner:
         def compile_one(key):
             t0 = time.perf_counter()
             exe = lowered[key].compile()
-            # "bucket 128" / "sampler GREEDY": the names the start-up log promises the user.
-            name = f"sampler {key[1].name}" if key[0] == "sampler" else f"bucket {key[1]}"
+            name = _program_name(*key)
             seconds = time.perf_counter() - t0
             logger.info("%s compiled in %.1fs", name, seconds)
             if on_compiled is not None:
@@ -180,21 +318,25 @@ class ModelRunner:
             max_workers=min(16, os.cpu_count() or 4)
         ) as pool:
             compiled = dict(zip(lowered, pool.map(compile_one, lowered), strict=True))
+        tables = {"forward": self._forwards, "sampler": self._samplers, "multi": self._multis}
         for (kind, key), exe in compiled.items():
-            (self._forwards if kind == "forward" else self._samplers)[key] = exe
+            tables[kind][key] = exe
         self.compile_seconds = time.perf_counter() - start
         logger.info(
-            "compiled %d buckets %s and %d sampler programs in %.1fs",
+            "compiled %d buckets %s, %d sampler programs and %d multi-step programs in %.1fs",
             len(self.buckets),
             self.buckets,
             len(self._samplers),
+            len(self._multis),
             self.compile_seconds,
         )
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
-        """Every compiled program by name ("forward 64", "sampler SAMPLE"), for inspection."""
+        """Every compiled program by name ("forward 64", "sampler random", "multi-step 16
+        greedy"), for inspection."""
         out = {f"forward {t}": exe for t, exe in self._forwards.items()}
         out.update({f"sampler {p.name}": exe for p, exe in self._samplers.items()})
+        out.update({f"multi-step {t} {p.name}": exe for (t, p), exe in self._multis.items()})
         return out
 
     def warm_up(self) -> None:
@@ -238,6 +380,20 @@ class ModelRunner:
         rows_d = jax.device_put(rows, self._replicated)
         for sampler in self._samplers.values():
             self.fetch(sampler(logits, rows_d))
+        # Each multi-step program once, on one decode row that writes the null page.
+        for t, program in self._multis:
+            tokens = new_tokens(t)
+            rows = layout.new_rows()
+            cu = layout.view(rows, "cu_q_lens")
+            cu[1:] = 1
+            layout.view(rows, "kv_lens")[0] = 1
+            layout.view(rows, "distribution")[:] = (1, 1)
+            layout.view(rows, "decode_steps")[0] = 1
+            layout.view(rows, "temperature")[:] = 1.0
+            layout.view(rows, "top_p")[:] = 0.9
+            layout.view(rows, "top_k")[:] = 5
+            layout.view(rows, "filter_rows")[:] = np.arange(s)
+            self.fetch(self._launch(t, tokens, rows, program, self.num_scheduler_steps))
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
@@ -245,16 +401,30 @@ class ModelRunner:
         The device runs launched steps in order, so a step may read pages or tokens that the
         previous one is still writing.
         """
-        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler)
+        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler, plan.num_steps)
 
     def launch_buffers(
-        self, bucket: int, tokens: np.ndarray, rows: np.ndarray, program: SamplerProgram
+        self,
+        bucket: int,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        program: SamplerProgram,
+        num_steps: int = 1,
     ) -> tuple[jax.Array, jax.Array]:
         """`launch` from a plan's parts: what a follower of a multi-host engine runs, with the
         buffers process 0 sent it (executor/multihost.py)."""
-        return self._launch(bucket, tokens, rows, program)
+        return self._launch(bucket, tokens, rows, program, num_steps)
 
-    def _launch(self, bucket: int, tokens: np.ndarray, rows: np.ndarray, program: SamplerProgram):
+    def _launch(
+        self,
+        bucket: int,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        program: SamplerProgram,
+        num_steps: int = 1,
+    ):
+        if num_steps > 1:
+            return self._launch_steps(bucket, tokens, rows, program, num_steps)
         forward = self._forwards.get(bucket)
         if forward is None:
             raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
@@ -274,6 +444,35 @@ class ModelRunner:
         lt.transfer += t1 - t0
         lt.forward += t2 - t1
         lt.sampler += time.perf_counter() - t2
+        return next_tokens, logprobs
+
+    def _launch_steps(
+        self,
+        bucket: int,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        program: SamplerProgram,
+        num_steps: int,
+    ):
+        """A multi-step launch: one program runs `num_steps` decode steps (`_multi_step`)."""
+        multi = self._multis.get((bucket, program))
+        if multi is None or num_steps != self.num_scheduler_steps:
+            raise RuntimeError(
+                f"no multi-step program of {num_steps} steps for bucket {bucket} and sampler "
+                f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
+                f"{sorted((t, p.name) for t, p in self._multis)})"
+            )
+        t0 = time.perf_counter()
+        tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
+        t1 = time.perf_counter()
+        next_tokens, logprobs, self._prev_tokens, self.kv_pages = multi(
+            self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
+        )
+        next_tokens.copy_to_host_async()
+        logprobs.copy_to_host_async()
+        lt = self.launch_times
+        lt.transfer += t1 - t0
+        lt.forward += time.perf_counter() - t1
         return next_tokens, logprobs
 
     @staticmethod

@@ -70,7 +70,10 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
     for i, req in enumerate(plan.scheduled.row_requests):
         lo, hi = plan.cu_q_lens[i], plan.cu_q_lens[i + 1]
         start = int(plan.kv_lens[i]) - (hi - lo)
-        assert s.num_computed_tokens(req) == plan.kv_lens[i]  # advanced at schedule time
+        # Advanced at schedule time, by every step of a multi-step launch.
+        steps = 1 if plan.num_steps == 1 else int(plan.decode_steps[i])
+        assert s.num_computed_tokens(req) == plan.kv_lens[i] + steps - 1
+        assert len(req.pages) * ps >= plan.kv_lens[i] + steps - 1, "a step without its page"
         assert plan.positions[lo:hi].tolist() == list(range(start, start + hi - lo))
         known = plan.prev_index[lo:hi] < 0
         expected = req.token_ids(start, start + hi - lo)
@@ -92,8 +95,12 @@ class FakeDevice:
         self.s = s
         self.prev_tokens = np.zeros(s.config.max_num_seqs, np.int32)
         self.last_sample: dict[str, int] = {}
+        self.samples: dict[str, dict[int, int]] = {}  # multi-step: output index -> token
 
     def execute(self, plan: StepPlan) -> np.ndarray:
+        """The plan's samples: int32[S], or int32[k, S] for a multi-step launch."""
+        if plan.num_steps > 1:
+            return self._execute_steps(plan)
         ids = np.where(
             plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
         )
@@ -108,9 +115,43 @@ class FakeDevice:
                 if plan.prev_index[j] >= 0:  # must be this request's previous sample
                     assert ids[j] == self.last_sample[rid]
             if samples:
-                seq = req.token_ids(0, start) + ids[lo:hi].tolist()
+                seq = self._before(req, start) + ids[lo:hi].tolist()
                 tokens[i] = self.last_sample[rid] = next_token(seq)
+                self.samples.setdefault(rid, {})[len(seq) - req.num_prompt_tokens] = int(tokens[i])
         self.prev_tokens = tokens
+        return tokens
+
+    def _before(self, req, start: int) -> list[int]:
+        """The request's tokens before position `start`. Those the host does not know yet
+        (sampled by a multi-step launch still in flight) come from this device's own record."""
+        known = min(start, req.num_tokens)
+        history = self.samples.get(req.request_id, {})
+        n_prompt = req.num_prompt_tokens
+        return req.token_ids(0, known) + [history[j - n_prompt] for j in range(known, start)]
+
+    # What a multi-step launch samples in a step its row does not compute: a valid token id
+    # that the host must drop (never a stop token of the tests' requests).
+    DROPPED = 2
+
+    def _execute_steps(self, plan: StepPlan) -> np.ndarray:
+        """k decode steps: row i computes its first decode_steps[i], each sample the next input."""
+        assert plan.distribution.tolist() == [plan.num_rows] * 2, "multi-step: decode rows only"
+        ids = np.where(
+            plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
+        )
+        k = plan.num_steps
+        tokens = np.full((k, self.s.config.max_num_seqs), self.DROPPED, np.int32)
+        for i, req in enumerate(plan.scheduled.row_requests):
+            rid, start = req.request_id, int(plan.positions[i])
+            if plan.prev_index[i] >= 0:
+                assert ids[i] == self.last_sample[rid]
+            seq = self._before(req, start) + [int(ids[i])]
+            history, n_prompt = self.samples.setdefault(rid, {}), req.num_prompt_tokens
+            for step in range(int(plan.decode_steps[i])):
+                tokens[step, i] = self.last_sample[rid] = next_token(seq)
+                history[len(seq) - n_prompt] = int(tokens[step, i])
+                seq.append(int(tokens[step, i]))
+        self.prev_tokens = tokens[-1]
         return tokens
 
 
@@ -128,6 +169,8 @@ class FakeExecutor:
         return self.device.execute(plan)
 
     def fetch(self, tokens):
+        if tokens.ndim == 2:  # a multi-step launch: [k, S]
+            return tokens, np.stack([self.logprobs(tokens.shape[1]) for _ in tokens])
         return tokens, self.logprobs(len(tokens))
 
 

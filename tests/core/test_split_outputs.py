@@ -21,12 +21,14 @@ def test_rows_go_to_their_owner_and_the_rest_to_everyone():
     finished = [FinishedRequest("b", "length", 3, 5, RequestMetrics(0, 0, 0, 0, 0, 0, 0))]
     first = [FirstToken("d", 0.1)]
     stats = StepStats(3, 0, 0.5, 4, 0, 0, 0, 0, 0.0, 0.01, 1)
-    out = EngineCoreOutputs(ids, tokens.tobytes(), {"c": -0.5, "a": -1.0}, finished, first, stats)
+    out = EngineCoreOutputs(
+        ids, tokens.tobytes(), {"c": [-0.5], "a": [-1.0]}, finished, first, stats
+    )
     owner = {"a": 1, "b": 0, "c": 1}  # "d": no known owner, so API server 0's
     zero, one, two = split_outputs(out, owner, 3)
     assert (zero.request_ids, zero.token_ids.tolist(), zero.logprobs) == (["b", "d"], [11, 13], {})
     assert (one.request_ids, one.token_ids.tolist()) == (["a", "c"], [10, 12])
-    assert one.logprobs == {"a": -1.0, "c": -0.5}
+    assert one.logprobs == {"a": [-1.0], "c": [-0.5]}
     assert (two.request_ids, two.token_ids.tolist()) == ([], [])
     for part in (zero, one, two):
         assert part.finished == finished and part.first_tokens == first and part.stats == stats

@@ -1,5 +1,8 @@
 """No host synchronization in the step: the compiled programs branch on no device data.
 
+A multi-step program's decode steps are a `scan` of static length: a `while` whose trip count
+XLA knows (`known_trip_count`), which runs without asking the host.
+
 On XLA:GPU a `conditional`, or a `while` whose trip count XLA cannot know, copies its predicate to
 the host and blocks. Every program the engine runs (each bucket's forward pass, each sampler mode)
 may hold neither, except inside the attention (named scope `paged_attention`), whose reference
@@ -29,6 +32,8 @@ def programs():
         max_num_seqs=8,
         max_num_batched_tokens=32,
         max_model_len=128,
+        num_scheduler_steps=2,
+        multi_step_max_seqs=8,
     )
     return {name: exe.as_text() for name, exe in llm.engine.runner.compiled_programs().items()}
 
@@ -41,6 +46,7 @@ def control_flow(hlo: str) -> list[tuple[str, str]]:
 def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"forward 16", "forward 32"} <= set(programs)
     assert {"sampler greedy", "sampler random", "sampler filter-8"} <= set(programs)
+    assert {"multi-step 16 greedy", "multi-step 16 filter-8"} <= set(programs)
 
 
 def test_no_data_dependent_control_flow_outside_the_attention(programs):
