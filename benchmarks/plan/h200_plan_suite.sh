@@ -10,8 +10,9 @@
 # simulation; `apiservers` measures the API servers' CPU per streamed token with a fake core.)
 # compare passes the measured path outside the engine at the lowest rate (client mean TTFT less
 # the engine's, from /metrics) as --frontend-latency-ms, and with `apiservers` run before, the
-# API servers' cost per token as --frontend-us-per-token.
-# Then copy $OUT/calibration/*.yaml to configs/calibration/.
+# API servers' cost per token as --frontend-us-per-token; with `offline` run before, it fits the
+# calibration's mixed-step device term to that run first (fit_mixed_kv.py).
+# Then copy $OUT/calibration/*_tp1.yaml to configs/calibration/ (not the *_mixed.yaml of compare).
 # Needs the bench extra, and the wheels the GPU image lacks on PYTHONPATH.
 set -u
 OUT=${OUT:-/tmp/plan}
@@ -81,7 +82,13 @@ print(statistics.median(r['api_server_us_per_token'] for r in json.load(open(sys
           "$OUT/api_servers.json")
       fi
       echo "$m: --frontend-latency-ms $latency --frontend-us-per-token $per_token"
-      python3 -m nori_jax.cli plan sweep --calibration "$(cal "$m")" --num-prompts "$n" \
+      calibration=$(cal "$m")
+      if [ -f "$OUT/offline_$m.json" ]; then  # the mixed-step term, from the offline run
+        calibration="$OUT/calibration/${m}_mixed.yaml"
+        python3 "$here/fit_mixed_kv.py" "$(cal "$m")" "$OUT/offline_$m.json" \
+          --out "$calibration" 2>&1 | grep -v "^W1\|^I0000" || continue
+      fi
+      python3 -m nori_jax.cli plan sweep --calibration "$calibration" --num-prompts "$n" \
         --frontend-servers "${API_SERVERS:-4}" --frontend-latency-ms "$latency" \
         --frontend-us-per-token "$per_token" \
         --measured "$measured" --plot "$OUT/plan_vs_measured_$m.png" \

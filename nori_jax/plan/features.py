@@ -5,6 +5,12 @@ its decode rows read, the (query, key) pairs of its prefill chunks (causal atten
 chunk and the context before it) and its number of rows. The host's work grows with rows and
 tokens. Both the simulator and the calibration take them from the StepPlan the plan builder
 produced (its scheduler rows; a test checks they equal what its packed buffers tell the device).
+
+`DERIVED` features are functions of those fields, usable as model terms too:
+`mixed_decode_kv_tokens` is the decode rows' KV of a step that also runs prefill chunks (0 in a
+decode-only step). Steps that mix a large decode batch with a chunk ran longer on the H200 than
+the sum of their decode and prefill parts (docs/planning.md, "How close it is"), and the
+calibration's mixed profiles (32 decoders beside a prompt) are too small to show it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ class StepFeatures:
             )
         if not 0 <= self.num_decodes <= self.num_rows:
             raise ValueError(f"need 0 <= num_decodes <= num_rows, got {self}")
+
+    @property
+    def mixed_decode_kv_tokens(self) -> int:
+        return self.decode_kv_tokens if self.prefill_tokens else 0
+
+
+DERIVED = ("mixed_decode_kv_tokens",)  # properties of StepFeatures that may be model terms
 
 
 def step_features(plan: StepPlan) -> StepFeatures:

@@ -5,6 +5,9 @@
     launch_s   = b_step + b_rows*rows + b_tokens*tokens   (buffer transfer + dispatch)
     post_s     = p_step + p_rows*rows + p_tokens*tokens   (Scheduler.update + the step's outputs)
 
+A calibration may add a device term on `mixed_decode_kv_tokens` (features.py: the decode KV of a
+step that also prefills), fitted to an offline run (offline_fit.py); `plan calibrate` leaves it out.
+
 T is the compiled token bucket, so device time is piecewise constant in the step's real tokens
 between two buckets (the matmuls run over the padding too), plus the attention's KV reads (decode)
 and (query, key) pairs (prefill), which scale with what the rows hold. Every coefficient is a
@@ -23,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from nori_jax.plan.features import StepFeatures
+from nori_jax.plan.features import DERIVED, StepFeatures
 
 DEVICE_TERMS = ("step", "bucket", "decode_kv_tokens", "prefill_pairs", "num_rows")
 HOST_TERMS = ("step", "num_rows", "num_tokens")
 HOST_STAGES = ("schedule", "launch", "postprocess")
 MIN_WEIGHTED_S = 1e-5
-_FEATURES = {f.name for f in dataclasses.fields(StepFeatures)}
+_FEATURES = {f.name for f in dataclasses.fields(StepFeatures)} | set(DERIVED)
 
 
 def term_matrix(features: Sequence[StepFeatures], terms: Sequence[str]) -> np.ndarray:
