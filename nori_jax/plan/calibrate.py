@@ -353,6 +353,11 @@ def calibrate(
     from nori_jax.executor.kv_cache import bytes_per_page
     from pallas_kernels.kv_layout import kv_page_dtype
 
+    # Profiles are of single steps (a multi-step launch would time k steps as one): the engine
+    # is built with one step per launch whatever the preset says; the simulator composes them.
+    config = dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, num_scheduler_steps=1)
+    )
     started = time.perf_counter()
     parts = build_engine(config)
     mcfg, runner = parts.model.config, parts.runner

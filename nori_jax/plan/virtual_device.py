@@ -5,10 +5,15 @@ out `launch_wait` of the device's remaining work on the step before) and queues 
 device that runs steps in order, each for its modelled device time; `fetch` waits for the step on
 the clock and adds the post-processing cost. Every sample is the same token: no EOS is
 configured, so only lengths end requests. Imports nothing of the bench (calibrate uses it too).
+
+A multi-step launch (`num_scheduler_steps`) is modelled as its k decode steps back to back on
+the device, each with its rows' KV one token longer, for one launch's host costs: the
+calibration profiles single steps only, so this part of a prediction is not validated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -51,12 +56,14 @@ class SimExecutor:
         self.decisions: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         self.features: list[StepFeatures] = []
 
-    def launch(self, plan: StepPlan) -> tuple[float, StepFeatures]:
+    def launch(self, plan: StepPlan) -> tuple[float, StepFeatures, int]:
         if self.record:
             self.decisions.append((tuple(plan.request_ids), tuple(plan.num_scheduled_tokens)))
-        return self.launch_features(step_features(plan))
+        return self.launch_features(step_features(plan), plan.num_steps)
 
-    def launch_features(self, f: StepFeatures) -> tuple[float, StepFeatures]:
+    def launch_features(
+        self, f: StepFeatures, num_steps: int = 1
+    ) -> tuple[float, StepFeatures, int]:
         c, costs = self.clock, self.costs
         schedule, launch = costs.schedule.predict(f), costs.launch.predict(f)
         c.now += schedule
@@ -65,21 +72,26 @@ class SimExecutor:
         c.now += launch
         c.host_busy += schedule + launch
         device = self.costs.device.predict(f)
+        for i in range(1, num_steps):  # a multi-step launch: each step reads one more KV token
+            grown = dataclasses.replace(f, decode_kv_tokens=f.decode_kv_tokens + i * f.num_decodes)
+            device += self.costs.device.predict(grown)
         c.device_free = max(c.now, c.device_free) + device
         c.device_busy += device
         if any(getattr(f, k) > v for k, v in self.limits.items()):
             self.beyond += 1
         if self.record:
             self.features.append(f)
-        return c.device_free, f
+        return c.device_free, f, num_steps
 
-    def fetch(self, handle: tuple[float, StepFeatures]) -> tuple[np.ndarray, np.ndarray]:
-        done, f = handle
+    def fetch(self, handle: tuple[float, StepFeatures, int]) -> tuple[np.ndarray, np.ndarray]:
+        done, f, num_steps = handle
         c = self.clock
         c.now = max(c.now, done)
         post = self.costs.postprocess.predict(f)
         c.now += post
         c.host_busy += post
+        if num_steps > 1:
+            return np.tile(self.tokens, (num_steps, 1)), np.tile(self.logprobs, (num_steps, 1))
         return self.tokens, self.logprobs
 
 

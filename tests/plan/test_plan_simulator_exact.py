@@ -40,27 +40,30 @@ def _workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def _sim_engine(async_scheduling: bool) -> SimEngine:
-    s = make_scheduler(NUM_PAGES, **CONFIG)
+def _sim_engine(async_scheduling: bool, **config) -> SimEngine:
+    s = make_scheduler(NUM_PAGES, **(CONFIG | config))
     return SimEngine(s.config, NUM_PAGES, 1003, async_scheduling)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_all_at_once_matches_run_to_completion(overlap):
+@pytest.mark.parametrize(("overlap", "steps"), [(False, 1), (True, 1), (True, 4)])
+def test_all_at_once_matches_run_to_completion(overlap, steps):
+    """With `steps` > 1 the tail runs multi-step launches (each a decision of its own)."""
     work = _workload(24, seed=1)
     ref_steps = []
-    s = make_scheduler(NUM_PAGES, **CONFIG)
+    s = make_scheduler(NUM_PAGES, **CONFIG, num_scheduler_steps=steps)
     reqs = [make_request(f"r{i}", p, o) for i, (p, o) in enumerate(work)]
-    on_step = (
-        lambda s, plan: ref_steps.append(  # noqa: E731
-            (tuple(r[1:] for r in plan.request_ids), tuple(plan.num_scheduled_tokens))
-        )
-    )
+    launches = []
+
+    def on_step(s, plan):
+        ref_steps.append((tuple(r[1:] for r in plan.request_ids), tuple(plan.num_scheduled_tokens)))
+        launches.append(plan.num_steps)
+
     done = run_to_completion(s, reqs, on_step=on_step, overlap=overlap)
     assert s.counters.num_preemptions > 0 and s.counters.prefix_cache_hits > 0
+    assert (max(launches) > 1) == (steps > 1)
 
     sim = simulate(
-        _sim_engine(overlap),
+        _sim_engine(overlap, num_scheduler_steps=steps),
         StepCosts(DEVICE),
         [SimRequest(p, o, 0.0) for p, o in work],
         request_rate=math.inf,
