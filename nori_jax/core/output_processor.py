@@ -131,6 +131,11 @@ class OutputProcessor:
                 try:
                     if not (f and f.finish_reason == "stop" and self._is_stop_token(s, tok)):
                         s.held += s.detok.add(tok)
+                    # Checked token by token: a multi-step launch brings several tokens of a
+                    # request at once, and the output ends at the one that completes the stop.
+                    if s.params.stop and self._cut_at_stop_string(s):
+                        s.stopped = True
+                        ended[rid] = "stop"
                 except Exception as e:  # noqa: BLE001 - one request's failure stays its own
                     self._fail(s, e, ended)
                     continue
@@ -142,10 +147,6 @@ class OutputProcessor:
             if s.request_id in finished or s.stopped:
                 continue  # its final output follows
             try:
-                if s.params.stop and self._cut_at_stop_string(s):
-                    s.stopped = True
-                    ended[s.request_id] = "stop"
-                    continue
                 self._release(s)
                 out = self._delta(s) if s.stream else None
             except Exception as e:  # noqa: BLE001

@@ -18,7 +18,10 @@ from fake_runner import (
 
 from nori_jax.core.engine_core import EngineCore
 from nori_jax.core.output_processor import OutputProcessor
+from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestMetrics
 from nori_jax.core.request import Request, RequestTimes
+from nori_jax.dummy_tokenizer import byte_tokenizer
+from nori_jax.sampling_params import SamplingParams
 
 
 def _requests(n: int, seed: int, max_out: int = 40):
@@ -167,3 +170,32 @@ def test_engine_core_streams_every_token_and_logprob_of_a_launch_in_order():
     one, four = run(1), run(4)
     assert four == one
     assert [t for t, _ in one[0]["a"]] == expected_output([5, 6, 7], 13)
+
+
+def _outputs(rows: list[tuple[str, int]], finished=()) -> EngineCoreOutputs:
+    ids = [r for r, _ in rows]
+    tokens = np.array([t for _, t in rows], np.int32)
+    return EngineCoreOutputs(ids, tokens.tobytes(), {}, list(finished), [])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_output_at_its_token_when_a_step_brings_several(stream):
+    """The output processor checks stop strings token by token: tokens after the one that
+    completes the stop are dropped, as they are when each comes in a step of its own."""
+    text = "ab STOP cd"
+    params = SamplingParams(max_tokens=50, stop=["STOP"])
+    results = {}
+    for name, chunks in (("one per step", [[c] for c in text]), ("all at once", [list(text)])):
+        proc = OutputProcessor(byte_tokenizer(300))
+        proc.add("a", None, [1, 2], params, stream=stream)
+        ended = {}
+        for chunk in chunks:
+            _, e = proc.process(_outputs([("a", ord(c)) for c in chunk]))
+            ended |= e
+            if e:
+                break
+        metrics = RequestMetrics(0, 0, 0, 0, 0, 0, 0)
+        final = proc.finish(FinishedRequest("a", "abort", 2, len(text), metrics))
+        results[name] = (ended, final.token_ids, final.text, final.finish_reason)
+    assert results["all at once"] == results["one per step"]
+    assert results["one per step"] == ({"a": "stop"}, [ord(c) for c in "ab STOP"], "ab ", "stop")
