@@ -107,6 +107,13 @@ SCRIPT = textwrap.dedent(
         out["recompiles"] = llm.engine.num_recompiles
         out["metrics"] = llm.get_metrics()
         report[name] = out
+    # Multi-step decode on the decode side (the prefill side hands each request off first).
+    llm = LLM("tiny-llama", mesh="pd-1-1", num_scheduler_steps=4, **kw)
+    report["pd-1-1-multi-step"] = {
+        "tokens": tokens(llm),
+        "recompiles": llm.engine.num_recompiles,
+        "multi_step_launches": [c.step_times.multi_step_launches for c in llm.engine.core.decode],
+    }
     print(json.dumps(report))
     """
 )
@@ -147,6 +154,12 @@ def test_decode_pages_hold_the_kv_computed_in_place(report, layout):
 def test_nothing_compiles_after_warm_up(report, layout):
     r = report[layout]
     assert r["recompiles"] == 0 and r["metrics"]["nori:recompiles_total"] == 0
+
+
+def test_multi_step_decode_on_the_decode_side_gives_the_same_tokens(report):
+    r = report["pd-1-1-multi-step"]
+    assert r["tokens"] == report["single"] and r["recompiles"] == 0
+    assert r["multi_step_launches"][0] > 0
 
 
 def test_every_replica_takes_work_on_its_own_devices(report):

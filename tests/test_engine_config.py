@@ -33,6 +33,9 @@ def test_flat_and_nested_keys_build_the_same_config():
         ({"max_num_seqs": 512, "max_num_batched_tokens": 256}, "max_num_batched_tokens=256"),
         ({"page_size": 48}, "page_size=48 must be a power of two"),
         ({"dtype": "int8"}, "dtype='int8'"),
+        ({"num_scheduler_steps": 0}, "num_scheduler_steps=0 must be >= 1"),
+        ({"num_scheduler_steps": 2**31}, r"num_scheduler_steps=2147483648 must be at most 64"),
+        ({"multi_step_max_seqs": -1}, "multi_step_max_seqs=-1 must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(values, match):

@@ -143,6 +143,7 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
         "output_throughput": n_out / elapsed,
         "total_token_throughput": (n_in + n_out) / elapsed,
         "steps": d["steps"],
+        "multi_step_launches": d["multi_step_launches"],  # of `steps` (num_scheduler_steps)
         "mean_step_ms": 1e3 * (d["schedule"] + d["launch"] + d["wait"] + d["postprocess"]) / steps,
         "mean_tokens_per_step": d["tokens"] / steps,
         "padding_fraction": 1 - d["tokens"] / max(d["padded_tokens"], 1),
@@ -175,6 +176,7 @@ def format_result(r: dict[str, Any]) -> str:
         ("Output token throughput (tok/s):", f"{r['output_throughput']:.1f}"),
         ("Total token throughput (tok/s):", f"{r['total_token_throughput']:.1f}"),
         ("Steps / mean step (ms):", f"{r['steps']} / {r['mean_step_ms']:.2f}"),
+        ("Of them, multi-step launches:", r.get("multi_step_launches", 0)),
         (
             "Tokens per step / padding:",
             f"{r['mean_tokens_per_step']:.0f} / {100 * r['padding_fraction']:.0f}%",

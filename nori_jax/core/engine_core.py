@@ -84,6 +84,7 @@ class StepTimes:
     steps: int = 0
     tokens: int = 0  # real (unpadded) tokens run through the model
     padded_tokens: int = 0  # tokens of the compiled buckets actually executed
+    multi_step_launches: int = 0  # of `steps`, launches of several decode steps
     schedule: float = 0.0  # Scheduler.schedule() and building the step's buffers
     launch: float = 0.0  # host-to-device transfer of the buffers and dispatch of the step
     wait: float = 0.0  # blocked on the device for a step's tokens (host idle)
@@ -230,6 +231,7 @@ class EngineCore:
             st.steps += 1
             multi = plan.scheduled.decode_steps
             st.tokens += plan.num_tokens if multi is None else int(multi.sum())
+            st.multi_step_launches += multi is not None
             st.padded_tokens += plan.bucket * plan.num_steps
         st.schedule += t1 - t0
         st.launch += t2 - t1

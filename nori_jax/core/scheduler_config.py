@@ -16,6 +16,9 @@ logger = logging.getLogger(__name__)
 # max_model_len=None: the model's own limit, but at most this (a longer context costs KV pages
 # and page-table width for every sequence).
 DEFAULT_MAX_MODEL_LEN = 8192
+# A multi-step launch returns [K, max_num_seqs] samples and holds new arrivals for K steps; past a
+# few dozen steps it only adds latency (the host's share is already amortized).
+MAX_SCHEDULER_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +86,11 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps} must be at most "
+                f"{MAX_SCHEDULER_STEPS}"
+            )
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.max_model_len is not None and self.max_model_len < 2:
