@@ -15,6 +15,14 @@ device: decode rows whose input is the previous step's sample read it from there
 The sampler is its own program over the fixed [S, V] logits, so its variants (sampling_modes.py)
 cost a handful of small compiles rather than more forward passes per bucket, and the step never
 branches on device data.
+
+Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
+program) that runs both K times in a scan:
+
+    multi_step[bucket, program](params, kv_pages, prev_tokens, tokens, rows)
+        -> (tokens int32[K, S], logprobs float32[K, S], last tokens int32[S], kv_pages)
+
+Its last step's tokens are the next launch's `prev_tokens`.
 """
 
 from __future__ import annotations
