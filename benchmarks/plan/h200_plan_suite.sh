@@ -10,14 +10,19 @@
 # simulation; `apiservers` measures the API servers' CPU per streamed token with a fake core.)
 # compare passes the measured path outside the engine at the lowest rate (client mean TTFT less
 # the engine's, from /metrics) as --frontend-latency-ms, and with `apiservers` run before, the
-# API servers' cost per token as --frontend-us-per-token; with `offline` run before, it fits the
-# calibration's mixed-step device term to that run first (fit_mixed_kv.py).
+# API servers' cost per token as --frontend-us-per-token. The mixed-step device term: the
+# calibration's own where `plan calibrate` fitted it (its mixed profiles); with `offline` run
+# before, fit_mixed_kv.py fits it to that run too and prints that beside the calibrated one (the
+# cross-check), or, for a calibration without a calibrated term, uses the offline fit.
 # Then copy $OUT/calibration/*_tp1.yaml to configs/calibration/ (not the *_mixed.yaml of compare).
 # Needs the bench extra, and the wheels the GPU image lacks on PYTHONPATH.
 set -u
 OUT=${OUT:-/tmp/plan}
 export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
-SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192"
+# One step per launch: the preset runs multi-step decode, which the planner's simulated engine
+# (the calibration's) does not (nor does calibrate profile it); the offline run's step count must
+# be its replay's for fit_mixed_kv.py.
+SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-scheduler-steps 1"
 # Four API servers: one saturates near 128 req/s on the 135M shape, a cost the planner does not
 # model (docs/benchmarks.md, "Served: sweep and knee").
 SERVE="--api-server-count ${API_SERVERS:-4}"
@@ -83,7 +88,11 @@ print(statistics.median(r['api_server_us_per_token'] for r in json.load(open(sys
       fi
       echo "$m: --frontend-latency-ms $latency --frontend-us-per-token $per_token"
       calibration=$(cal "$m")
-      if [ -f "$OUT/offline_$m.json" ]; then  # the mixed-step term, from the offline run
+      python3 -c "import sys; from nori_jax.plan.calibration import load_calibration as l; \
+from nori_jax.plan.offline_fit import calibrated_mixed_kv as c; v = c(l(sys.argv[1])); \
+print(f'{sys.argv[2]}: mixed-step term ' + ('not calibrated' if v is None else f'{v:.3g} s per KV token, calibrated'))" \
+        "$calibration" "$m"
+      if [ -f "$OUT/offline_$m.json" ]; then  # the offline fit: the cross-check, or the term
         calibration="$OUT/calibration/${m}_mixed.yaml"
         python3 "$here/fit_mixed_kv.py" "$(cal "$m")" "$OUT/offline_$m.json" \
           --out "$calibration" 2>&1 | grep -v "^W1\|^I0000" || continue

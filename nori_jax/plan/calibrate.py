@@ -5,7 +5,13 @@ Every engine step of these phases is a profile (its features, and its host and d
      prefilled (those chunked-prefill steps are profiles too), then `steps` steps in which every
      row decodes;
   2. prefill: one prompt of each length alone (chunks from position 0 and after the context the
-     earlier chunks wrote), then again beside a running decode batch (mixed steps);
+     earlier chunks wrote), then again beside running decode batches (mixed steps): each batch
+     of `mixed_batches` (at most max_num_seqs - 1: the prompt needs a slot) beside the
+     prompts, so the decode KV of the mixed steps spans what steps near the knee hold. Each
+     runs at every context with the decoders of the smallest decode-grid batch that holds it,
+     the others let go (no fill of its own; one larger than every grid batch is filled at the
+     smallest context). The device model's `mixed_decode_kv_tokens` term is fitted to these
+     steps and to the fill steps (whose first requests decode while later ones prefill);
   3. KV transfer: the pages of every layer copied to a second device, or out through the host
      and back when there is one device (the cost `--disaggregate` charges per request);
   4. check: for each decode shape, `steps` more steps timed as the engine runs them (overlapped
@@ -47,9 +53,11 @@ from nori_jax.plan.calibration import (
 )
 from nori_jax.plan.features import StepFeatures, step_features
 from nori_jax.plan.step_model import (
+    CALIBRATED_DEVICE_TERMS,
     DEVICE_TERMS,
     HOST_STAGES,
     HOST_TERMS,
+    MIXED_KV_TERM,
     LinearModel,
     StepCosts,
     fit_quality,
@@ -66,7 +74,9 @@ class ProfileGrid:
     batches: tuple[int, ...] = (1, 16, 64, 256, 1024)  # those above max_num_seqs are skipped
     contexts: tuple[int, ...] = (256, 1024, 4096)
     prefill_lens: tuple[int, ...] = (128, 1024, 4096, 8000)
-    mixed_batch: int = 32  # decoders running beside the prefill prompts (0: no mixed phase)
+    # Decoders running beside the prefill prompts, at every context (mixed steps; () for none).
+    # Those above max_num_seqs - 1 are run at max_num_seqs - 1 (the prompt needs a slot).
+    mixed_batches: tuple[int, ...] = (32, 256, 1024)
     steps: int = 8  # timed decode steps per shape (and as many overlapped ones for the check)
 
     def __post_init__(self) -> None:
@@ -74,8 +84,10 @@ class ProfileGrid:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be positive numbers, got {values}")
-        if self.steps < 2 or self.mixed_batch < 0:
-            raise ValueError(f"need steps >= 2 and mixed_batch >= 0, got {self}")
+        if self.mixed_batches and min(self.mixed_batches) < 1:
+            raise ValueError(f"mixed_batches must be positive numbers, got {self.mixed_batches}")
+        if self.steps < 2:
+            raise ValueError(f"need steps >= 2, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +98,7 @@ class Profile:
     launch_s: float
     device_s: float
     postprocess_s: float
+    shape: str = ""  # of a mixed step: "mixed B x C", B decoders of context C beside a prompt
 
 
 class _Recorder:
@@ -129,17 +142,17 @@ class _Done:
 class _Session:
     """The engine core driven phase by phase, every step recorded."""
 
-    def __init__(self, parts, grid: ProfileGrid, log: Callable[[str], None]):
-        self.parts, self.grid, self.log = parts, grid, log
-        core = parts.core
-        self.rec = _Recorder(core.executor, parts.runner)
+    def __init__(self, core, runner, vocab: int, grid: ProfileGrid, log: Callable[[str], None]):
+        self.grid, self.log = grid, log
+        self.rec = _Recorder(core.executor, runner)
         self.sync = EngineCore(core.scheduler, core.builder, self.rec, async_scheduling=False)
         self.overlapped = EngineCore(core.scheduler, core.builder, self.rec, async_scheduling=True)
         self.scheduler = core.scheduler
         self.rng = np.random.default_rng(0)
-        self.vocab = parts.model.config.vocab_size
+        self.vocab = vocab
         self.profiles: list[Profile] = []
         self.check: list[dict] = []
+        self.shape = ""  # the label of the profiles being recorded (mixed steps only)
         self._n = 0
 
     def add(self, num_tokens: int, max_tokens: int) -> str:
@@ -158,7 +171,9 @@ class _Session:
             f, launch_s, device_s = self.rec.last
             self.rec.last = None
             self.profiles.append(
-                Profile(phase, f, st.schedule - s0, launch_s, device_s, st.postprocess - p0)
+                Profile(
+                    phase, f, st.schedule - s0, launch_s, device_s, st.postprocess - p0, self.shape
+                )
             )
         return out
 
@@ -199,11 +214,74 @@ class _Session:
                 for _ in range(g.steps):
                     self.step("decode")
                 self.check.append(self._overlapped_check(batch, context))
-                self.abort(ids)
                 self.log(
                     f"decode {batch} x {context}: {self.check[-1]['measured_ms']:.2f} ms/step "
                     f"overlapped ({len(self.profiles)} profiles so far)"
                 )
+                self._mix_beside(ids, batch, context)
+
+    def _mix_beside(self, ids: list[str], batch: int, context: int) -> None:
+        """The mixed batches this decode shape holds, largest first, each with that many of its
+        decoders (the others let go); then every decoder aborted."""
+        grown = 2 * self.grid.steps + 1  # decode steps, overlapped check, its drain
+        for m in self.mixed_hosts().get(batch, []):
+            if not self.mixed_fits(m, context, grown):
+                self.log(f"skip mixed {m} x {context}: beyond the engine's limits")
+                continue
+            self.abort(ids[m:])
+            ids = ids[:m]
+            grown += self.mix(m, context)
+        self.abort(ids)
+
+    def mixed_hosts(self) -> dict[int, list[int]]:
+        """Decode-grid batch -> the mixed batches run beside its decoders, largest first: each
+        beside the smallest grid batch that holds it (no fill of its own)."""
+        cap = self.scheduler.config.max_num_seqs
+        grid = sorted(b for b in self.grid.batches if b <= cap)
+        hosts: dict[int, list[int]] = {}
+        for m in self.mixed_batches():
+            b = next((b for b in grid if b >= m), None)
+            if b is not None:
+                hosts.setdefault(b, []).insert(0, m)
+        return hosts
+
+    def mixed_batches(self) -> list[int]:
+        """The grid's mixed batches, each at most max_num_seqs - 1 (the prompt needs a slot)."""
+        cap = self.scheduler.config.max_num_seqs - 1
+        return sorted({min(b, cap) for b in self.grid.mixed_batches} - {0}) if cap > 0 else []
+
+    def prefill_lens(self) -> list[int]:
+        cfg = self.scheduler.config
+        return [n for n in sorted(self.grid.prefill_lens) if n + 2 <= cfg.max_model_len]
+
+    def mixed_fits(self, batch: int, context: int, grown: int = 0) -> bool:
+        """`batch` decoders of `context` tokens (already `grown` longer) and, beside them, each
+        prompt in turn, within the engine's sequences, token budget, lengths and KV pool."""
+        cfg, alloc = self.scheduler.config, self.scheduler.allocator
+        lens = self.prefill_lens()
+        room = cfg.max_num_batched_tokens - batch  # a step's tokens left for the prompt's chunk
+        if not lens or batch + 1 > cfg.max_num_seqs or room < 1:
+            return False
+        steps = sum(-(-n // room) + 1 for n in lens)  # chunks, then the prompt's last token
+        fill = -(-batch * context // cfg.max_num_batched_tokens)  # the first decode meanwhile
+        length = context + grown + fill + steps + 4
+        pages = batch * -(-length // cfg.page_size) + -(-(max(lens) + 2) // cfg.page_size)
+        usable = alloc.num_usable_pages * (1 - cfg.kv_headroom) * 0.95
+        return length <= cfg.max_model_len and pages <= usable
+
+    def mix(self, batch: int, context: int) -> int:
+        """Each prompt prefilled (and given its two tokens) beside the running decoders; the
+        steps it took."""
+        start, self.shape = len(self.profiles), f"mixed {batch} x {context}"
+        for n in self.prefill_lens():
+            self.until_finished(self.add(n, 2), "mixed")
+        self.shape = ""
+        kv = max(p.features.mixed_decode_kv_tokens for p in self.profiles[start:])
+        self.log(
+            f"mixed {batch} x {context}: {len(self.profiles) - start} steps beside the prompts, "
+            f"up to {kv:,} decode KV tokens"
+        )
+        return len(self.profiles) - start
 
     def _overlapped_check(self, batch: int, context: int) -> dict:
         """Time `steps` overlapped iterations; the model is replayed on them after the fit."""
@@ -222,21 +300,41 @@ class _Session:
         }
 
     def prefill(self) -> None:
-        g, cfg = self.grid, self.scheduler.config
-        lens = [n for n in sorted(g.prefill_lens) if n + 2 <= cfg.max_model_len]
-        for n in lens:
+        for n in self.prefill_lens():
             self.until_finished(self.add(n, 2), "prefill")
-        if not g.mixed_batch:
-            return
-        batch, context = min(g.mixed_batch, cfg.max_num_seqs - 1), min(g.contexts)
-        if batch < 1 or not self.fits(batch + 1, max(context, max(lens, default=0))):
-            self.log("skip the mixed phase: beyond the engine's limits")
-            return
-        ids = [self.add(context, _LONG) for _ in range(batch)]
-        self.until_first_tokens(ids, "fill")
-        for n in lens:
-            self.until_finished(self.add(n, 2), "mixed")
-        self.abort(ids)
+        # A mixed batch larger than every decode-grid batch: its decoders filled here, at the
+        # smallest context only (the fill steps cost more than the mixed ones they serve).
+        context, hosted = min(self.grid.contexts), set().union(*self.mixed_hosts().values())
+        for batch in self.mixed_batches():
+            if batch in hosted:
+                continue
+            if not self.mixed_fits(batch, context):
+                self.log(f"skip mixed {batch} x {context}: beyond the engine's limits")
+                continue
+            ids = [self.add(context, _LONG) for _ in range(batch)]
+            self.until_first_tokens(ids, "fill")
+            self.mix(batch, context)
+            self.abort(ids)
+
+
+def dry_run(
+    engine, grid: ProfileGrid = ProfileGrid(), log: Callable[[str], None] = lambda _: None
+) -> tuple[list[Profile], int]:
+    """The steps `calibrate` takes on `engine` (a simulator.SimEngine), with the real scheduler
+    and no device: the profiles (features, every time 0) and the overlapped check's steps.
+    To count what a grid costs, and to give fits realistic steps in tests."""
+    from types import SimpleNamespace
+
+    from nori_jax.plan.simulator import build_core
+    from nori_jax.plan.virtual_device import SimClock, SimExecutor
+
+    zero = StepCosts(LinearModel.zero(DEVICE_TERMS))
+    core = build_core(engine, SimExecutor(zero, SimClock(), engine.scheduler.max_num_seqs))
+    runner = SimpleNamespace(launch_times=SimpleNamespace(transfer=0.0, forward=0.0))
+    session = _Session(core, runner, engine.vocab_size, grid, log)
+    session.decode_grid()
+    session.prefill()
+    return session.profiles, len(session.rec.launched) - len(session.profiles)
 
 
 def measure_kv_transfer(runner, bytes_per_page: int, repeats: int = 5) -> KVTransfer:
@@ -322,8 +420,13 @@ def _git_commit() -> str:
 
 
 def fit(profiles: list[Profile]) -> tuple[StepCosts, dict]:
+    """Each stage's model fitted to every profile. The device model has the mixed-step term
+    (0 when no profile mixes decodes with a prefill chunk); `quality` gives each stage's errors
+    and, where there are mixed steps, the device model's on them alone, with the term and with
+    a fit that leaves it out (`device_mixed_steps`, `device_mixed_steps_no_term`)."""
     feats = [p.features for p in profiles]
-    models = {"device": LinearModel.fit(DEVICE_TERMS, feats, [p.device_s for p in profiles])}
+    device_s = [p.device_s for p in profiles]
+    models = {"device": LinearModel.fit(CALIBRATED_DEVICE_TERMS, feats, device_s)}
     for stage in HOST_STAGES:
         models[stage] = LinearModel.fit(
             HOST_TERMS, feats, [getattr(p, f"{stage}_s") for p in profiles]
@@ -332,7 +435,36 @@ def fit(profiles: list[Profile]) -> tuple[StepCosts, dict]:
         name: fit_quality(m, feats, [getattr(p, f"{name}_s") for p in profiles])
         for name, m in models.items()
     }
+    mixed = [i for i, f in enumerate(feats) if getattr(f, MIXED_KV_TERM)]
+    if len(mixed) >= 2:
+        without = LinearModel.fit(DEVICE_TERMS, feats, device_s)
+        sub, sub_s = [feats[i] for i in mixed], [device_s[i] for i in mixed]
+        quality["device_mixed_steps"] = fit_quality(models["device"], sub, sub_s)
+        quality["device_mixed_steps_no_term"] = fit_quality(without, sub, sub_s)
     return StepCosts(**models), quality
+
+
+def mixed_report(costs: StepCosts, profiles: list[Profile]) -> list[dict]:
+    """Per mixed shape (decoders x context beside the prompts), over its steps that hold a
+    prefill chunk: the measured device time against the model's, and the mixed-step term's
+    part of the model's, in ms per step (means)."""
+    shapes: dict[str, list[Profile]] = {}
+    for p in profiles:
+        if p.shape and p.features.prefill_tokens:
+            shapes.setdefault(p.shape, []).append(p)
+    coef = costs.device.to_dict().get(MIXED_KV_TERM, 0.0)
+    return [
+        {
+            "shape": shape,
+            "steps": len(ps),
+            "decode_kv_tokens": float(np.mean([p.features.decode_kv_tokens for p in ps])),
+            "measured_ms": 1e3 * float(np.mean([p.device_s for p in ps])),
+            "predicted_ms": 1e3
+            * float(np.mean(costs.device.predict_many([p.features for p in ps]))),
+            "term_ms": 1e3 * coef * float(np.mean([p.features.mixed_decode_kv_tokens for p in ps])),
+        }
+        for shape, ps in shapes.items()
+    ]
 
 
 def model_name(config: EngineConfig) -> str:
@@ -362,7 +494,7 @@ def calibrate(
     parts = build_engine(config)
     mcfg, runner = parts.model.config, parts.runner
     log(f"engine built in {time.perf_counter() - started:.1f}s; recording profiles")
-    session = _Session(parts, grid, log)
+    session = _Session(parts.core, runner, mcfg.vocab_size, grid, log)
     session.decode_grid()
     session.prefill()
     profiles = session.profiles
@@ -405,6 +537,10 @@ def calibrate(
         f.name: float(max(getattr(p.features, f.name) for p in profiles))
         for f in dataclasses.fields(StepFeatures)
     }
+    # The mixed-step term's range too, where the profiles exercised it (offline_fit.py reads
+    # it as "the term was calibrated").
+    if mixed_max := max(getattr(p.features, MIXED_KV_TERM) for p in profiles):
+        feature_max[MIXED_KV_TERM] = float(mixed_max)
     source = (
         f"nori-jax plan calibrate, {kind} ({jax.default_backend()}, jax {jax.__version__}), "
         f"{datetime.date.today().isoformat()}, commit {_git_commit()}, {len(profiles)} profiles"

@@ -202,7 +202,12 @@ def _add_calibrate(sub: Any) -> None:
     )
     g.add_argument("--contexts", default="256,1024,4096", help="decode context lengths")
     g.add_argument("--prefill-lens", default="128,1024,4096,8000", help="prompts prefilled")
-    g.add_argument("--mixed-batch", type=int, default=32, help="decoders beside the prompts")
+    g.add_argument(
+        "--mixed-batch",
+        default="32,256,1024",
+        help="decode batches run beside the prompts, each at most max_num_seqs - 1 (0: none); "
+        "the mixed steps fit the device model's mixed_decode_kv_tokens term",
+    )
     g.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
     g.add_argument(
         "--out", help="YAML file or directory/ to write (default: configs/calibration/<key>.yaml)"
@@ -501,14 +506,15 @@ def _run_dict(outcome) -> dict[str, Any]:
 def _calibrate(args: argparse.Namespace) -> int:
     try:
         from nori_jax.engine_args import engine_config_from_args
-        from nori_jax.plan.calibrate import ProfileGrid, calibrate, write
+        from nori_jax.plan.calibrate import ProfileGrid, calibrate, mixed_report, write
+        from nori_jax.plan.step_model import MIXED_KV_TERM
 
         config = engine_config_from_args(args)
         grid = ProfileGrid(
             _ints(args.batches, "--batches"),
             _ints(args.contexts, "--contexts"),
             _ints(args.prefill_lens, "--prefill-lens"),
-            args.mixed_batch,
+            () if args.mixed_batch.strip() == "0" else _ints(args.mixed_batch, "--mixed-batch"),
             args.steps,
         )
     except ValueError as e:
@@ -519,13 +525,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"{len(profiles)} profiles; fit (relative errors, median / p90 / max):")
     for stage, q in cal.quality.items():
         print(
-            f"  {stage:<12} {q['median_rel_error']:6.1%} / {q['p90_rel_error']:6.1%} / "
+            f"  {stage:<26} {q['median_rel_error']:6.1%} / {q['p90_rel_error']:6.1%} / "
             f"{q['max_rel_error']:6.1%}   r2 {q['r2']:.3f}"
         )
     for c in cal.check:
         print(
             f"  check {c['shape']}: measured {c['measured_ms']:.2f} ms/step overlapped, "
             f"model {c['predicted_ms']:.2f}"
+        )
+    coef = cal.costs.device.to_dict().get(MIXED_KV_TERM, 0.0)
+    print(
+        f"  mixed-step term: {1e9 * coef:.3g} ns per decode KV token of a step that also "
+        f"prefills (profiled up to {cal.feature_max.get(MIXED_KV_TERM, 0):,.0f} such tokens)"
+    )
+    for m in mixed_report(cal.costs, profiles):
+        print(
+            f"  {m['shape']} ({m['steps']} steps with a chunk, {m['decode_kv_tokens']:,.0f} "
+            f"decode KV tokens): device {m['measured_ms']:.2f} ms/step, model "
+            f"{m['predicted_ms']:.2f} (the term {m['term_ms']:.2f})"
         )
     for servers, io in sorted(cal.core_io.items()):
         print(

@@ -9,8 +9,8 @@ produced (its scheduler rows; a test checks they equal what its packed buffers t
 `DERIVED` features are functions of those fields, usable as model terms too:
 `mixed_decode_kv_tokens` is the decode rows' KV of a step that also runs prefill chunks (0 in a
 decode-only step). Steps that mix a large decode batch with a chunk ran longer on the H200 than
-the sum of their decode and prefill parts (docs/planning.md, "How close it is"), and the
-calibration's mixed profiles (32 decoders beside a prompt) are too small to show it.
+the sum of their decode and prefill parts (docs/planning.md, "How close it is"); `plan
+calibrate` profiles mixed steps with up to max_num_seqs - 1 decoders and fits the term to them.
 """
 
 from __future__ import annotations

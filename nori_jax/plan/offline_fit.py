@@ -1,7 +1,12 @@
 """The mixed-step device term, fitted to a measured offline run of the same workload.
 
-`plan calibrate` profiles mixed steps with a few decoders beside a prompt, so its model of a step
-is the sum of a decode part and a prefill part. On the H200 the steps that mix a large decode
+`plan calibrate` now fits this term to its own mixed steps (calibrate.py: large decode batches
+beside prompts); this fit is the cross-check, and the way to give the term to files recorded
+before (which have none: 0). Where both exist the calibrated term wins (`calibrated_mixed_kv`;
+benchmarks/plan/fit_mixed_kv.py prints the offline fit beside it and keeps it).
+
+The calibrations of 2026-12-03 modelled a step as the sum of a decode part and a prefill part.
+On the H200 the steps that mix a large decode
 batch with a prefill chunk ran longer than that: `bench offline` runs, which the simulator
 replays step for step (every request queued at once: the same decisions, the same step count),
 had a TPOT (the time of the steps a decoding request sits in) 5-10% above the replay's, while
@@ -24,9 +29,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nori_jax.plan.calibration import Calibration
-from nori_jax.plan.step_model import LinearModel
+from nori_jax.plan.step_model import MIXED_KV_TERM, LinearModel
 
-TERM = "mixed_decode_kv_tokens"
+TERM = MIXED_KV_TERM
+OFFLINE_NOTE = "from the offline fit to"  # in the source of a calibration whose term this set
+
+
+def calibrated_mixed_kv(cal: Calibration) -> float | None:
+    """The term `plan calibrate` fitted to the calibration's own mixed steps (0 if they showed
+    none), or None: a file recorded before calibrate fitted it (no term, which is 0, or one set
+    by this module's offline fit)."""
+    coef = cal.costs.device.to_dict().get(TERM)
+    if coef is None or not cal.feature_max.get(TERM) or OFFLINE_NOTE in cal.source:
+        return None
+    return coef
 
 
 def with_mixed_kv(cal: Calibration, seconds_per_token: float, note: str = "") -> Calibration:
@@ -36,7 +52,9 @@ def with_mixed_kv(cal: Calibration, seconds_per_token: float, note: str = "") ->
     terms = dict(cal.costs.device.to_dict())
     terms[TERM] = float(seconds_per_token)
     device = LinearModel(tuple(terms), tuple(terms.values()))
-    source = cal.source + (f"; {TERM} {seconds_per_token:.3g} s fitted to {note}" if note else "")
+    source = cal.source + (
+        f"; {TERM} {seconds_per_token:.3g} s {OFFLINE_NOTE} {note}" if note else ""
+    )
     return dataclasses.replace(
         cal, costs=dataclasses.replace(cal.costs, device=device), source=source
     )

@@ -5,8 +5,10 @@
     launch_s   = b_step + b_rows*rows + b_tokens*tokens   (buffer transfer + dispatch)
     post_s     = p_step + p_rows*rows + p_tokens*tokens   (Scheduler.update + the step's outputs)
 
-A calibration may add a device term on `mixed_decode_kv_tokens` (features.py: the decode KV of a
-step that also prefills), fitted to an offline run (offline_fit.py); `plan calibrate` leaves it out.
+`plan calibrate` fits one more device term, c_mixed*mixed_decode_kv_tokens (features.py: the
+decode KV of a step that also prefills), to its mixed steps (CALIBRATED_DEVICE_TERMS); files
+recorded before it profiled mixed steps at size have no such term (0), and an offline run can
+set it instead (offline_fit.py).
 
 T is the compiled token bucket, so device time is piecewise constant in the step's real tokens
 between two buckets (the matmuls run over the padding too), plus the attention's KV reads (decode)
@@ -29,6 +31,8 @@ import numpy as np
 from nori_jax.plan.features import DERIVED, StepFeatures
 
 DEVICE_TERMS = ("step", "bucket", "decode_kv_tokens", "prefill_pairs", "num_rows")
+MIXED_KV_TERM = "mixed_decode_kv_tokens"
+CALIBRATED_DEVICE_TERMS = (*DEVICE_TERMS, MIXED_KV_TERM)  # what `plan calibrate` fits
 HOST_TERMS = ("step", "num_rows", "num_tokens")
 HOST_STAGES = ("schedule", "launch", "postprocess")
 MIN_WEIGHTED_S = 1e-5

@@ -11,13 +11,21 @@ import pytest
 from nori_jax.bench.offline import OfflineConfig
 from nori_jax.bench.workload import WorkloadConfig
 from nori_jax.engine_config import EngineConfig
-from nori_jax.plan.calibrate import ProfileGrid, calibrate, write
+from nori_jax.plan.calibrate import ProfileGrid, calibrate, mixed_report, write
 from nori_jax.plan.calibration import CalibrationQuery, find_calibration, load_calibration
+from nori_jax.plan.offline_fit import TERM, calibrated_mixed_kv
 from nori_jax.plan.planner import Planner, PlanSettings
 
+# Mixed batches, at both contexts: 4 with the grid's 4 decoders, then 2 of them (2 let go);
+# 8 (max_num_seqs) as 7 of the grid's 8 (the prompt needs a slot).
 GRID = ProfileGrid(
-    batches=(1, 4), contexts=(16, 48), prefill_lens=(40, 150), mixed_batch=2, steps=3
+    batches=(1, 4, 8),
+    contexts=(16, 48),
+    prefill_lens=(40, 150),
+    mixed_batches=(2, 4, 8),
+    steps=3,
 )
+MIXED_SHAPES = {(b, c) for b in (2, 4, 7) for c in (16, 48)}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +54,41 @@ def test_profiles_hold_the_requested_shapes(calibrated):
     assert any(p.features.prefill_tokens and p.features.num_decodes for p in profiles)  # mixed
     for p in profiles:
         assert min(p.schedule_s, p.launch_s, p.device_s, p.postprocess_s) >= 0
+
+
+def test_the_mixed_profiles_run_each_batch_beside_the_prompts(calibrated):
+    cal, profiles = calibrated
+    mixed = [p for p in profiles if p.phase == "mixed"]
+    assert {p.shape for p in mixed} == {f"mixed {b} x {c}" for b, c in MIXED_SHAPES}
+    for batch, context in MIXED_SHAPES:
+        steps = [p.features for p in mixed if p.shape == f"mixed {batch} x {context}"]
+        chunks = [f for f in steps if f.prefill_tokens]
+        # Each prompt's chunks (40: one; 150: three of what the decoders leave of 64 tokens),
+        # every one beside all the decoders, which read at least their context each.
+        assert len(chunks) == 1 + -(-150 // (64 - batch))
+        assert {f.prefill_tokens for f in chunks} >= {40}
+        for f in chunks:
+            assert f.num_decodes == batch and f.num_rows == batch + 1
+            assert f.mixed_decode_kv_tokens == f.decode_kv_tokens >= batch * (context + 1)
+    report = {m["shape"]: m for m in mixed_report(cal.costs, profiles)}
+    assert set(report) == {f"mixed {b} x {c}" for b, c in MIXED_SHAPES}
+    assert all(
+        m["measured_ms"] > 0 and m["predicted_ms"] >= m["term_ms"] >= 0 for m in report.values()
+    )
+
+
+def test_the_fit_gives_the_mixed_step_term_from_the_profiles(calibrated, tmp_path):
+    cal, profiles = calibrated
+    device = cal.costs.device.to_dict()
+    assert TERM in device and device[TERM] >= 0  # CPU timings: its value is not asserted
+    top = max(p.features.mixed_decode_kv_tokens for p in profiles)
+    assert cal.feature_max[TERM] == top > 0
+    for name in ("device_mixed_steps", "device_mixed_steps_no_term"):
+        n = sum(1 for p in profiles if p.features.mixed_decode_kv_tokens)
+        assert cal.quality[name]["profiles"] == n
+    back = load_calibration(write(cal, tmp_path / "cal.yaml"))
+    assert back.costs.device.to_dict()[TERM] == pytest.approx(device[TERM], rel=1e-4, abs=1e-15)
+    assert calibrated_mixed_kv(back) == back.costs.device.to_dict()[TERM]
 
 
 def test_the_calibration_file_describes_the_engine_and_loads(calibrated, tmp_path):
@@ -89,7 +132,9 @@ def test_fp8_pages_are_a_calibration_of_their_own(tmp_path):
     config = EngineConfig.from_yaml(
         "tiny-cpu", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_dtype="fp8"
     )
-    grid = ProfileGrid(batches=(1,), contexts=(16,), prefill_lens=(40,), mixed_batch=1, steps=2)
+    grid = ProfileGrid(
+        batches=(1,), contexts=(16,), prefill_lens=(40,), mixed_batches=(1,), steps=2
+    )
     cal, _ = calibrate(config, grid, log=lambda _: None)
     back = load_calibration(write(cal, tmp_path))
     assert back.key.describe() == (
