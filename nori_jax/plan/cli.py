@@ -118,6 +118,14 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-waiting", type=int, help="queue bound (beyond: 429, failed)")
     g.add_argument("--sync-scheduling", action="store_true", help="no host/device overlap")
     g.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        help="multi-step decode: decode steps per launch once nothing waits (the engine flag)",
+    )
+    g.add_argument(
+        "--multi-step-max-seqs", type=int, help="the most running sequences of a multi-step launch"
+    )
+    g.add_argument(
         "--frontend-us-per-token",
         type=float,
         default=0.0,
@@ -354,6 +362,8 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         max_num_long_prefills=args.max_num_long_prefills,
         max_num_waiting=args.max_num_waiting,
         async_scheduling=False if args.sync_scheduling else None,
+        num_scheduler_steps=args.num_scheduler_steps,
+        multi_step_max_seqs=args.multi_step_max_seqs,
     )
     disaggregate = None
     if args.disaggregate:

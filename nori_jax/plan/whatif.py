@@ -33,6 +33,8 @@ class WhatIf:
     max_num_long_prefills: int | None = None
     max_num_waiting: int | None = None
     async_scheduling: bool | None = None
+    num_scheduler_steps: int | None = None  # multi-step decode (composed from single steps)
+    multi_step_max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -60,6 +62,8 @@ def sim_engine(cal: Calibration, w: WhatIf = WhatIf()) -> tuple[SimEngine, list[
         max_num_long_prefills=pick(w.max_num_long_prefills, defaults.max_num_long_prefills),
         kv_headroom=pick(w.kv_headroom, defaults.kv_headroom),
         max_num_waiting=w.max_num_waiting,
+        num_scheduler_steps=pick(w.num_scheduler_steps, defaults.num_scheduler_steps),
+        multi_step_max_seqs=pick(w.multi_step_max_seqs, defaults.multi_step_max_seqs),
     )
     num_pages = w.num_pages or cal.kv_pages(page_size)
     engine = SimEngine(
@@ -79,5 +83,11 @@ def sim_engine(cal: Calibration, w: WhatIf = WhatIf()) -> tuple[SimEngine, list[
     if scheduler.max_model_len > e.max_model_len:
         warnings.append(
             f"max_model_len {scheduler.max_model_len} is above the profiled {e.max_model_len}"
+        )
+    if scheduler.num_scheduler_steps > 1:
+        warnings.append(
+            f"num_scheduler_steps {scheduler.num_scheduler_steps}: a multi-step launch is "
+            "modelled as its steps' device times back to back for one launch's host costs (the "
+            "calibration profiles single steps; not validated against a measured run)"
         )
     return engine, warnings

@@ -67,6 +67,26 @@ def test_a_smaller_chunk_budget_trades_ttft_for_inter_token_latency():
     assert small["p99_itl_ms"] < big["p99_itl_ms"]  # and a decode never waits out a big one
 
 
+def test_multi_step_decode_runs_fewer_launches_for_the_same_tokens_and_is_warned():
+    w = WorkloadConfig(dataset="fixed", num_prompts=24, input_len=100, output_len=40)
+
+    def run(steps):
+        p = Planner(
+            synthetic_calibration(),
+            PlanSettings(OfflineConfig(w), WhatIf(num_scheduler_steps=steps)),
+        )
+        out = p.run_at(2.0)
+        return p, out.summary, out.run.metrics
+
+    one, one_summary, one_metrics = run(1)
+    eight, eight_summary, eight_metrics = run(8)
+    assert eight.engine.scheduler.num_scheduler_steps == 8
+    assert any("multi-step launch is modelled" in w for w in eight.warnings)
+    assert not any("multi-step" in w for w in one.warnings)
+    assert eight_summary["steps"] < one_summary["steps"] / 3  # a light load: nearly all decode
+    assert eight_metrics["total_output_tokens"] == one_metrics["total_output_tokens"]
+
+
 def test_kv_pool_and_headroom_change_what_the_scheduler_does():
     w = WorkloadConfig(dataset="fixed", num_prompts=40, input_len=200, output_len=200)
     settings = lambda **k: PlanSettings(OfflineConfig(w), WhatIf(**k))  # noqa: E731
