@@ -19,9 +19,9 @@
 set -u
 OUT=${OUT:-/tmp/plan}
 export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
-# One step per launch: the preset runs multi-step decode, which the planner's simulated engine
-# (the calibration's) does not (nor does calibrate profile it); the offline run's step count must
-# be its replay's for fit_mixed_kv.py.
+# One step per launch: the preset runs multi-step decode, which the planner only composes from
+# single steps when asked (`--num-scheduler-steps`, not validated) and calibrate never profiles;
+# the offline run's step count must be its replay's for fit_mixed_kv.py.
 SHAPES="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-scheduler-steps 1"
 # Four API servers: one saturates near 128 req/s on the 135M shape, a cost the planner does not
 # model (docs/benchmarks.md, "Served: sweep and knee").
