@@ -1,12 +1,15 @@
 """Host work per engine step at N running requests, with a fake device (no JAX, CPU only).
 
     python benchmarks/engine/host_step_bench.py [--requests 1024] [--context 1024] [--steps 100]
+        [--num-scheduler-steps K]
 
 Fills N requests of `--context` random prompt tokens, runs until all of them decode, then times
 the engine core's host stages per decode step: schedule (the scheduler), plan (the plan builder's
 packed buffers), update (the scheduler applying the samples) and outputs (the output processor,
 final-only outputs as `LLM.generate` asks, or streamed deltas with `--stream`). The fake device
 returns random tokens at once, so this is the host's share alone; on a GPU it overlaps the device.
+With `--num-scheduler-steps K` every decode step is a multi-step launch of K steps: the times are
+per launch, and per decode step (a launch's over K) beside them.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ class FakeExecutor:
         self.rows = rows
 
     def launch(self, plan):
-        return self.rng.integers(10, VOCAB, self.rows).astype(np.int32)
+        shape = (self.rows,) if plan.num_steps == 1 else (plan.num_steps, self.rows)
+        return self.rng.integers(10, VOCAB, shape).astype(np.int32)
 
     def fetch(self, handle):
-        return handle, np.zeros(self.rows, np.float32)
+        return handle, np.zeros(handle.shape, np.float32)
 
 
 def main() -> None:
@@ -47,12 +51,18 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--stream", action="store_true", help="streamed outputs (no tokenizer)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode's K")
     args = p.parse_args()
-    n, ps = args.requests, 64
+    n, ps, k = args.requests, 64, args.num_scheduler_steps
     cfg = SchedulerConfig(
-        max_model_len=8192, page_size=ps, max_num_seqs=n, max_num_batched_tokens=max(8192, n)
+        max_model_len=8192,
+        page_size=ps,
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n),
+        num_scheduler_steps=k,
+        multi_step_max_seqs=n,
     )
-    num_pages = n * (args.context // ps + 8) + 16
+    num_pages = n * (args.context // ps + 8 + k * args.steps // ps) + 16
     scheduler = Scheduler(cfg, PageAllocator(num_pages, ps))
     builder = PlanBuilder(n, cfg.max_pages_per_seq, ps, num_pages, scheduler.buckets, VOCAB)
     core = EngineCore(scheduler, builder, FakeExecutor(n))
@@ -95,10 +105,12 @@ def main() -> None:
         totals["outputs"] += t5 - t4
     per = {k: 1e3 * v / args.steps for k, v in totals.items()}
     rows, kind = scheduled.num_decodes, "streamed" if args.stream else "final-only"
+    launch = f"launch of {k} steps" if k > 1 else "step"
     print(
         f"{n} running requests ({rows} decode rows per step), {kind} outputs: "
-        + ", ".join(f"{k} {v:.3f} ms" for k, v in per.items())
-        + f"; total {sum(per.values()):.3f} ms per step"
+        + ", ".join(f"{name} {v:.3f} ms" for name, v in per.items())
+        + f"; total {sum(per.values()):.3f} ms per {launch}"
+        + (f", {sum(per.values()) / k:.3f} ms per decode step" if k > 1 else "")
     )
 
 

@@ -630,48 +630,71 @@ class Scheduler:
     ) -> StepUpdate:
         """`update` for a multi-step launch: row i's samples are `next_tokens[:steps[i], i]`, cut
         after the first that finishes its request (a stop token or EOS; max_tokens and the
-        context were already counted in `steps`). The samples after it are dropped."""
+        context were already counted in `steps`). The samples after it are dropped. Vectorized
+        over the rows as `update` is: Python touches a row only to extend its output list, and
+        the rows that finish, asked for logprobs or were preempted meanwhile."""
         c, now = self.slots, time.monotonic()
         slots, steps, reqs = out.row_slots, out.decode_steps, out.row_requests
         live = c.epoch[slots] == out.row_epochs
         tokens = next_tokens[:, : len(slots)].astype(np.int32)  # [k, D]
+        k = len(tokens)
         # How many samples each row delivers: its steps, or through its first stop token.
         stops = (tokens[:, :, None] == self._eos_ids).any(axis=2) & ~c.ignore_eos[slots]
         for i in np.flatnonzero(c.has_stop_ids[slots]).tolist():
             stops[:, i] |= np.isin(tokens[:, i], reqs[i].params.stop_token_ids)
-        stops[np.arange(len(tokens))[:, None] >= steps] = False
-        take = np.where(stops.any(axis=0), stops.argmax(axis=0) + 1, steps)
+        stops[np.arange(k)[:, None] >= steps] = False
+        stopped = stops.any(axis=0)
+        take = np.where(stopped, stops.argmax(axis=0) + 1, steps)
 
-        update = StepUpdate([], np.zeros(0, np.int32), {}, [], [])
-        delivered, last = [], []
-        for i, req in enumerate(reqs):
-            if not live[i] and req.is_finished:
-                continue  # finished (stop string, abort): the samples are discarded
-            n = int(take[i])
-            toks = tokens[:n, i]
-            req.output_token_ids.extend(toks.tolist())
-            if live[i]:
-                slot = slots[i]
-                c.known[slot] += n
-                c.pending[slot] -= steps[i]
-                c.last_token[slot] = toks[-1]
-                c.last_token_time[slot] = now
-            else:  # preempted after this launch was planned: its tokens are still its output
-                req.num_pending_tokens -= int(steps[i])
-                req.times.last_token = now
-            update.request_ids.extend([req.request_id] * n)
-            delivered.append(toks)
-            last.append((req, int(toks[-1])))
-            if logprobs is not None and req.params.logprobs is not None:
-                lps = logprobs[:n, i].astype(float).tolist()
+        # Rows whose samples count: live ones, and preempted ones (not finished) keep theirs.
+        preempted = [i for i in np.flatnonzero(~live).tolist() if not reqs[i].is_finished]
+        rows = np.flatnonzero(live)
+        if preempted:
+            rows = np.sort(np.concatenate([rows, preempted]))
+        take_r = take[rows]
+        by_row = tokens[:, rows].T  # [R, k]: each row's samples in order
+        ids = c.request_ids[slots[rows]]
+        for j, i in enumerate(rows.tolist()):
+            if not live[i]:
+                ids[j] = reqs[i].request_id
+        for req_list, toks, n in zip(
+            (reqs[i].output_token_ids for i in rows.tolist()),
+            by_row.tolist(),
+            take_r.tolist(),
+            strict=True,
+        ):
+            req_list.extend(toks[:n] if n < k else toks)
+        last_tokens = by_row[np.arange(len(rows)), take_r - 1]
+        lr = live[rows]
+        ls = slots[rows[lr]]
+        c.known[ls] += take_r[lr]
+        c.pending[ls] -= steps[rows[lr]]
+        c.last_token[ls] = last_tokens[lr]
+        c.last_token_time[ls] = now
+        for i in preempted:
+            reqs[i].num_pending_tokens -= int(steps[i])
+            reqs[i].times.last_token = now
+
+        delivered = by_row[np.arange(k)[None, :] < take_r[:, None]]  # row by row, in order
+        update = StepUpdate(np.repeat(ids, take_r).tolist(), delivered, {}, [], [])
+        if logprobs is not None:
+            lp_rows = [
+                j for j, i in enumerate(rows.tolist()) if reqs[i].params.logprobs is not None
+            ]
+            for j in lp_rows:
+                req, n = reqs[rows[j]], int(take_r[j])
+                lps = logprobs[:n, rows[j]].astype(float).tolist()
                 req.output_logprobs.extend(lps)
                 update.logprobs[req.request_id] = lps
-        if delivered:
-            update.token_ids = np.concatenate(delivered)
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
-        for req, tok in last:
-            reason = self._finish_reason(req, tok)
+        # Finishes: rows that stopped, reached their length, or were preempted (checked alone).
+        ends = stopped[rows].copy()
+        ends[lr] |= c.known[ls] >= c.stop_at[ls]
+        ends[~lr] = True
+        for j in np.flatnonzero(ends).tolist():
+            req = reqs[rows[j]]
+            reason = self._finish_reason(req, int(last_tokens[j]))
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
         return update
