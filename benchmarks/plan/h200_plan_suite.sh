@@ -10,7 +10,8 @@
 # simulation; `apiservers` measures the API servers' CPU per streamed token with a fake core.)
 # compare passes the measured path outside the engine at the lowest rate (client mean TTFT less
 # the engine's, from /metrics) as --frontend-latency-ms, and with `apiservers` run before, the
-# API servers' cost per token as --frontend-us-per-token. The mixed-step device term: the
+# API servers' cost per token as --frontend-us-per-token and per request as
+# --frontend-ms-per-request (taken out of the fixed latency, which holds it at the lowest rate). The mixed-step device term: the
 # calibration's own where `plan calibrate` fitted it (its mixed profiles); with `offline` run
 # before, fit_mixed_kv.py fits it to that run too and prints that beside the calibrated one (the
 # cross-check), or, for a calibration without a calibrated term, uses the offline fit.
@@ -60,7 +61,11 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
   apiservers)
     # The API server processes alone (a fake engine core): CPU microseconds per streamed token.
     timeout 120 python3 "$here/../engine/api_server_bench.py" --runs 2 --json "$OUT/api_servers.json" \
-      -- $SERVE 2>&1 | tail -4 ;;
+      -- $SERVE 2>&1 | tail -4
+    # And per request (PERF.md's mean prompt, one output token): what a request costs its server.
+    timeout 80 python3 "$here/../engine/api_server_bench.py" --runs 2 --num-prompts 2000 \
+      --output-len 1 --input-len 680 --json "$OUT/api_requests.json" -- $SERVE --max-model-len 2048 \
+      2>&1 | tail -4 ;;
   sweep135)
     # The printed report is kept beside the JSON: the JSON of 1,000 requests a rate (per-request
     # arrays) is ~30 MB, more than a device call returns; report_to_sweep.py rebuilds its summary.
@@ -86,7 +91,16 @@ print(max(0.0, r['mean_ttft_ms'] - (r.get('server_mean_ttft_ms') or r['mean_ttft
 print(statistics.median(r['api_server_us_per_token'] for r in json.load(open(sys.argv[1]))))" \
           "$OUT/api_servers.json")
       fi
-      echo "$m: --frontend-latency-ms $latency --frontend-us-per-token $per_token"
+      per_request=0
+      if [ -f "$OUT/api_requests.json" ]; then  # its share of the fixed latency is taken out
+        per_request=$(python3 -c "import json, statistics, sys; \
+print(statistics.median(r['api_server_us_per_request'] for r in json.load(open(sys.argv[1]))) / 1e3)" \
+          "$OUT/api_requests.json")
+        latency=$(python3 -c "import sys; print(max(0.0, float(sys.argv[1]) - float(sys.argv[2])))" \
+          "$latency" "$per_request")
+      fi
+      echo "$m: --frontend-latency-ms $latency --frontend-us-per-token $per_token" \
+        "--frontend-ms-per-request $per_request"
       calibration=$(cal "$m")
       python3 -c "import sys; from nori_jax.plan.calibration import load_calibration as l; \
 from nori_jax.plan.offline_fit import calibrated_mixed_kv as c; v = c(l(sys.argv[1])); \
@@ -99,7 +113,7 @@ print(f'{sys.argv[2]}: mixed-step term ' + ('not calibrated' if v is None else f
       fi
       python3 -m nori_jax.cli plan sweep --calibration "$calibration" --num-prompts "$n" \
         --frontend-servers "${API_SERVERS:-4}" --frontend-latency-ms "$latency" \
-        --frontend-us-per-token "$per_token" \
+        --frontend-us-per-token "$per_token" --frontend-ms-per-request "$per_request" \
         --measured "$measured" --plot "$OUT/plan_vs_measured_$m.png" \
         --result-json "$OUT/plan_vs_measured_$m.json" 2>&1 | tail -14
     done ;;

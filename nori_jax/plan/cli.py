@@ -135,6 +135,13 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         "--frontend-ms-per-step", type=float, default=0.0, help="and per engine step's output"
     )
     g.add_argument(
+        "--frontend-ms-per-request",
+        type=float,
+        default=0.0,
+        help="API server process cost of a request on arrival, before the core sees it "
+        "(api_server_bench.py --output-len 1; 0: not modelled)",
+    )
+    g.add_argument(
         "--frontend-latency-ms",
         type=float,
         default=0.0,
@@ -394,6 +401,7 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
             args.frontend_us_per_token / 1e6,
             args.frontend_servers,
             args.frontend_latency_ms / 1e3,
+            args.frontend_ms_per_request / 1e3,
         ),
         core_io=core_io,
         disaggregate=disaggregate,

@@ -22,7 +22,9 @@ FIFO servers behind the core (`--api-server-count`), request i on server i mod `
 kernel spreads connections over the processes sharing the port), each taking
 `step_s + token_s * tokens` of every step's output that holds tokens of its requests (the core
 sends each API server its own requests' tokens), plus a fixed `latency_s` per token for the
-way in and out (HTTP, the sockets); 0 costs (the default) leave it out.
+way in and out (HTTP, the sockets); 0 costs (the default) leave it out. With `request_s` a
+request also takes its server that long when it arrives (parsing, validation, tokenization, the
+way to the core), in the same FIFO as the tokens, and reaches the core only then.
 
 `core_io` (core_io.py) is the engine-core process's own send path after each step (splitting
 the outputs by API server, encoding, ZeroMQ): host time on the core's clock, before the step's
@@ -32,6 +34,7 @@ tokens leave it.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -79,9 +82,12 @@ class Frontend:
     # and each token's way back out to the client; added to every token's time. Measured as the
     # client's mean TTFT less the engine's (bench serve's server_mean_ttft_ms).
     latency_s: float = 0.0
+    # A request's own cost to its API server on arrival, before the core sees it.
+    request_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.step_s >= 0 and self.token_s >= 0 and self.latency_s >= 0):
+        costs = (self.step_s, self.token_s, self.latency_s, self.request_s)
+        if not all(c >= 0 for c in costs):
             raise ValueError(f"frontend costs must be >= 0, got {self}")
         if self.servers < 1:
             raise ValueError(f"frontend servers must be >= 1, got {self.servers}")
@@ -98,9 +104,16 @@ class Frontend:
                 free[k] = max(t, free[k]) + self.step_s + self.token_s * c
         return [free[int(rid) % n] + self.latency_s for rid in request_ids]
 
+    def admit(self, index: int, arrival_s: float, free: list[float]) -> float:
+        """When request `index`, arrived at `arrival_s`, reaches the core: after its server has
+        done what was queued before it and its own `request_s`."""
+        k = index % self.servers
+        free[k] = max(arrival_s, free[k]) + self.request_s
+        return free[k]
+
     @property
     def enabled(self) -> bool:
-        return self.step_s > 0 or self.token_s > 0 or self.latency_s > 0
+        return self.step_s > 0 or self.token_s > 0 or self.latency_s > 0 or self.request_s > 0
 
 
 NO_FRONTEND = Frontend()
@@ -216,22 +229,33 @@ def simulate(
     times: list[list[float]] = [[] for _ in requests]
     rejected_at: dict[int, float] = {}
     front_free = [0.0] * frontend.servers
+    # Requests through their API server (frontend.request_s), not yet at the core: (time, index).
+    entering: list[tuple[float, int]] = []
     nxt, idle_spins = 0, 0
     while True:
         while nxt < len(requests) and requests[nxt].arrival_s <= clock.now:
-            if prepare is not None:
-                prepare(core, nxt, requests[nxt])
-            try:
-                core.add_request(core_request(nxt, requests[nxt]))
-            except QueueFullError:
-                rejected_at[nxt] = clock.now
+            if frontend.request_s:
+                t_in = frontend.admit(nxt, requests[nxt].arrival_s, front_free)
+                heapq.heappush(entering, (t_in, nxt))
+            else:
+                heapq.heappush(entering, (requests[nxt].arrival_s, nxt))
             nxt += 1
+        while entering and entering[0][0] <= clock.now:
+            _, i = heapq.heappop(entering)
+            if prepare is not None:
+                prepare(core, i, requests[i])
+            try:
+                core.add_request(core_request(i, requests[i]))
+            except QueueFullError:
+                rejected_at[i] = clock.now
         if core.has_unfinished():
             out = core.step()
         elif core.has_in_flight:
             out = core.drain()
-        elif nxt < len(requests):
-            clock.now = max(clock.now, requests[nxt].arrival_s)
+        elif entering or nxt < len(requests):
+            due = [entering[0][0]] if entering else []
+            due += [requests[nxt].arrival_s] if nxt < len(requests) else []
+            clock.now = max(clock.now, min(due))
             continue
         else:
             break

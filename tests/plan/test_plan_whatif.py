@@ -269,6 +269,30 @@ def test_a_frontend_latency_shifts_every_token_and_nothing_else():
         Frontend(latency_s=-1.0)
 
 
+def test_a_requests_own_frontend_cost_delays_its_way_to_the_core_in_its_servers_fifo():
+    """`request_s`: a request takes its API server that long on arrival, before the core sees
+    it. Alone (requests far apart) every token shifts by it; arriving together on one server
+    they queue, so the k-th reaches the core after k + 1 of them; two servers halve the queue."""
+    cal = synthetic_calibration()
+    engine, _ = sim_engine(cal)
+    apart = [SimRequest(list(range(10, 42)), 10, 1.0 * i) for i in range(4)]
+    base = simulate(engine, cal.costs, apart, request_rate=1.0)
+    slow = simulate(engine, cal.costs, apart, request_rate=1.0, frontend=Frontend(request_s=0.02))
+    for a, b in zip(base.token_times, slow.token_times, strict=True):
+        assert b == pytest.approx([t + 0.02 for t in a])
+
+    burst = [SimRequest(list(range(10, 42)), 10, 0.0) for _ in range(6)]
+    for servers, waves in ((1, 6), (2, 3)):
+        front = Frontend(request_s=0.05, servers=servers)
+        run = simulate(engine, cal.costs, burst, request_rate=math.inf, frontend=front)
+        first = sorted(ts[0] for ts in run.token_times)
+        # the last request reached the core only after `waves` request costs on its server
+        assert first[-1] >= 0.05 * waves
+        assert first[-1] < 0.05 * waves + 0.05  # and then its prefill, well under 50 ms here
+    with pytest.raises(ValueError, match="frontend costs must be >= 0"):
+        Frontend(request_s=-1e-3)
+
+
 def test_the_core_send_path_delays_each_step_by_its_rows():
     """The engine core's send after every step (core_io.py) is host time on the core's clock:
     with 1 ms per step, every iteration that runs a step takes 1 ms longer, and the tokens
