@@ -638,16 +638,21 @@ class Scheduler:
         live = c.epoch[slots] == out.row_epochs
         tokens = next_tokens[:, : len(slots)].astype(np.int32)  # [k, D]
         k = len(tokens)
-        # How many samples each row delivers: its steps, or through its first stop token.
+        # Rows whose samples count: live ones, and preempted ones (not finished) keep theirs.
+        preempted = [i for i in np.flatnonzero(~live).tolist() if not reqs[i].is_finished]
+        # How many samples each row delivers: its steps, or through its first stop token. A
+        # preempted row's slot may hold another request now: its own settings decide.
         stops = (tokens[:, :, None] == self._eos_ids).any(axis=2) & ~c.ignore_eos[slots]
-        for i in np.flatnonzero(c.has_stop_ids[slots]).tolist():
+        for i in np.flatnonzero(c.has_stop_ids[slots] & live).tolist():
             stops[:, i] |= np.isin(tokens[:, i], reqs[i].params.stop_token_ids)
+        for i in preempted:
+            p, req = reqs[i].params, reqs[i]
+            ends = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            stops[:, i] = np.isin(tokens[:, i], ends)
         stops[np.arange(k)[:, None] >= steps] = False
         stopped = stops.any(axis=0)
         take = np.where(stopped, stops.argmax(axis=0) + 1, steps)
 
-        # Rows whose samples count: live ones, and preempted ones (not finished) keep theirs.
-        preempted = [i for i in np.flatnonzero(~live).tolist() if not reqs[i].is_finished]
         rows = np.flatnonzero(live)
         if preempted:
             rows = np.sort(np.concatenate([rows, preempted]))
