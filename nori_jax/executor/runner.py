@@ -368,17 +368,7 @@ class ModelRunner:
             positions[1:n] = np.arange(n - 1)
             tokens[TOKEN_FIELDS.index("slot_mapping")] = positions % self.page_size
             tokens[TOKEN_FIELDS.index("input_ids")] = 1
-            rows = layout.new_rows()
-            cu = layout.view(rows, "cu_q_lens")
-            cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
-            cu[len(q_lens) + 1 :] = n
-            layout.view(rows, "kv_lens")[: len(q_lens)] = q_lens
-            layout.view(rows, "distribution")[:] = (1, len(q_lens))
-            layout.view(rows, "logits_indices")[:] = np.maximum(cu[1:] - 1, 0)
-            layout.view(rows, "temperature")[:] = 1.0
-            layout.view(rows, "top_p")[:] = 0.9
-            layout.view(rows, "top_k")[:] = 5
-            layout.view(rows, "filter_rows")[:] = np.arange(s)
+            rows = self._warm_up_rows(q_lens)
             self.fetch(self._launch(t, tokens, rows, GREEDY))
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
         # A sampler program runs the same on any logits: each runs once on zeros, without another
@@ -389,19 +379,27 @@ class ModelRunner:
         for sampler in self._samplers.values():
             self.fetch(sampler(logits, rows_d))
         # Each multi-step program once, on one decode row that writes the null page.
+        rows = self._warm_up_rows([1])
+        layout.view(rows, "decode_steps")[0] = 1
         for t, program in self._multis:
-            tokens = new_tokens(t)
-            rows = layout.new_rows()
-            cu = layout.view(rows, "cu_q_lens")
-            cu[1:] = 1
-            layout.view(rows, "kv_lens")[0] = 1
-            layout.view(rows, "distribution")[:] = (1, 1)
-            layout.view(rows, "decode_steps")[0] = 1
-            layout.view(rows, "temperature")[:] = 1.0
-            layout.view(rows, "top_p")[:] = 0.9
-            layout.view(rows, "top_k")[:] = 5
-            layout.view(rows, "filter_rows")[:] = np.arange(s)
-            self.fetch(self._launch(t, tokens, rows, program, self.num_scheduler_steps))
+            self.fetch(self._launch(t, new_tokens(t), rows, program, self.num_scheduler_steps))
+
+    def _warm_up_rows(self, q_lens: list[int]) -> np.ndarray:
+        """A `rows` buffer of one decode row then the given rows, every other row padding, with
+        sampling settings that every sampler program reads (random, top-k, top-p)."""
+        layout, s = self.layout, self.layout.max_num_seqs
+        rows = layout.new_rows()
+        cu = layout.view(rows, "cu_q_lens")
+        cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+        cu[len(q_lens) + 1 :] = sum(q_lens)
+        layout.view(rows, "kv_lens")[: len(q_lens)] = q_lens
+        layout.view(rows, "distribution")[:] = (1, len(q_lens))
+        layout.view(rows, "logits_indices")[:] = np.maximum(cu[1:] - 1, 0)
+        layout.view(rows, "temperature")[:] = 1.0
+        layout.view(rows, "top_p")[:] = 0.9
+        layout.view(rows, "top_k")[:] = 5
+        layout.view(rows, "filter_rows")[:] = np.arange(s)
+        return rows
 
     def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
         """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
@@ -431,20 +429,30 @@ class ModelRunner:
         program: SamplerProgram,
         num_steps: int = 1,
     ):
-        if num_steps > 1:
-            return self._launch_steps(bucket, tokens, rows, program, num_steps)
-        forward = self._forwards.get(bucket)
-        if forward is None:
-            raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
+        if num_steps == 1:
+            forward, multi = self._forwards.get(bucket), None
+            if forward is None:
+                raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
+        else:
+            forward, multi = None, self._multis.get((bucket, program))
+            if multi is None or num_steps != self.num_scheduler_steps:
+                raise RuntimeError(
+                    f"no multi-step program of {num_steps} steps for bucket {bucket} and sampler "
+                    f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
+                    f"{sorted((t, p.name) for t, p in self._multis)})"
+                )
         t0 = time.perf_counter()
         tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
         t1 = time.perf_counter()
-        logits, self.kv_pages = forward(
-            self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
-        )
-        t2 = time.perf_counter()
-        next_tokens, logprobs = self._samplers[program](logits, rows_d)
-        self._prev_tokens = next_tokens
+        args = (self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d)
+        if multi is not None:  # the forward passes and samplers of every step in one program
+            next_tokens, logprobs, self._prev_tokens, self.kv_pages = multi(*args)
+            t2 = time.perf_counter()
+        else:
+            logits, self.kv_pages = forward(*args)
+            t2 = time.perf_counter()
+            next_tokens, logprobs = self._samplers[program](logits, rows_d)
+            self._prev_tokens = next_tokens
         # Start the device-to-host copy now, so fetching later does not add a round trip.
         next_tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
@@ -452,35 +460,6 @@ class ModelRunner:
         lt.transfer += t1 - t0
         lt.forward += t2 - t1
         lt.sampler += time.perf_counter() - t2
-        return next_tokens, logprobs
-
-    def _launch_steps(
-        self,
-        bucket: int,
-        tokens: np.ndarray,
-        rows: np.ndarray,
-        program: SamplerProgram,
-        num_steps: int,
-    ):
-        """A multi-step launch: one program runs `num_steps` decode steps (`_multi_step`)."""
-        multi = self._multis.get((bucket, program))
-        if multi is None or num_steps != self.num_scheduler_steps:
-            raise RuntimeError(
-                f"no multi-step program of {num_steps} steps for bucket {bucket} and sampler "
-                f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
-                f"{sorted((t, p.name) for t, p in self._multis)})"
-            )
-        t0 = time.perf_counter()
-        tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
-        t1 = time.perf_counter()
-        next_tokens, logprobs, self._prev_tokens, self.kv_pages = multi(
-            self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d
-        )
-        next_tokens.copy_to_host_async()
-        logprobs.copy_to_host_async()
-        lt = self.launch_times
-        lt.transfer += t1 - t0
-        lt.forward += time.perf_counter() - t1
         return next_tokens, logprobs
 
     @staticmethod
