@@ -42,6 +42,23 @@ def make_scheduler(num_pages: int = 64, **overrides) -> Scheduler:
     return s
 
 
+def shared_prefix_requests(
+    n: int, seed: int, max_own: int, max_tokens: tuple[int, int]
+) -> list[Request]:
+    """`n` requests that all start with the same 40-token system prompt (prefix-cache hits),
+    then 1 to `max_own - 1` tokens of their own, asking for `max_tokens` [low, high) tokens."""
+    system = list(range(300, 340))
+    rng = np.random.default_rng(seed)
+    return [
+        make_request(
+            f"r{i}",
+            system + rng.integers(3, 900, int(rng.integers(1, max_own))).tolist(),
+            int(rng.integers(*max_tokens)),
+        )
+        for i in range(n)
+    ]
+
+
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:
     return Request(
         rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, **params), seed=0

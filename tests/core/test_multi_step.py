@@ -14,6 +14,7 @@ from fake_runner import (
     make_request,
     make_scheduler,
     run_to_completion,
+    shared_prefix_requests,
 )
 
 from nori_jax.core.engine_core import EngineCore
@@ -112,16 +113,7 @@ def test_eos_inside_a_launch_ends_the_request_and_ignore_eos_runs_past_it():
 def test_preemption_with_multi_step_launches_in_flight_keeps_outputs_exact():
     """A pool too small for everyone: multi-step launches fall back to one step when their pages
     do not fit, and requests preempted while a launch of theirs is in flight keep its tokens."""
-    system = list(range(300, 340))
-    rng = np.random.default_rng(3)
-    reqs = [
-        make_request(
-            f"r{i}",
-            system + rng.integers(3, 900, int(rng.integers(1, 40))).tolist(),
-            int(rng.integers(10, 60)),
-        )
-        for i in range(20)
-    ]
+    reqs = shared_prefix_requests(20, seed=3, max_own=40, max_tokens=(10, 60))
     seen = _Launches()
     s = make_scheduler(num_pages=20, max_model_len=128, kv_headroom=0.0, num_scheduler_steps=4)
     done = run_to_completion(s, reqs, on_step=seen, overlap=True)

@@ -9,6 +9,7 @@ from fake_runner import (
     make_request,
     make_scheduler,
     run_to_completion,
+    shared_prefix_requests,
 )
 
 from nori_jax.core.scheduler import QueueFullError
@@ -227,16 +228,7 @@ def test_overlapped_scheduling_gives_the_same_tokens():
 
 
 def test_overlapped_scheduling_with_preemption_and_prefix_cache():
-    system = list(range(300, 340))
-    rng = np.random.default_rng(8)
-    reqs = [
-        make_request(
-            f"r{i}",
-            system + rng.integers(3, 900, int(rng.integers(1, 50))).tolist(),
-            int(rng.integers(1, 40)),
-        )
-        for i in range(24)
-    ]
+    reqs = shared_prefix_requests(24, seed=8, max_own=50, max_tokens=(1, 40))
     s = make_scheduler(num_pages=20, max_model_len=128, kv_headroom=0.0)
     done = run_to_completion(s, reqs, overlap=True)
     assert s.counters.num_preemptions > 0 and s.counters.prefix_cache_hits > 0
