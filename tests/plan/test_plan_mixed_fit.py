@@ -1,7 +1,8 @@
 """The mixed-step term from calibrate's own profiles: the fit recovers a known cost from the
 steps the real scheduler takes for the default grid on the H200 engine (a dry run, no device),
-the grid's mixed steps span the decode KV of served steps near the knee, and files recorded
-before calibrate fitted the term have none (0)."""
+the grid's mixed steps span the decode KV of served steps near the knee, the shipped H200 files
+carry the term their own mixed profiles fitted, and a file recorded before calibrate fitted it
+has none (0)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def h200():
 def _profiles(cal, profiles, mixed_kv: float, noise: float, seed: int = 0):
     """The profiles with device times of the shipped model plus a known mixed-step cost,
     times log-normal noise of `noise` (the H200 fits' median error is 2-4%)."""
+    coefficients = {**cal.costs.device.to_dict(), TERM: mixed_kv}
     truth = LinearModel(
-        CALIBRATED_DEVICE_TERMS, (*cal.costs.device.coefficients, mixed_kv)
+        CALIBRATED_DEVICE_TERMS, tuple(coefficients[t] for t in CALIBRATED_DEVICE_TERMS)
     ).predict_many([p.features for p in profiles])
     rng = np.random.default_rng(seed)
     times = truth * np.exp(rng.normal(0.0, noise, len(truth)))
@@ -78,7 +80,7 @@ def test_the_fit_recovers_a_known_mixed_step_cost(h200, noise):
     assert fitted[TERM] == pytest.approx(MIXED_KV, rel=1e-6 if noise == 0 else 0.15)
     # and the rest of the device model with it
     for term, c in cal.costs.device.to_dict().items():
-        if c > 1e-3 * max(cal.costs.device.coefficients):
+        if term != TERM and c > 1e-3 * max(cal.costs.device.coefficients):
             assert fitted[term] == pytest.approx(c, rel=1e-6 if noise == 0 else 0.25), term
     mixed, without = quality["device_mixed_steps"], quality["device_mixed_steps_no_term"]
     assert mixed["median_rel_error"] < without["median_rel_error"]
@@ -91,13 +93,29 @@ def test_no_mixed_step_cost_fits_a_term_near_zero(h200):
         assert 0.0 <= fitted[TERM] < 0.1 * MIXED_KV
 
 
-@pytest.mark.parametrize("path", sorted(CALIBRATION_DIR.glob("*.yaml")), ids=lambda p: p.stem)
-def test_a_file_without_the_mixed_profiles_has_no_term(path):
+MIXED = StepFeatures(8192, 8192, 1001, 1000, 7192, 1_000_000, 7192 * 7193 // 2)
+
+
+@pytest.mark.parametrize(
+    "name", ["smollm2-135m", "llama3.2-1b"], ids=lambda n: f"{n}_bfloat16_nvidia-h200"
+)
+def test_the_shipped_bf16_h200_files_carry_their_calibrated_term(name):
+    cal = load_calibration(CALIBRATION_DIR / f"{name}_bfloat16_kv-bfloat16_nvidia-h200_tp1.yaml")
+    term = calibrated_mixed_kv(cal)
+    # recorded with the mixed profiles (2026-12-04): 0.11 ns (135M) and 1.3 ns (1B) per token
+    assert term is not None and 0.0 < term < 1e-8
+    assert cal.feature_max[TERM] > 1_000_000
+    assert MIXED.mixed_decode_kv_tokens == 1_000_000
+    zero = with_mixed_kv(cal, 0.0).costs.device
+    assert cal.costs.device.predict(MIXED) == pytest.approx(zero.predict(MIXED) + term * 1_000_000)
+    # an offline fit replaces it, and is then not a calibrated term
+    assert calibrated_mixed_kv(with_mixed_kv(cal, MIXED_KV, "offline.json")) is None
+
+
+def test_a_file_without_the_mixed_profiles_has_no_term():
+    path = CALIBRATION_DIR / "smollm2-135m_bfloat16_kv-float8_e4m3fn_nvidia-h200_tp1.yaml"
     cal = load_calibration(path)
     assert TERM not in cal.costs.device.to_dict() and calibrated_mixed_kv(cal) is None
-    mixed = StepFeatures(8192, 8192, 1001, 1000, 7192, 1_000_000, 7192 * 7193 // 2)
-    assert mixed.mixed_decode_kv_tokens == 1_000_000
     zero = with_mixed_kv(cal, 0.0).costs.device
-    assert cal.costs.device.predict(mixed) == pytest.approx(zero.predict(mixed))
-    # an offline fit sets the term, which is not a calibrated one
+    assert cal.costs.device.predict(MIXED) == pytest.approx(zero.predict(MIXED))
     assert calibrated_mixed_kv(with_mixed_kv(cal, MIXED_KV, "offline.json")) is None
