@@ -59,6 +59,9 @@ def test_no_compiles_after_warmup_over_many_shapes_and_settings(llm):
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert llm.engine.num_recompiles == 0
     assert llm.get_metrics()["nori:recompiles_total"] == 0
+    # and every launch went to the executable directly (executor/direct_call.py)
+    launches = llm.engine.runner.direct_launches()
+    assert launches and all(launches.values()), launches
 
 
 def test_same_seed_same_output_whatever_the_batch(llm):

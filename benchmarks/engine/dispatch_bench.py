@@ -6,6 +6,9 @@ Part 1, dispatch: one compiled program of N small inputs (D of them donated and 
 200 times back to back; host microseconds per call (the loop without its final wait) for
 N = 8 / 40 / 305 and D = 0 / 30. The forward pass of the SmolLM2-135M shape has 272 parameter
 arrays and 30 donated KV arrays: if the per-buffer cost is what bounds a launch, this shows it.
+Each case is timed twice, alternating: through `jax.stages.Compiled` (JAX's dispatcher) and
+through the runner's direct call of the executable (nori_jax/executor/direct_call.py).
+(`--parts dispatch` runs this part alone.)
 
 Part 2, weight layouts: a decoder-shaped chain of matmuls (per layer: norm, q/k/v/o, gate/up/down,
 plus a KV-row write into a donated page array) over the 135M and 1B shapes, with the weights
@@ -31,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nori_jax.executor.direct_call import DirectCall
+
 SHAPES = {  # layers, hidden, q width, kv width, mlp width
     "135m": (30, 576, 576, 192, 1536),
     "1b": (16, 2048, 2048, 512, 8192),
@@ -38,7 +43,7 @@ SHAPES = {  # layers, hidden, q width, kv width, mlp width
 KINDS = ("ln1", "q", "k", "v", "o", "ln2", "gate", "up", "down")
 
 
-def dispatch_cost(n: int, donated: int, calls: int = 200) -> float:
+def dispatch_cost(n: int, donated: int, calls: int = 200, direct: bool = False) -> float:
     def f(*xs):
         keep = [x + 1 for x in xs[n - donated :]]
         return sum(x[0] for x in xs[: n - donated]) if n > donated else xs[0][0], keep
@@ -46,6 +51,14 @@ def dispatch_cost(n: int, donated: int, calls: int = 200) -> float:
     fn = jax.jit(f, donate_argnums=tuple(range(n - donated, n)))
     xs = [jnp.full((256,), i, jnp.float32) for i in range(n)]
     exe = fn.lower(*xs).compile()
+    if direct:
+        call = DirectCall(exe)
+        assert call.direct
+
+        def exe(*args):  # noqa: F811 (the same program, called directly)
+            out = call(list(args))
+            return out[0], out[1:]
+
     kept, donor = xs[: n - donated], xs[n - donated :]
     for _ in range(20):
         _, donor = exe(*kept, *donor)
@@ -172,14 +185,26 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", default="64,1024")
     parser.add_argument("--shapes", default="135m,1b")
+    parser.add_argument("--parts", default="dispatch,layout")
     args = parser.parse_args()
     print("backend:", jax.default_backend(), jax.devices()[0].device_kind)
     rows = []
-    for n, d in [(8, 0), (40, 0), (305, 0), (40, 30), (305, 30)]:
-        us = dispatch_cost(n, d)
-        rows.append({"part": "dispatch", "inputs": n, "donated": d, "us_per_call": us})
-        print(json.dumps(rows[-1]), flush=True)
-    for shape in args.shapes.split(","):
+    for n, d in [(8, 0), (40, 0), (305, 0), (40, 30), (305, 30)] * ("dispatch" in args.parts):
+        for repeat in range(2):
+            for direct in (False, True):
+                us = dispatch_cost(n, d, direct=direct)
+                rows.append(
+                    {
+                        "part": "dispatch",
+                        "call": "direct" if direct else "Compiled",
+                        "repeat": repeat,
+                        "inputs": n,
+                        "donated": d,
+                        "us_per_call": us,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    for shape in args.shapes.split(",") if "layout" in args.parts else []:
         for t in [int(x) for x in args.tokens.split(",")]:
             for layout, kv_layout in [
                 ("separate", "separate"),
@@ -197,10 +222,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| inputs | donated | host us per call |\n|---|---|---|")
-    for r in rows:
-        if r["part"] == "dispatch":
-            print(f"| {r['inputs']} | {r['donated']} | {r['us_per_call']:.1f} |")
+    print("\n| inputs | donated | call | host us per call (two alternations) |\n|---|---|---|---|")
+    dispatch = [r for r in rows if r["part"] == "dispatch"]
+    for key in dict.fromkeys((r["inputs"], r["donated"], r["call"]) for r in dispatch):
+        us = [r["us_per_call"] for r in dispatch if (r["inputs"], r["donated"], r["call"]) == key]
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {' / '.join(f'{u:.1f}' for u in us)} |")
     print(
         "\n| shape | tokens | weights | kv | args | call ms | pipelined ms | dispatch us | "
         "copies | copy fusions |\n|---|---|---|---|---|---|---|---|---|---|"

@@ -49,6 +49,7 @@ from nori_jax.core.sampling_modes import (
 )
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
 from nori_jax.core.step_plan import StepPlan
+from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
 from nori_jax.executor.placement import put, put_replicated
@@ -264,6 +265,8 @@ class ModelRunner:
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
+        # The forward and multi-step programs as the launch calls them (direct_call.py).
+        self._direct: dict[object, DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
         self._prev_tokens = put(np.zeros(layout.max_num_seqs, np.int32), self._replicated)
@@ -329,6 +332,8 @@ class ModelRunner:
         tables = {"forward": self._forwards, "sampler": self._samplers, "multi": self._multis}
         for (kind, key), exe in compiled.items():
             tables[kind][key] = exe
+            if kind != "sampler":
+                self._direct[key] = DirectCall(exe)
         self.compile_seconds = time.perf_counter() - start
         logger.info(
             "compiled %d buckets %s, %d sampler programs and %d multi-step programs in %.1fs",
@@ -338,6 +343,13 @@ class ModelRunner:
             len(self._multis),
             self.compile_seconds,
         )
+
+    def direct_launches(self) -> dict[str, bool]:
+        """For each forward and multi-step program, whether a launch calls its executable
+        directly (direct_call.py) or through JAX's dispatcher."""
+        names = {t: f"forward {t}" for t in self._forwards}
+        names.update({(t, p): f"multi-step {t} {p.name}" for t, p in self._multis})
+        return {names[key]: call.direct for key, call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
         """Every compiled program by name ("forward 64", "sampler random", "multi-step 16
@@ -429,28 +441,26 @@ class ModelRunner:
         program: SamplerProgram,
         num_steps: int = 1,
     ):
-        if num_steps == 1:
-            forward, multi = self._forwards.get(bucket), None
-            if forward is None:
+        key = bucket if num_steps == 1 else (bucket, program)
+        call = self._direct.get(key)
+        if call is None or (num_steps > 1 and num_steps != self.num_scheduler_steps):
+            if num_steps == 1:
                 raise RuntimeError(f"bucket {bucket} was not compiled (buckets: {self.buckets})")
-        else:
-            forward, multi = None, self._multis.get((bucket, program))
-            if multi is None or num_steps != self.num_scheduler_steps:
-                raise RuntimeError(
-                    f"no multi-step program of {num_steps} steps for bucket {bucket} and sampler "
-                    f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
-                    f"{sorted((t, p.name) for t, p in self._multis)})"
-                )
+            raise RuntimeError(
+                f"no multi-step program of {num_steps} steps for bucket {bucket} and sampler "
+                f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
+                f"{sorted((t, p.name) for t, p in self._multis)})"
+            )
         t0 = time.perf_counter()
         tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
         t1 = time.perf_counter()
-        args = (self._params, self.kv_pages, self._prev_tokens, tokens_d, rows_d)
-        if multi is not None:  # the forward passes and samplers of every step in one program
-            next_tokens, logprobs, self._prev_tokens, self.kv_pages = multi(*args)
-            t2 = time.perf_counter()
+        out = call([*self._params, *self.kv_pages, self._prev_tokens, tokens_d, rows_d])
+        t2 = time.perf_counter()
+        if num_steps > 1:  # the forward passes and samplers of every step in one program
+            next_tokens, logprobs, self._prev_tokens = out[:3]
+            self.kv_pages = out[3:]
         else:
-            logits, self.kv_pages = forward(*args)
-            t2 = time.perf_counter()
+            logits, self.kv_pages = out[0], out[1:]
             next_tokens, logprobs = self._samplers[program](logits, rows_d)
             self._prev_tokens = next_tokens
         # Start the device-to-host copy now, so fetching later does not add a round trip.
