@@ -30,7 +30,7 @@ SERVE="--api-server-count ${API_SERVERS:-4}"
 # Rates that bracket each shape's knee on the H200 (docs/benchmarks.md), enough requests per
 # rate for a steady state (fewer, and the longest outputs decoding alone bound the run).
 RATES_135M=${RATES_135M:-144,192,256,320}
-RATES_1B=${RATES_1B:-48,72,96,128}
+RATES_1B=${RATES_1B:-48,72,96,128,160,192}
 N=${N:-5000}
 N_1B=${N_1B:-3000}
 here=$(dirname "$0")
