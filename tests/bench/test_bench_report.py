@@ -253,6 +253,9 @@ def test_ctrl_c_stops_cleanly_and_reports_what_completed(
         ],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
+        # as from a terminal: a suite run as a background job (`cmd &` in a script) hands its
+        # children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while len(server.stats()["sent"]) < 3:  # some requests have finished
