@@ -10,7 +10,9 @@ and `rows` are the step's two packed int32 buffers (core/step_layout.py): one ho
 transfer each. `kv_pages` is donated and comes back updated in place; only S tokens and S
 logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`, still on the
 device: decode rows whose input is the previous step's sample read it from there
-(`prev_index`), which lets the host plan step N+1 while step N runs.
+(`prev_index`), which lets the host plan step N+1 while step N runs. A launch hands its flat
+argument list straight to the program's executable (direct_call.py), past JAX's per-argument
+dispatch checks.
 
 The sampler is its own program over the fixed [S, V] logits, so its variants (sampling_modes.py)
 cost a handful of small compiles rather than more forward passes per bucket, and the step never
@@ -265,8 +267,9 @@ class ModelRunner:
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
-        # The forward and multi-step programs as the launch calls them (direct_call.py).
-        self._direct: dict[object, DirectCall] = {}
+        # The forward and multi-step programs as the launch calls them (direct_call.py), by their
+        # compile key: ("forward", bucket) or ("multi", (bucket, sampler program)).
+        self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
         self._prev_tokens = put(np.zeros(layout.max_num_seqs, np.int32), self._replicated)
@@ -333,7 +336,7 @@ class ModelRunner:
         for (kind, key), exe in compiled.items():
             tables[kind][key] = exe
             if kind != "sampler":
-                self._direct[key] = DirectCall(exe)
+                self._direct[kind, key] = DirectCall(exe)
         self.compile_seconds = time.perf_counter() - start
         logger.info(
             "compiled %d buckets %s, %d sampler programs and %d multi-step programs in %.1fs",
@@ -347,9 +350,11 @@ class ModelRunner:
     def direct_launches(self) -> dict[str, bool]:
         """For each forward and multi-step program, whether a launch calls its executable
         directly (direct_call.py) or through JAX's dispatcher."""
-        names = {t: f"forward {t}" for t in self._forwards}
-        names.update({(t, p): f"multi-step {t} {p.name}" for t, p in self._multis})
-        return {names[key]: call.direct for key, call in self._direct.items()}
+
+        def name(kind, key):  # as compiled_programs names them
+            return f"forward {key}" if kind == "forward" else f"multi-step {key[0]} {key[1].name}"
+
+        return {name(kind, key): call.direct for (kind, key), call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
         """Every compiled program by name ("forward 64", "sampler random", "multi-step 16
@@ -441,7 +446,7 @@ class ModelRunner:
         program: SamplerProgram,
         num_steps: int = 1,
     ):
-        key = bucket if num_steps == 1 else (bucket, program)
+        key = ("forward", bucket) if num_steps == 1 else ("multi", (bucket, program))
         call = self._direct.get(key)
         if call is None or (num_steps > 1 and num_steps != self.num_scheduler_steps):
             if num_steps == 1:
