@@ -4,7 +4,7 @@
 # predicted against measured (docs/planning.md, "How close it is"). The host drifts 15-30%
 # between device calls, so a shape's calibration and its sweep belong in the same call:
 #   PARTS="calibrate135 sweep135" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh  # ~5 minutes
-#   PARTS="calibrate1b sweep1b" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh    # ~5 minutes
+#   PARTS="calibrate1b sweep1b" OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh    # ~7 minutes (6 rates; estimated from 4 in N2)
 #   PARTS=compare OUT=/tmp/plan benchmarks/plan/h200_plan_suite.sh     # CPU is enough
 # (`calibrate` does both shapes; `offline` runs each shape's offline workload beside its
 # simulation; `apiservers` measures the API servers' CPU per streamed token with a fake core.)
