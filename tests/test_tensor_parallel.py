@@ -81,7 +81,8 @@ def test_kv_heads_split_or_replicated_on_the_pages(report):
 def test_two_all_reduces_per_layer(report):
     """The compiled forward pass of every tp > 1 layout: one all-reduce after o_proj and one
     after down_proj per layer, one for the vocab-split embedding lookup, one all-gather of the
-    logits, and no other collective. tp 1 has none."""
+    logits (where the runner asks for them replicated, before the greedy sampler reads them), and
+    no other collective. tp 1 has none."""
     for name, e in report["engines"].items():
         layers = 1 if name.startswith("kernel-model") else NUM_LAYERS
         for program, found in e["collectives"].items():
@@ -92,7 +93,7 @@ def test_two_all_reduces_per_layer(report):
                 "all-reduce:o_proj": layers,
                 "all-reduce:down_proj": layers,
                 "all-reduce:gather": 1,
-                "all-gather:dot_general": 1,
+                "all-gather:sharding_constraint": 1,
             }, (name, program)
 
 

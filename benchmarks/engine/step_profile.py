@@ -10,6 +10,11 @@ reports, per step: the number of device kernels, the device busy time (union of 
 intervals), and the top kernels by total time. Device busy time well below the step's wall time
 means the host (dispatch) bounds the step; close to it means the device does.
 Run it under different XLA_FLAGS (e.g. command buffers on or off) to compare.
+
+`--batch 16,64,1024` profiles each size in turn in one engine (the requests of one size are
+aborted before the next fills it); `--no-trace` skips the traced pass. With
+`--no-async-scheduling` every launch finds the device idle, so the launch clock is host work
+alone; with overlapped steps (the default) a launch at large batches also waits for the device.
 """
 
 from __future__ import annotations
@@ -63,29 +68,12 @@ def time_outputs(engine: LLMEngine) -> list[float]:
     return spent
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_engine_args(parser)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument(
-        "--trace-dir", default=None, help="where the trace goes (default: a fresh temp dir)"
-    )
-    parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--json", default=None, help="write the result here")
-    parser.add_argument(
-        "--stream",
-        action="store_true",
-        help="stream every request (text deltas per step, as the in-process server does); by "
-        "default only finished outputs, as LLM.generate and the engine-core process",
-    )
-    args = parser.parse_args()
-
+def profile(engine: LLMEngine, args, batch: int, trace_dir: str | None) -> dict:
+    """Fill the engine with `batch` decoding requests, time `args.steps` steps (and trace as many
+    unless `trace_dir` is None), then abort the requests."""
     import jax
 
-    engine = LLMEngine(engine_config_from_args(args))
-    fill_decoding(engine, args.batch, args.context, args.stream)
+    fill_decoding(engine, batch, args.context, args.stream)
     outputs_spent = time_outputs(engine)
     for _ in range(5):  # settle: every row is a decode row from here on
         engine.step()
@@ -110,15 +98,56 @@ def main() -> None:
         f.name: 1e3 * (getattr(lt, f.name) - getattr(lt0, f.name)) / n
         for f in dataclasses.fields(lt)
     }
+    result = {
+        "batch": batch,
+        "context": args.context,
+        "steps": args.steps,
+        "async_scheduling": engine.config.async_scheduling,
+        "wall_ms_per_step": 1e3 * wall,
+        "stage_ms_per_step": stages,
+        "launch_ms_per_step": launch_parts,
+    }
+    line = (
+        f"batch {batch} x context {args.context}: {result['wall_ms_per_step']:.2f} ms/step "
+        f"wall ({', '.join(f'{k} {v:.2f}' for k, v in stages.items())}; launch = "
+        f"{', '.join(f'{k} {v:.2f}' for k, v in launch_parts.items())})"
+    )
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir):
+            t1 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            engine.drain()
+            traced_wall = (time.perf_counter() - t1) / args.steps
+        result.update(trace_summary(trace_dir, args.steps, args.top))
+        result["traced_wall_ms_per_step"] = 1e3 * traced_wall
+        line += (
+            f"; traced {result['traced_wall_ms_per_step']:.2f} ms/step, "
+            f"{result['kernels_per_step']:.0f} kernels/step, device busy "
+            f"{result['device_busy_ms_per_step']:.2f} ms/step"
+        )
+    del engine.processor.process  # time_outputs' wrapper: the next size makes its own
+    engine.drain()
+    for rid in list(engine.scheduler.requests):
+        engine.abort(rid)
+    engine.drain()
+    print(line, flush=True)
+    if trace_dir is not None:
+        for k in result["top_kernels"]:
+            print(
+                f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls "
+                f"{k['mean_us']:8.1f} us  {k['name']}"
+            )
+        print("host events (nested events overlap):")
+        for k in result["top_host_events"]:
+            print(
+                f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls  "
+                f"[{k['thread']}] {k['name']}"
+            )
+    return result
 
-    # A fresh directory: device_kernels reads every trace under it, and earlier runs' would count.
-    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="nori_step_trace_")
-    with jax.profiler.trace(trace_dir):
-        t1 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        engine.drain()
-        traced_wall = (time.perf_counter() - t1) / args.steps
+
+def trace_summary(trace_dir: str, steps: int, top: int) -> dict:
     events = device_kernels(trace_dir)
     host_by_name: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
     for thread, name, _, dur in host_events(trace_dir):
@@ -127,60 +156,64 @@ def main() -> None:
     for name, _, dur in events:
         by_name[name].append(dur)
     # The trace holds steps + the one in flight before it (async scheduling): per step ~ / steps.
-    steps_in_trace = args.steps
-    result = {
-        "batch": args.batch,
-        "context": args.context,
-        "steps": args.steps,
-        "wall_ms_per_step": 1e3 * wall,
-        "stage_ms_per_step": stages,
-        "launch_ms_per_step": launch_parts,
-        "traced_wall_ms_per_step": 1e3 * traced_wall,
-        "kernels_per_step": len(events) / steps_in_trace,
-        "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps_in_trace,
-        "device_kernel_sum_ms_per_step": sum(e[2] for e in events) / 1e6 / steps_in_trace,
+    return {
+        "kernels_per_step": len(events) / steps,
+        "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps,
+        "device_kernel_sum_ms_per_step": sum(e[2] for e in events) / 1e6 / steps,
         "top_kernels": [
             {
                 "name": name[:90],
-                "ms_per_step": sum(d) / 1e6 / steps_in_trace,
-                "calls_per_step": len(d) / steps_in_trace,
+                "ms_per_step": sum(d) / 1e6 / steps,
+                "calls_per_step": len(d) / steps,
                 "mean_us": sum(d) / len(d) / 1e3,
             }
-            for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+            for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
         ],
         "top_host_events": [
             {
                 "thread": thread,
                 "name": name,
-                "ms_per_step": sum(d) / 1e6 / steps_in_trace,
-                "calls_per_step": len(d) / steps_in_trace,
+                "ms_per_step": sum(d) / 1e6 / steps,
+                "calls_per_step": len(d) / steps,
             }
-            for (thread, name), d in sorted(host_by_name.items(), key=lambda kv: -sum(kv[1]))[
-                : args.top
-            ]
+            for (thread, name), d in sorted(host_by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
         ],
     }
-    print(
-        f"batch {args.batch} x context {args.context}: {result['wall_ms_per_step']:.2f} ms/step "
-        f"wall ({', '.join(f'{k} {v:.2f}' for k, v in stages.items())}; launch = "
-        f"{', '.join(f'{k} {v:.2f}' for k, v in launch_parts.items())}); traced "
-        f"{result['traced_wall_ms_per_step']:.2f} ms/step, {result['kernels_per_step']:.0f} "
-        f"kernels/step, device busy {result['device_busy_ms_per_step']:.2f} ms/step"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(parser)
+    parser.add_argument("--batch", default="128", help="decoding sequences; a comma list runs each")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--trace-dir", default=None, help="where the traces go (default: fresh temp dirs)"
     )
-    for k in result["top_kernels"]:
-        print(
-            f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls "
-            f"{k['mean_us']:8.1f} us  {k['name']}"
-        )
-    print("host events (nested events overlap):")
-    for k in result["top_host_events"]:
-        print(
-            f"  {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f} calls  "
-            f"[{k['thread']}] {k['name']}"
-        )
+    parser.add_argument("--no-trace", action="store_true", help="the timed pass only")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream every request (text deltas per step, as the in-process server does); by "
+        "default only finished outputs, as LLM.generate and the engine-core process",
+    )
+    args = parser.parse_args()
+
+    engine = LLMEngine(engine_config_from_args(args))
+    results = []
+    for batch in [int(b) for b in args.batch.split(",")]:
+        trace_dir = None
+        if not args.no_trace:
+            # A fresh directory: device_kernels reads every trace under it, and earlier runs' count.
+            base = args.trace_dir or tempfile.gettempdir()
+            os.makedirs(base, exist_ok=True)
+            trace_dir = tempfile.mkdtemp(prefix=f"nori_step_trace_{batch}_", dir=base)
+        results.append(profile(engine, args, batch, trace_dir))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(results[0] if len(results) == 1 else results, f, indent=1)
 
 
 if __name__ == "__main__":

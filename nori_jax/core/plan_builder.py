@@ -1,4 +1,4 @@
-"""The plan builder: owns the persistent batch and lays a step's rows out as its packed buffers.
+"""The plan builder: owns the persistent batch and lays a step's rows out as its packed buffer.
 
 Every running request owns a slot (vLLM's "persistent batch"): its page-table row and sampling
 settings are written once, as the scheduler's batch events arrive, so building a step is a few
@@ -12,7 +12,7 @@ import numpy as np
 
 from nori_jax.core.sampling_modes import choose_program, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
-from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
+from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 from nori_jax.core.step_plan import StepPlan, pick_bucket
 
 _INPUT_IDS, _POSITIONS, _SLOT_MAPPING, _PREV_INDEX = (
@@ -30,7 +30,7 @@ class PlanBuilder:
         buckets: list[int],
         vocab_size: int,
     ):
-        self.layout = StepLayout(max_num_seqs, max_pages_per_seq)
+        self.layout = StepLayout(max_num_seqs, max_pages_per_seq, max(buckets))
         self.page_size, self.num_pages, self.buckets = page_size, num_pages, list(buckets)
         self.vocab_size = vocab_size
         rows = max_num_seqs + 1
@@ -68,17 +68,18 @@ class PlanBuilder:
         self.page_table[slot, start : start + len(pages)] = pages
 
     def build(self, out: SchedulerOutput) -> StepPlan:
-        """The step's buffers for `out` (apply its events first), padded to a bucket."""
+        """The step's buffer for `out` (apply its events first), for the bucket that holds it."""
         self.apply(out.events)
         layout, ps = self.layout, self.page_size
         s, nd, nrows = layout.max_num_seqs, out.num_decodes, out.num_rows
-        tokens = new_tokens(pick_bucket(self.buckets, out.num_tokens))
-        rows = layout.new_rows()
-        view = lambda name: layout.view(rows, name)  # noqa: E731
+        bucket = pick_bucket(self.buckets, out.num_tokens)
+        buffer = layout.new_step()
+        tokens = layout.tokens(buffer, bucket)
+        view = lambda name: layout.view(buffer, name)  # noqa: E731
 
         row_slots = np.full(s, self.padding_slot, np.int32)
         row_slots[:nrows] = out.row_slots
-        # Only the real rows' page-table rows: the padding rows stay as new_rows() made them,
+        # Only the real rows' page-table rows: the padding rows stay as new_step() made them,
         # zero, which is the padding slot's row. mode="clip" (the slots are all in range): with
         # `out=`, take's default mode "raise" copies through a temporary buffer, and this is the
         # largest copy of the step (max_num_seqs x max_pages_per_seq).
@@ -134,4 +135,4 @@ class PlanBuilder:
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
         filter_rows[: len(filtered)] = filtered
-        return StepPlan(layout, tokens, rows, program, out)
+        return StepPlan(layout, buffer, bucket, program, out)

@@ -1,16 +1,20 @@
-"""The schema of the step's input arrays, declared once: what the host packs, what the device reads.
+"""The schema of the step's input buffer, declared once: what the host packs, what the device reads.
 
-A step's metadata travels as two int32 host buffers, one transfer each:
+A step's metadata travels as one int32 host buffer, one transfer (`StepLayout.size` elements, the
+same for every bucket, so every program of the step reads the same device buffer):
 
-    tokens  int32[4, T]     per token of the bucket: input_ids, positions, slot_mapping, prev_index
-    rows    int32[R]        per row (S = max_num_seqs) and the page table, flat (offsets below)
+    tokens  int32[4, C]  per token: input_ids, positions, slot_mapping, prev_index, with room for
+                         C = max_num_batched_tokens (rounded up); a bucket of T tokens uses the
+                         first T of each and the device slices them off statically
+    rows    per row (S = max_num_seqs) and the page table, flat (offsets below)
 
-`rows` does not depend on the bucket, so the sampler programs (a few, not one per bucket) read
-the same device buffer the forward pass does. Float fields travel as their int32 bit patterns.
-Every field starts on a 256-byte boundary: XLA hands a slice of a parameter to a custom call as a
-sub-buffer, and the Mosaic GPU kernel refuses inputs that are not 256-byte aligned.
-The executor unpacks both with static slices (`executor/step_inputs.py`); tests and the host read
-fields through `StepLayout.view`.
+Float fields travel as their int32 bit patterns. Every field starts on a 256-byte boundary: XLA
+hands a slice of a parameter to a custom call as a sub-buffer, and the Mosaic GPU kernel refuses
+inputs that are not 256-byte aligned. A small bucket carries the unused token room (at most
+16 x C bytes) in exchange for one transfer and one shape for the forward passes, the sampler
+programs and the multi-step programs alike. The executor unpacks the buffer with static slices
+(`executor/step_inputs.py`); tests and the host read fields through `StepLayout.view` and
+`StepLayout.tokens`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ FIELD_ALIGN = 64  # int32 elements: 256 bytes
 # device (sampled by the previous step) the row of that step whose sample it is, else -1.
 
 
+def _aligned(size: int) -> int:
+    return -(-size // FIELD_ALIGN) * FIELD_ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
@@ -42,10 +50,17 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """Offsets of the per-row fields for a batch of `max_num_seqs` rows."""
+    """Offsets of every field for a batch of `max_num_seqs` rows and buckets of at most
+    `max_num_batched_tokens` tokens."""
 
     max_num_seqs: int
     max_pages_per_seq: int
+    max_num_batched_tokens: int
+
+    @functools.cached_property
+    def token_capacity(self) -> int:
+        """C: the room each token field has (the largest bucket, aligned)."""
+        return _aligned(self.max_num_batched_tokens)
 
     @functools.cached_property
     def row_fields(self) -> tuple[Field, ...]:
@@ -68,15 +83,15 @@ class StepLayout:
             ("decode_steps", (s,), np.int32),
             ("page_table", (s, mp), np.int32),
         )
-        fields, offset = [], 0
+        fields, offset = [], len(TOKEN_FIELDS) * self.token_capacity
         for name, shape, dtype in specs:
             fields.append(Field(name, offset, shape, dtype))
-            size = int(np.prod(shape))
-            offset += -(-size // FIELD_ALIGN) * FIELD_ALIGN
+            offset += _aligned(math.prod(shape))
         return tuple(fields)
 
     @functools.cached_property
-    def row_size(self) -> int:
+    def size(self) -> int:
+        """Elements of the whole step buffer."""
         last = self.row_fields[-1]
         return last.offset + last.size
 
@@ -87,20 +102,21 @@ class StepLayout:
     def field(self, name: str) -> Field:
         return self._by_name[name]
 
-    def new_rows(self) -> np.ndarray:
-        return np.zeros(self.row_size, np.int32)
+    def new_step(self) -> np.ndarray:
+        """A zeroed step buffer; prev_index starts at -1 (every id known)."""
+        buf = np.zeros(self.size, np.int32)
+        self.tokens(buf)[TOKEN_FIELDS.index("prev_index")] = -1
+        return buf
 
-    def view(self, rows: np.ndarray, name: str) -> np.ndarray:
-        """A writable numpy view of one field of a host `rows` buffer."""
+    def tokens(self, buf: np.ndarray, bucket: int | None = None) -> np.ndarray:
+        """A writable int32[4, bucket] view of the token fields (all their room by default)."""
+        c = self.token_capacity
+        return buf[: len(TOKEN_FIELDS) * c].reshape(len(TOKEN_FIELDS), c)[:, :bucket]
+
+    def view(self, buf: np.ndarray, name: str) -> np.ndarray:
+        """A writable numpy view of one per-row field of a host step buffer."""
         f = self.field(name)
-        flat = rows[f.offset : f.offset + f.size]
+        flat = buf[f.offset : f.offset + f.size]
         if f.dtype is np.float32:
             flat = flat.view(np.float32)
         return flat.reshape(f.shape)
-
-
-def new_tokens(bucket: int) -> np.ndarray:
-    """A zeroed tokens buffer for a bucket; prev_index starts at -1 (every id known)."""
-    tokens = np.zeros((len(TOKEN_FIELDS), bucket), np.int32)
-    tokens[TOKEN_FIELDS.index("prev_index")] = -1
-    return tokens

@@ -1,4 +1,4 @@
-"""The StepPlan: one step's work as packed numpy buffers already padded to a compiled bucket."""
+"""The StepPlan: one step's work as a packed numpy buffer, for a compiled bucket."""
 
 from __future__ import annotations
 
@@ -32,21 +32,22 @@ def pick_bucket(buckets: list[int], num_tokens: int) -> int:
 
 @dataclasses.dataclass
 class StepPlan:
-    """The arrays the jitted step consumes (see step_layout.py), and the rows they came from.
+    """The buffer the jitted step consumes (step_layout.py), and the rows it came from.
 
     T = token bucket, S = max_num_seqs rows. Rows are ordered decode (one query token) first,
     then prefill chunks, then padding rows (q_len 0, kv_len 0).
     """
 
     layout: StepLayout
-    tokens: np.ndarray  # int32[4, T]
-    rows: np.ndarray  # int32[layout.row_size]
+    buffer: np.ndarray  # int32[layout.size]: what the device gets, in one transfer
+    bucket: int  # T: the compiled forward pass it runs
     sampler: SamplerProgram
     scheduled: SchedulerOutput
 
     @property
-    def bucket(self) -> int:
-        return int(self.tokens.shape[1])
+    def tokens(self) -> np.ndarray:
+        """int32[4, T]: the token fields, a view of `buffer`."""
+        return self.layout.tokens(self.buffer, self.bucket)
 
     @property
     def num_steps(self) -> int:
@@ -77,7 +78,7 @@ class StepPlan:
         return self.tokens[TOKEN_FIELDS.index(name)]
 
     def row_field(self, name: str) -> np.ndarray:
-        return self.layout.view(self.rows, name)
+        return self.layout.view(self.buffer, name)
 
     # The fields by name, for tests and tools (the device reads the packed buffers).
     input_ids = property(lambda self: self.token_field("input_ids"))

@@ -45,7 +45,7 @@ class LeaderExecutor:
         atexit.register(self.close)
 
     def launch(self, plan: StepPlan):
-        step = self.link.send_step(plan.bucket, plan.sampler, plan.tokens, plan.rows)
+        step = self.link.send_step(plan.bucket, plan.sampler, plan.buffer)
         return step, self.runner.launch(plan)
 
     def fetch(self, handle) -> tuple[np.ndarray, np.ndarray]:
@@ -77,10 +77,10 @@ def run_follower(runner: ModelRunner, config: DistributedConfig) -> int:
             message = link.receive()
             if message[0] == "stop":
                 break
-            _, step, bucket, program, tokens, rows = message
+            _, step, bucket, program, buffer = message
             with compiles.counting():
-                next_tokens, _ = runner.launch_buffers(bucket, tokens, rows, program)
-            launched.put((step, next_tokens))
+                samples = runner.launch_buffer(bucket, buffer, program)
+            launched.put((step, samples))
             steps += 1
     except LeaderLost:
         raise  # the waiter may be blocked in a collective with a dead peer: do not join it
@@ -98,9 +98,9 @@ def _report_done(launched: queue.SimpleQueue, reporter: zmq.Socket) -> None:
     """The waiter thread: block on each launched step in turn and report it finished."""
     try:
         while (item := launched.get()) is not None:
-            step, next_tokens = item
+            step, samples = item
             try:
-                next_tokens.block_until_ready()
+                samples.block_until_ready()
             except Exception as e:
                 reporter.send_multipart([b"E", f"step {step}: {type(e).__name__}: {e}".encode()])
                 return

@@ -34,3 +34,40 @@ def put_replicated(values: Sequence[np.ndarray], sharding: Sharding) -> tuple[ja
         pieces = [jax.device_put(v, d) for d in devices]
         out.append(jax.make_array_from_single_device_arrays(v.shape, sharding, pieces))
     return tuple(out)
+
+
+class ReplicatedPut:
+    """Host arrays of one fixed shape and dtype onto a replicated sharding, call after call: the
+    step's buffer, every step.
+
+    In one process it hands the array to the runtime's batched transfer directly, skipping
+    `jax.device_put`'s per-call work (argument and sharding checks, its deferred-transfer
+    objects): on the CPU machine 24 against 75 us a call, for the same runtime transfer. That
+    entry point is JAX-internal (`xla_client.batched_device_put`, as of the pinned 0.11.2); without
+    it, or across processes, this is `put_replicated`.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype, sharding: Sharding):
+        self.sharding = sharding
+        self._fast = None
+        if sharding.is_fully_addressable and sharding.is_fully_replicated:
+            try:
+                from jax._src.lib import xla_client
+
+                self._fast = xla_client.batched_device_put
+                self._aval = jax.core.ShapedArray(shape, np.dtype(dtype))
+                self._devices = list(sharding._addressable_device_assignment)
+            except (ImportError, AttributeError):
+                self._fast = None
+
+    def __call__(self, value: np.ndarray) -> jax.Array:
+        if self._fast is not None and (
+            value.shape != self._aval.shape or value.dtype != self._aval.dtype
+        ):  # the runtime would take the bytes as they are
+            raise ValueError(
+                f"expected {self._aval.str_short()}, got {value.dtype}{list(value.shape)}"
+            )
+        if self._fast is None:
+            return put_replicated((value,), self.sharding)[0]
+        devices = self._devices
+        return self._fast(self._aval, self.sharding, [value] * len(devices), devices, True)

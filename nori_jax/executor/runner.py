@@ -1,30 +1,35 @@
 """The device side: a jitted forward pass per token bucket and a few sampler programs, all
 compiled ahead of time.
 
-    forward(params, kv_pages, prev_tokens, tokens, rows) -> (logits float32[S, V], kv_pages)
-    sample[program](logits, rows) -> (next_tokens int32[S], logprobs float32[S])
+    forward[T](params, kv_pages, prev_samples, step)
+        -> (samples int32[2, S], logits float32[S, V], kv_pages)
+    sample[program](logits, step) -> samples int32[2, S]
+
+`samples` packs each row's token (row 0) and its logprob's float32 bits (row 1): one array to
+copy back. The forward pass samples greedily itself, so a step whose rows are all greedy is one
+program; another step runs the sampler program that `sampling_modes.choose_program` picked on
+the forward pass's logits.
 
 `params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
-graphdef and the tree structure are closed over), so a launch flattens no NNX state. `tokens`
-and `rows` are the step's two packed int32 buffers (core/step_layout.py): one host-to-device
-transfer each. `kv_pages` is donated and comes back updated in place; only S tokens and S
-logprobs return to the host. `prev_tokens` is the previous step's `next_tokens`, still on the
-device: decode rows whose input is the previous step's sample read it from there
-(`prev_index`), which lets the host plan step N+1 while step N runs. A launch hands its flat
-argument list straight to the program's executable (direct_call.py), past JAX's per-argument
-dispatch checks.
+graphdef and the tree structure are closed over), so a launch flattens no NNX state. `step` is
+the step's packed int32 buffer (core/step_layout.py): one host-to-device transfer, of one shape
+for every program. `kv_pages` is donated and comes back updated in place; only `samples` returns
+to the host. `prev_samples` is the previous launch's `samples`, still on the device: decode rows
+whose input is the previous step's sample read it from there (`prev_index`), which lets the host
+plan step N+1 while step N runs. A launch hands its flat argument list straight to each
+program's executable (direct_call.py), past JAX's per-argument dispatch checks.
 
-The sampler is its own program over the fixed [S, V] logits, so its variants (sampling_modes.py)
-cost a handful of small compiles rather than more forward passes per bucket, and the step never
-branches on device data.
+The random and filtering samplers are programs of their own over the fixed [S, V] logits, so
+their variants (sampling_modes.py) cost a handful of small compiles rather than more forward
+passes per bucket, and the step never branches on device data.
 
 Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
 program) that runs both K times in a scan:
 
-    multi_step[bucket, program](params, kv_pages, prev_tokens, tokens, rows)
-        -> (tokens int32[K, S], logprobs float32[K, S], last tokens int32[S], kv_pages)
+    multi_step[bucket, program](params, kv_pages, prev_samples, step)
+        -> (samples int32[K, 2, S], last samples int32[2, S], kv_pages)
 
-Its last step's tokens are the next launch's `prev_tokens`.
+Its last step's samples are the next launch's `prev_samples`.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nori_jax.core.sampling_modes import (
     GREEDY,
@@ -49,14 +54,15 @@ from nori_jax.core.sampling_modes import (
     multi_step_programs,
     sampler_programs,
 )
-from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout, new_tokens
+from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
-from nori_jax.executor.placement import put, put_replicated
+from nori_jax.executor.placement import ReplicatedPut, put
 from nori_jax.executor.sampler import sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
+from nori_jax.models.linear import MODEL
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
 
@@ -67,9 +73,9 @@ logger = logging.getLogger(__name__)
 class LaunchTimes:
     """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
 
-    transfer: float = 0.0  # device_put of the step's two buffers
-    forward: float = 0.0  # dispatch of the forward pass
-    sampler: float = 0.0  # dispatch of the sampler program and the async copy back
+    transfer: float = 0.0  # the step buffer's host-to-device transfer
+    forward: float = 0.0  # dispatch of the forward pass (or multi-step program)
+    sampler: float = 0.0  # dispatch of a sampler program (not greedy steps), the async copy back
 
 
 def _model(graphdef, treedef, params, kv_scales):
@@ -78,13 +84,26 @@ def _model(graphdef, treedef, params, kv_scales):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), kv_scales
 
 
-def _input_ids(tok, prev_tokens):
+def _input_ids(tok, prev_samples):
     """The step's token ids, with the previous launch's samples where `prev_index` points."""
     prev = tok["prev_index"]
-    return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], tok["input_ids"])
+    return jnp.where(prev >= 0, prev_samples[0, jnp.maximum(prev, 0)], tok["input_ids"])
 
 
-def _logits(model, kv_scales, row, input_ids, positions, slot_mapping, kv_lens, kv_pages):
+def _pack(tokens, logprobs):
+    """int32[..., 2, S]: the tokens, then the logprobs' float32 bits (one array to copy back)."""
+    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=-2)
+
+
+def _logits(
+    model, kv_scales, logits_shardings, row, input_ids, positions, slot_mapping, kv_lens, kv_pages
+):
+    """float32[S, V] logits of each row's last token, replicated, and the new pages.
+
+    On a tensor-parallel mesh the LM head is split by vocab: its logits are computed on each
+    device's vocab slice, then gathered once (`logits_shardings`: (split, replicated)). Left to
+    itself, XLA moves the gather elsewhere once sampling follows in the same program (sampling
+    from vocab shards: three more collectives; or gathering the whole LM head weight)."""
     meta = AttentionInputs(
         slot_mapping=slot_mapping,
         kv_lens=kv_lens,
@@ -93,22 +112,41 @@ def _logits(model, kv_scales, row, input_ids, positions, slot_mapping, kv_lens, 
         distribution=row["distribution"],
     )
     hidden, kv_pages = model(input_ids, positions, kv_pages, meta, kv_scales)
-    return model.compute_logits(hidden[row["logits_indices"]]), kv_pages  # [S, V]
+    logits = model.compute_logits(hidden[row["logits_indices"]])  # [S, V]
+    for sharding in logits_shardings:
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
+    return logits, kv_pages
 
 
-def _forward(graphdef, treedef, layout, kv_scales, params, kv_pages, prev_tokens, tokens, rows):
+def _forward(
+    graphdef,
+    treedef,
+    layout,
+    kv_scales,
+    logits_shardings,
+    bucket,
+    params,
+    kv_pages,
+    prev_samples,
+    step,
+):
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
-    return _logits(
+    tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
+    logits, kv_pages = _logits(
         model,
         kv_scales,
+        logits_shardings,
         row,
-        _input_ids(tok, prev_tokens),
+        _input_ids(tok, prev_samples),
         tok["positions"],
         tok["slot_mapping"],
         row["kv_lens"],
         kv_pages,
     )
+    # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
+    # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
+    greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
+    return greedy, logits, kv_pages
 
 
 def _sample_row(program, logits, row, sample_index):
@@ -124,9 +162,9 @@ def _sample_row(program, logits, row, sample_index):
     )
 
 
-def _sample(layout, program, logits, rows):
-    row = unpack_rows(layout, rows)
-    return _sample_row(program, logits, row, row["sample_index"])
+def _sample(layout, program, logits, step):
+    row = unpack_rows(layout, step)
+    return _pack(*_sample_row(program, logits, row, row["sample_index"]))
 
 
 def _multi_step(
@@ -134,14 +172,15 @@ def _multi_step(
     treedef,
     layout,
     kv_scales,
+    logits_shardings,
     page_size,
     num_steps,
     program,
+    bucket,
     params,
     kv_pages,
-    prev_tokens,
-    tokens,
-    rows,
+    prev_samples,
+    step,
 ):
     """`num_steps` decode steps in one program: forward pass and sampler, each step's samples
     the next one's inputs, in a `lax.scan` of static length (XLA knows its trip count: no host
@@ -149,12 +188,12 @@ def _multi_step(
     first `decode_steps[i]` steps; in the later ones its token writes the null page and reads
     its last real length, and its samples are garbage the host drops.
 
-    Returns (tokens int32[k, S], logprobs float32[k, S], the last step's tokens int32[S] (the
-    next launch's `prev_tokens`), kv_pages).
+    Returns (samples int32[k, 2, S], the last step's samples int32[2, S] (the next launch's
+    `prev_samples`), kv_pages).
     """
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    tok, row = unpack_tokens(tokens), unpack_rows(layout, rows)
-    s, t = layout.max_num_seqs, tokens.shape[1]
+    tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
+    s, t = layout.max_num_seqs, bucket
     token_row = jnp.minimum(jnp.arange(t), s - 1)
     is_row = jnp.arange(t) < row["distribution"][0]
     token_steps = jnp.where(is_row, row["decode_steps"][token_row], 0)  # int32[T]
@@ -162,7 +201,7 @@ def _multi_step(
     page_table, positions0 = row["page_table"], tok["positions"]
     pages_per_seq = page_table.shape[1]
 
-    def step(carry, i):
+    def one_step(carry, i):
         kv_pages, input_ids = carry
         active = i < token_steps
         positions = positions0 + i
@@ -171,20 +210,28 @@ def _multi_step(
         slot_mapping = jnp.where(active, slot, 0)  # done rows and padding: the null page
         kv_lens = row["kv_lens"] + jnp.where(row["kv_lens"] > 0, jnp.minimum(i, row_steps - 1), 0)
         logits, kv_pages = _logits(
-            model, kv_scales, row, input_ids, positions, slot_mapping, kv_lens, kv_pages
+            model,
+            kv_scales,
+            logits_shardings,
+            row,
+            input_ids,
+            positions,
+            slot_mapping,
+            kv_lens,
+            kv_pages,
         )
         sampled, logprobs = _sample_row(program, logits, row, row["sample_index"] + i)
         next_ids = jnp.where(is_row, sampled[token_row], 0)
-        return (kv_pages, next_ids), (sampled, logprobs)
+        return (kv_pages, next_ids), _pack(sampled, logprobs)
 
-    (kv_pages, _), (sampled, logprobs) = jax.lax.scan(
-        step, (kv_pages, _input_ids(tok, prev_tokens)), jnp.arange(num_steps, dtype=jnp.int32)
+    (kv_pages, _), samples = jax.lax.scan(
+        one_step, (kv_pages, _input_ids(tok, prev_samples)), jnp.arange(num_steps, dtype=jnp.int32)
     )
-    return sampled, logprobs, sampled[-1], kv_pages
+    return samples, samples[-1], kv_pages
 
 
 def _program_name(kind: str, key) -> str:
-    """ "bucket 128", "sampler greedy", "multi-step bucket 16 greedy": the names the start-up
+    """ "bucket 128", "sampler random", "multi-step bucket 16 greedy": the names the start-up
     log gives the programs it compiles."""
     if kind == "sampler":
         return f"sampler {key.name}"
@@ -224,17 +271,27 @@ class ModelRunner:
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
+        logits_shardings = (NamedSharding(mesh, PartitionSpec(None, MODEL)), self._replicated)
+        # One program per bucket (`bucket`, static, says how many token slots of the step
+        # buffer it reads); the buffer's shape is the same for all.
         self._forward_fn = jax.jit(
-            functools.partial(_forward, loaded.graphdef, treedef, layout, kv_scales),
-            donate_argnums=(1,),
-            out_shardings=(self._replicated, [self._kv_sharding] * cfg.num_layers),
+            functools.partial(
+                _forward, loaded.graphdef, treedef, layout, kv_scales, logits_shardings
+            ),
+            static_argnums=(0,),
+            donate_argnums=(2,),
+            out_shardings=(
+                self._replicated,
+                self._replicated,
+                [self._kv_sharding] * cfg.num_layers,
+            ),
         )
         self._sample_fns = {
             program: jax.jit(
-                functools.partial(_sample, layout, program),
-                out_shardings=(self._replicated, self._replicated),
+                functools.partial(_sample, layout, program), out_shardings=self._replicated
             )
             for program in sampler_programs(layout.max_num_seqs)
+            if program != GREEDY  # the forward pass samples greedily itself
         }
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_keys = (
@@ -250,13 +307,14 @@ class ModelRunner:
                     treedef,
                     layout,
                     kv_scales,
+                    logits_shardings,
                     page_size,
                     num_scheduler_steps,
                     program,
                 ),
-                donate_argnums=(1,),
+                static_argnums=(0,),
+                donate_argnums=(2,),
                 out_shardings=(
-                    self._replicated,
                     self._replicated,
                     self._replicated,
                     [self._kv_sharding] * cfg.num_layers,
@@ -267,12 +325,13 @@ class ModelRunner:
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
-        # The forward and multi-step programs as the launch calls them (direct_call.py), by their
-        # compile key: ("forward", bucket) or ("multi", (bucket, sampler program)).
+        # Every program as the launch calls it (direct_call.py), by its compile key:
+        # ("forward", bucket), ("sampler", program) or ("multi", (bucket, sampler program)).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
-        self._prev_tokens = put(np.zeros(layout.max_num_seqs, np.int32), self._replicated)
+        self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
+        self._prev_samples = put(np.zeros((2, layout.max_num_seqs), np.int32), self._replicated)
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
@@ -285,27 +344,21 @@ class ModelRunner:
         params_abs = [as_abstract(x) for x in self._params]
         kv_abs = [as_abstract(x) for x in self.kv_pages]
         s, i32 = self.layout.max_num_seqs, jnp.int32
-        prev_abs = self._abstract((s,), i32)
-        rows_abs = self._abstract((self.layout.row_size,), i32)
+        prev_abs = self._abstract((2, s), i32)
+        step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
         lowered = {
-            ("forward", t): self._forward_fn.lower(
-                params_abs, kv_abs, prev_abs, self._abstract((len(TOKEN_FIELDS), t), i32), rows_abs
-            )
+            ("forward", t): self._forward_fn.lower(t, params_abs, kv_abs, prev_abs, step_abs)
             for t in self.buckets
         }
         lowered.update(
-            {("sampler", m): fn.lower(logits_abs, rows_abs) for m, fn in self._sample_fns.items()}
+            {("sampler", m): fn.lower(logits_abs, step_abs) for m, fn in self._sample_fns.items()}
         )
         lowered.update(
             {
                 ("multi", (t, p)): self._multi_fns[p].lower(
-                    params_abs,
-                    kv_abs,
-                    prev_abs,
-                    self._abstract((len(TOKEN_FIELDS), t), i32),
-                    rows_abs,
+                    t, params_abs, kv_abs, prev_abs, step_abs
                 )
                 for t, p in self.multi_step_keys
             }
@@ -335,8 +388,7 @@ class ModelRunner:
         tables = {"forward": self._forwards, "sampler": self._samplers, "multi": self._multis}
         for (kind, key), exe in compiled.items():
             tables[kind][key] = exe
-            if kind != "sampler":
-                self._direct[kind, key] = DirectCall(exe)
+            self._direct[kind, key] = DirectCall(exe)
         self.compile_seconds = time.perf_counter() - start
         logger.info(
             "compiled %d buckets %s, %d sampler programs and %d multi-step programs in %.1fs",
@@ -348,17 +400,21 @@ class ModelRunner:
         )
 
     def direct_launches(self) -> dict[str, bool]:
-        """For each forward and multi-step program, whether a launch calls its executable
-        directly (direct_call.py) or through JAX's dispatcher."""
+        """For each program, whether a launch calls its executable directly (direct_call.py) or
+        through JAX's dispatcher."""
 
         def name(kind, key):  # as compiled_programs names them
-            return f"forward {key}" if kind == "forward" else f"multi-step {key[0]} {key[1].name}"
+            if kind == "forward":
+                return f"forward {key}"
+            if kind == "sampler":
+                return f"sampler {key.name}"
+            return f"multi-step {key[0]} {key[1].name}"
 
         return {name(kind, key): call.direct for (kind, key), call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
         """Every compiled program by name ("forward 64", "sampler random", "multi-step 16
-        greedy"), for inspection."""
+        greedy"), for inspection. (Greedy sampling is part of every forward pass.)"""
         out = {f"forward {t}": exe for t, exe in self._forwards.items()}
         out.update({f"sampler {p.name}": exe for p, exe in self._samplers.items()})
         out.update({f"multi-step {t} {p.name}": exe for (t, p), exe in self._multis.items()})
@@ -380,72 +436,63 @@ class ModelRunner:
             q_lens = [1, t - 1] if t > 1 and s > 1 else [1]
             q_lens[-1] = min(q_lens[-1], mp * self.page_size)
             n = sum(q_lens)
-            tokens = new_tokens(t)
+            step = self._warm_up_step(q_lens)
+            tokens = layout.tokens(step, t)
             positions = tokens[TOKEN_FIELDS.index("positions")]
             positions[1:n] = np.arange(n - 1)
             tokens[TOKEN_FIELDS.index("slot_mapping")] = positions % self.page_size
             tokens[TOKEN_FIELDS.index("input_ids")] = 1
-            rows = self._warm_up_rows(q_lens)
-            self.fetch(self._launch(t, tokens, rows, GREEDY))
+            self.fetch(self._launch(t, step, GREEDY))
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
         # A sampler program runs the same on any logits: each runs once on zeros, without another
         # forward pass (which costs seconds per layer with interpret-mode kernels on CPU).
         s_vocab = (s, self.model.config.vocab_size)
         logits = jax.device_put(np.zeros(s_vocab, np.float32), self._replicated)
-        rows_d = jax.device_put(rows, self._replicated)
-        for sampler in self._samplers.values():
-            self.fetch(sampler(logits, rows_d))
+        step_d = self._put_step(step)
+        for program in self._samplers:
+            self.fetch(self._direct["sampler", program]([logits, step_d])[0])
         # Each multi-step program once, on one decode row that writes the null page.
-        rows = self._warm_up_rows([1])
-        layout.view(rows, "decode_steps")[0] = 1
+        step = self._warm_up_step([1])
+        layout.view(step, "decode_steps")[0] = 1
         for t, program in self._multis:
-            self.fetch(self._launch(t, new_tokens(t), rows, program, self.num_scheduler_steps))
+            self.fetch(self._launch(t, step, program, self.num_scheduler_steps))
 
-    def _warm_up_rows(self, q_lens: list[int]) -> np.ndarray:
-        """A `rows` buffer of one decode row then the given rows, every other row padding, with
+    def _warm_up_step(self, q_lens: list[int]) -> np.ndarray:
+        """A step buffer of one decode row then the given rows, every other row padding, with
         sampling settings that every sampler program reads (random, top-k, top-p)."""
         layout, s = self.layout, self.layout.max_num_seqs
-        rows = layout.new_rows()
-        cu = layout.view(rows, "cu_q_lens")
+        step = layout.new_step()
+        cu = layout.view(step, "cu_q_lens")
         cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
         cu[len(q_lens) + 1 :] = sum(q_lens)
-        layout.view(rows, "kv_lens")[: len(q_lens)] = q_lens
-        layout.view(rows, "distribution")[:] = (1, len(q_lens))
-        layout.view(rows, "logits_indices")[:] = np.maximum(cu[1:] - 1, 0)
-        layout.view(rows, "temperature")[:] = 1.0
-        layout.view(rows, "top_p")[:] = 0.9
-        layout.view(rows, "top_k")[:] = 5
-        layout.view(rows, "filter_rows")[:] = np.arange(s)
-        return rows
+        layout.view(step, "kv_lens")[: len(q_lens)] = q_lens
+        layout.view(step, "distribution")[:] = (1, len(q_lens))
+        layout.view(step, "logits_indices")[:] = np.maximum(cu[1:] - 1, 0)
+        layout.view(step, "temperature")[:] = 1.0
+        layout.view(step, "top_p")[:] = 0.9
+        layout.view(step, "top_k")[:] = 5
+        layout.view(step, "filter_rows")[:] = np.arange(s)
+        return step
 
-    def launch(self, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
-        """Enqueue the step and return its (tokens, logprobs) device arrays without waiting.
+    def launch(self, plan: StepPlan) -> jax.Array:
+        """Enqueue the step and return its samples' device array without waiting (`fetch` reads
+        it).
 
         The device runs launched steps in order, so a step may read pages or tokens that the
         previous one is still writing.
         """
-        return self._launch(plan.bucket, plan.tokens, plan.rows, plan.sampler, plan.num_steps)
+        return self._launch(plan.bucket, plan.buffer, plan.sampler, plan.num_steps)
 
-    def launch_buffers(
-        self,
-        bucket: int,
-        tokens: np.ndarray,
-        rows: np.ndarray,
-        program: SamplerProgram,
-        num_steps: int = 1,
-    ) -> tuple[jax.Array, jax.Array]:
+    def launch_buffer(
+        self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
+    ) -> jax.Array:
         """`launch` from a plan's parts: what a follower of a multi-host engine runs, with the
-        buffers process 0 sent it (executor/multihost.py)."""
-        return self._launch(bucket, tokens, rows, program, num_steps)
+        buffer process 0 sent it (executor/multihost.py)."""
+        return self._launch(bucket, step, program, num_steps)
 
     def _launch(
-        self,
-        bucket: int,
-        tokens: np.ndarray,
-        rows: np.ndarray,
-        program: SamplerProgram,
-        num_steps: int = 1,
-    ):
+        self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
+    ) -> jax.Array:
         key = ("forward", bucket) if num_steps == 1 else ("multi", (bucket, program))
         call = self._direct.get(key)
         if call is None or (num_steps > 1 and num_steps != self.num_scheduler_steps):
@@ -457,30 +504,32 @@ class ModelRunner:
                 f"{sorted((t, p.name) for t, p in self._multis)})"
             )
         t0 = time.perf_counter()
-        tokens_d, rows_d = put_replicated((tokens, rows), self._replicated)
+        step_d = self._put_step(step)
         t1 = time.perf_counter()
-        out = call([*self._params, *self.kv_pages, self._prev_tokens, tokens_d, rows_d])
+        out = call([*self._params, *self.kv_pages, self._prev_samples, step_d])
         t2 = time.perf_counter()
         if num_steps > 1:  # the forward passes and samplers of every step in one program
-            next_tokens, logprobs, self._prev_tokens = out[:3]
-            self.kv_pages = out[3:]
+            samples, self._prev_samples = out[:2]
         else:
-            logits, self.kv_pages = out[0], out[1:]
-            next_tokens, logprobs = self._samplers[program](logits, rows_d)
-            self._prev_tokens = next_tokens
+            samples, logits = out[:2]
+            if program != GREEDY:  # the forward pass sampled greedily; this step needs more
+                samples = self._direct["sampler", program]([logits, step_d])[0]
+            self._prev_samples = samples
+        self.kv_pages = out[2:]
         # Start the device-to-host copy now, so fetching later does not add a round trip.
-        next_tokens.copy_to_host_async()
-        logprobs.copy_to_host_async()
+        samples.copy_to_host_async()
         lt = self.launch_times
         lt.transfer += t1 - t0
         lt.forward += t2 - t1
         lt.sampler += time.perf_counter() - t2
-        return next_tokens, logprobs
+        return samples
 
     @staticmethod
-    def fetch(handle: tuple[jax.Array, jax.Array]) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a launched step's samples."""
-        return np.asarray(handle[0]), np.asarray(handle[1])
+    def fetch(handle: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S]), or
+        [K, S] each for a multi-step launch."""
+        samples = np.asarray(handle)
+        return samples[..., 0, :], samples[..., 1, :].view(np.float32)
 
     def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """Launch and wait: the synchronous step."""

@@ -3,13 +3,13 @@ that they ran it.
 
 Multi-controller JAX runs a program over several processes' devices only if every process
 launches the same program with the same inputs in the same order. Process 0 plans a step; this
-link sends its program (token bucket, sampler program) and its two packed int32 buffers to every
+link sends its program (token bucket, sampler program) and its packed int32 buffer to every
 follower, which launches the same compiled program and acknowledges once the step is done.
 
 Why ZeroMQ and not `jax.experimental.multihost_utils.broadcast_one_to_all`: that broadcast is a
 device collective. Every call blocks the host until the value is back (measured on two CPU
 processes: 2.4 ms for 16 KiB, against ~0.1 ms over a socket), it compiles a program per buffer
-shape (one per token bucket, after warm-up), and on GPUs it takes the same NCCL streams as the
+shape, and on GPUs it takes the same NCCL streams as the
 step's own all-reduces, so process 0 could not plan step N+1 while step N runs. A ZeroMQ message
 costs process 0 a copy into a socket and no wait. ROUTER/DEALER, not PUB/SUB: PUB/SUB drops
 messages for a subscriber that joins late or falls behind, and a lost step desynchronizes the
@@ -20,8 +20,8 @@ monitor reports the drop: a dead follower fails process 0 within seconds, a dead
 the followers.
 
 Messages (multipart, little-endian): step `[b"S", <q step, i bucket, i filter_rows>, kind,
-tokens, rows]`, stop `[b"X"]`; from a follower: hello `[b"H"]`, done `[b"A", <q step>]`, failed
-`[b"E", text]`. No JAX here: the executor side is in multihost.py.
+buffer]` (the plan's packed int32 step buffer), stop `[b"X"]`; from a follower: hello `[b"H"]`,
+done `[b"A", <q step>]`, failed `[b"E", text]`. No JAX here: the executor side is in multihost.py.
 """
 
 from __future__ import annotations
@@ -101,13 +101,11 @@ class StepLeader:
                 if frames[1] == b"H":
                     hello.add(frames[0])
 
-    def send_step(
-        self, bucket: int, program: SamplerProgram, tokens: np.ndarray, rows: np.ndarray
-    ) -> int:
+    def send_step(self, bucket: int, program: SamplerProgram, buffer: np.ndarray) -> int:
         """Send the next step to every follower; returns its number."""
         self._step += 1
         header = _STEP.pack(self._step, bucket, program.filter_rows)
-        frames = [b"S", header, program.kind.encode(), tokens, rows]
+        frames = [b"S", header, program.kind.encode(), buffer]
         for follower in self.followers:
             self._send(follower, frames)
         return self._step
@@ -205,7 +203,7 @@ class StepFollower:
         return reporter
 
     def receive(self):
-        """The next message from process 0: ("step", step, bucket, program, tokens, rows) or
+        """The next message from process 0: ("step", step, bucket, program, buffer) or
         ("stop",); meanwhile forwards finished steps. LeaderLost if process 0 is gone."""
         while True:
             events = dict(self._poller.poll())
@@ -220,9 +218,7 @@ class StepFollower:
             return ("stop",)
         step, bucket, filter_rows = _STEP.unpack(frames[1])
         program = SamplerProgram(frames[2].decode(), filter_rows)
-        tokens = np.frombuffer(frames[3], np.int32).reshape(-1, bucket)
-        rows = np.frombuffer(frames[4], np.int32)
-        return ("step", step, bucket, program, tokens, rows)
+        return ("step", step, bucket, program, np.frombuffer(frames[3], np.int32))
 
     def failed(self, text: str) -> None:
         self._sock.send_multipart([b"E", text.encode()])

@@ -26,10 +26,9 @@ from nori_jax.executor.step_broadcast import (
 def _steps(n: int):
     for i in range(n):
         bucket = 16 * (i + 1)
-        tokens = np.arange(4 * bucket, dtype=np.int32).reshape(4, bucket) + i
-        rows = np.full(40, i, np.int32)
+        buffer = np.arange(4 * bucket + 40, dtype=np.int32) + i
         program = GREEDY if i % 2 == 0 else SamplerProgram("filter", 16)
-        yield bucket, program, tokens, rows
+        yield bucket, program, buffer
 
 
 def test_steps_arrive_in_order_and_stop_stops():
@@ -51,19 +50,18 @@ def test_steps_arrive_in_order_and_stop_stops():
     try:
         leader.wait_for_followers(10)
         sent = list(_steps(3))
-        for i, (bucket, program, tokens, rows) in enumerate(sent):
-            assert leader.send_step(bucket, program, tokens, rows) == i
+        for i, (bucket, program, buffer) in enumerate(sent):
+            assert leader.send_step(bucket, program, buffer) == i
         leader.wait_done(2)
     finally:
         leader.stop()
     thread.join(10)
     assert not thread.is_alive()
     assert received[-1] == ("stop",)
-    for i, (bucket, program, tokens, rows) in enumerate(sent):
-        step, got_bucket, got_program, got_tokens, got_rows = received[i]
+    for i, (bucket, program, buffer) in enumerate(sent):
+        step, got_bucket, got_program, got_buffer = received[i]
         assert (step, got_bucket, got_program) == (i, bucket, program)
-        np.testing.assert_array_equal(got_tokens, tokens)
-        np.testing.assert_array_equal(got_rows, rows)
+        np.testing.assert_array_equal(got_buffer, buffer)
 
 
 FOLLOWER = textwrap.dedent(
@@ -91,8 +89,8 @@ def _lead_one_step(step_timeout_s: float, mode: str):
     leader = StepLeader(num_processes=2, step_timeout_s=step_timeout_s)
     proc = _follower(leader.port, mode)
     leader.wait_for_followers(30)
-    bucket, program, tokens, rows = next(_steps(1))
-    step = leader.send_step(bucket, program, tokens, rows)
+    bucket, program, buffer = next(_steps(1))
+    step = leader.send_step(bucket, program, buffer)
     assert proc.stdout.readline().strip() == "received"
     return leader, proc, step
 
