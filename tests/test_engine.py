@@ -27,17 +27,35 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, 300, int(rng.integers(1, 60))).tolist() for _ in range(n)]
 
 
+SEEDED = [
+    SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.8, top_k=5, top_p=0.9, seed=8, ignore_eos=True),
+]
+
+
 def test_batch_invariance_across_neighbours_and_buckets(hf_checkpoints, llm):
     target = [11, 22, 33, 44, 55, 66, 77]
     alone = llm.generate([target], GREEDY)[0].token_ids
     crowded = llm.generate(_prompts(7, seed=5)[:3] + [target] + _prompts(4, seed=6), GREEDY)[
         3
     ].token_ids
+    # 32 rows: the 16-token bucket computes logits for its 16 rows only (runner.logit_rows), the
+    # larger ones for 32; the 8-row engine above, for all 8 rows in every bucket.
     other_buckets = small_llm(
-        str(hf_checkpoints["llama"]), max_num_batched_tokens=256, max_num_seqs=16
+        str(hf_checkpoints["llama"]), max_num_batched_tokens=256, max_num_seqs=32
     )
     in_big_bucket = other_buckets.generate(_prompts(5, seed=7) + [target], GREEDY)[-1].token_ids
     assert alone == crowded == in_big_bucket
+    # random and filtering samplers too, in both engines' buckets, decoding beside others
+    # (the target between other rows: a padding row's logits are its last token's)
+    for params in SEEDED:
+        alone = llm.generate([target], params)[0].token_ids
+        crowded = other_buckets.generate(
+            _prompts(2, seed=8) + [target] + _prompts(2, seed=9),
+            [GREEDY] * 2 + [params] + [GREEDY] * 2,
+        )[2].token_ids
+        assert alone == crowded, params
+    assert other_buckets.engine.num_recompiles == 0
 
 
 def test_no_compiles_after_warmup_over_many_shapes_and_settings(llm):

@@ -191,6 +191,11 @@ def main() -> None:
         "--trace-dir", default=None, help="where the traces go (default: fresh temp dirs)"
     )
     parser.add_argument("--no-trace", action="store_true", help="the timed pass only")
+    parser.add_argument(
+        "--late-copy",
+        action="store_true",
+        help="no device-to-host copy started at launch: fetch copies the samples",
+    )
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument(
@@ -202,6 +207,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = LLMEngine(engine_config_from_args(args))
+    engine.runner.copy_back_early = not args.late_copy
     results = []
     for batch in [int(b) for b in args.batch.split(",")]:
         trace_dir = None

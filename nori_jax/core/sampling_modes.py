@@ -45,8 +45,13 @@ def filter_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def sampler_programs(max_num_seqs: int) -> list[SamplerProgram]:
-    return [GREEDY, RANDOM] + [SamplerProgram("filter", r) for r in filter_buckets(max_num_seqs)]
+def sampler_programs(max_num_seqs: int, rows: int | None = None) -> list[SamplerProgram]:
+    """Every program `choose_program` can pick for a step of at most `rows` rows (default
+    `max_num_seqs`): a filter bucket holds the filtering rows, of which there are at most `rows`."""
+    rows = max_num_seqs if rows is None else min(rows, max_num_seqs)
+    sizes = filter_buckets(max_num_seqs)
+    needed = [r for r in sizes if r < rows] + [next(r for r in sizes if r >= rows)]
+    return [GREEDY, RANDOM] + [SamplerProgram("filter", r) for r in needed]
 
 
 def multi_step_programs(
@@ -57,8 +62,7 @@ def multi_step_programs(
     `choose_program` can pick for that many rows."""
     rows = min(max_rows, max_num_seqs)
     top_bucket = next((b for b in buckets if b >= rows), buckets[-1])
-    top_filter = next(r for r in filter_buckets(max_num_seqs) if r >= rows)
-    programs = [p for p in sampler_programs(max_num_seqs) if p.filter_rows <= top_filter]
+    programs = sampler_programs(max_num_seqs, rows)
     return [(b, p) for b in buckets if b <= top_bucket for p in programs]
 
 

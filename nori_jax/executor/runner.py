@@ -2,13 +2,14 @@
 compiled ahead of time.
 
     forward[T](params, kv_pages, prev_samples, step)
-        -> (samples int32[2, S], logits float32[S, V], kv_pages)
-    sample[program](logits, step) -> samples int32[2, S]
+        -> (samples int32[2, S], logits float32[R, V], kv_pages)
+    sample[program, R](logits, step) -> samples int32[2, S]
 
 `samples` packs each row's token (row 0) and its logprob's float32 bits (row 1): one array to
 copy back. The forward pass samples greedily itself, so a step whose rows are all greedy is one
 program; another step runs the sampler program that `sampling_modes.choose_program` picked on
-the forward pass's logits.
+the forward pass's logits. Only the first R = min(S, T) rows get logits (`logit_rows`: a bucket
+of T tokens holds at most T rows); the samples of the others are zeros.
 
 `params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
 graphdef and the tree structure are closed over), so a launch flattens no NNX state. `step` is
@@ -95,10 +96,34 @@ def _pack(tokens, logprobs):
     return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=-2)
 
 
+def logit_rows(max_num_seqs: int, bucket: int) -> int:
+    """R: the rows whose logits a step of `bucket` tokens computes. A row has at least one token,
+    so a bucket of T holds at most T rows: the LM head and the sampler skip the other padding
+    rows (at 64 sequences, 1,024 rows of LM head, float32 logits and their reductions cost about
+    0.2 ms a step on an H200)."""
+    return min(max_num_seqs, bucket)
+
+
+def _pad_rows(samples, max_num_seqs):
+    """int32[..., 2, R] -> int32[..., 2, S]: what the host reads and the next step's input."""
+    pad = max_num_seqs - samples.shape[-1]
+    return jnp.pad(samples, [(0, 0)] * (samples.ndim - 1) + [(0, pad)]) if pad else samples
+
+
 def _logits(
-    model, kv_scales, logits_shardings, row, input_ids, positions, slot_mapping, kv_lens, kv_pages
+    model,
+    kv_scales,
+    logits_shardings,
+    num_rows,
+    row,
+    input_ids,
+    positions,
+    slot_mapping,
+    kv_lens,
+    kv_pages,
 ):
-    """float32[S, V] logits of each row's last token, replicated, and the new pages.
+    """float32[R, V] logits of the first `num_rows` rows' last tokens, replicated, and the new
+    pages.
 
     On a tensor-parallel mesh the LM head is split by vocab: its logits are computed on each
     device's vocab slice, then gathered once (`logits_shardings`: (split, replicated)). Left to
@@ -112,7 +137,7 @@ def _logits(
         distribution=row["distribution"],
     )
     hidden, kv_pages = model(input_ids, positions, kv_pages, meta, kv_scales)
-    logits = model.compute_logits(hidden[row["logits_indices"]])  # [S, V]
+    logits = model.compute_logits(hidden[row["logits_indices"][:num_rows]])  # [R, V]
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     return logits, kv_pages
@@ -136,6 +161,7 @@ def _forward(
         model,
         kv_scales,
         logits_shardings,
+        logit_rows(layout.max_num_seqs, bucket),
         row,
         _input_ids(tok, prev_samples),
         tok["positions"],
@@ -146,25 +172,28 @@ def _forward(
     # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
     # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
     greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
-    return greedy, logits, kv_pages
+    return _pad_rows(greedy, layout.max_num_seqs), logits, kv_pages
 
 
 def _sample_row(program, logits, row, sample_index):
+    """(tokens int32[R], logprobs float32[R]) of the logits' R rows."""
+    r = logits.shape[0]
     return sample(
         logits,
-        row["temperature"],
-        row["top_p"],
-        row["top_k"],
-        row["seeds"],
-        sample_index,
-        row["filter_rows"],
+        row["temperature"][:r],
+        row["top_p"][:r],
+        row["top_k"][:r],
+        row["seeds"][:r],
+        sample_index[:r],
+        row["filter_rows"],  # indices of rows < R, then padding (S), which the sampler drops
         program=program,
     )
 
 
 def _sample(layout, program, logits, step):
     row = unpack_rows(layout, step)
-    return _pack(*_sample_row(program, logits, row, row["sample_index"]))
+    samples = _pack(*_sample_row(program, logits, row, row["sample_index"]))
+    return _pad_rows(samples, layout.max_num_seqs)
 
 
 def _multi_step(
@@ -194,7 +223,8 @@ def _multi_step(
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     s, t = layout.max_num_seqs, bucket
-    token_row = jnp.minimum(jnp.arange(t), s - 1)
+    r = logit_rows(s, t)
+    token_row = jnp.minimum(jnp.arange(t), r - 1)
     is_row = jnp.arange(t) < row["distribution"][0]
     token_steps = jnp.where(is_row, row["decode_steps"][token_row], 0)  # int32[T]
     row_steps = jnp.maximum(row["decode_steps"], 1)  # int32[S]; padding rows: 1
@@ -213,6 +243,7 @@ def _multi_step(
             model,
             kv_scales,
             logits_shardings,
+            r,
             row,
             input_ids,
             positions,
@@ -227,6 +258,7 @@ def _multi_step(
     (kv_pages, _), samples = jax.lax.scan(
         one_step, (kv_pages, _input_ids(tok, prev_samples)), jnp.arange(num_steps, dtype=jnp.int32)
     )
+    samples = _pad_rows(samples, s)
     return samples, samples[-1], kv_pages
 
 
@@ -234,7 +266,7 @@ def _program_name(kind: str, key) -> str:
     """ "bucket 128", "sampler random", "multi-step bucket 16 greedy": the names the start-up
     log gives the programs it compiles."""
     if kind == "sampler":
-        return f"sampler {key.name}"
+        return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     return f"bucket {key}"
@@ -286,12 +318,21 @@ class ModelRunner:
                 [self._kv_sharding] * cfg.num_layers,
             ),
         )
+        # The random and filtering samplers, per (program, logit rows R) a step of some bucket
+        # can need (the forward pass samples greedily itself).
+        self.sampler_keys = sorted(
+            {
+                (program, r)
+                for r in {logit_rows(layout.max_num_seqs, t) for t in self.buckets}
+                for program in sampler_programs(layout.max_num_seqs, r)
+                if program != GREEDY
+            }
+        )
         self._sample_fns = {
             program: jax.jit(
                 functools.partial(_sample, layout, program), out_shardings=self._replicated
             )
-            for program in sampler_programs(layout.max_num_seqs)
-            if program != GREEDY  # the forward pass samples greedily itself
+            for program in {p for p, _ in self.sampler_keys}
         }
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_keys = (
@@ -323,14 +364,17 @@ class ModelRunner:
             for program in {p for _, p in self.multi_step_keys}
         }
         self._forwards: dict[int, jax.stages.Compiled] = {}
-        self._samplers: dict[SamplerProgram, jax.stages.Compiled] = {}
+        self._samplers: dict[tuple[SamplerProgram, int], jax.stages.Compiled] = {}
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
         # Every program as the launch calls it (direct_call.py), by its compile key:
-        # ("forward", bucket), ("sampler", program) or ("multi", (bucket, sampler program)).
+        # ("forward", bucket), ("sampler", (program, R)) or ("multi", (bucket, program)).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
         self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
+        # Start each step's device-to-host copy at launch (fetch then finds the samples on the
+        # host), or let fetch copy them once the step is done.
+        self.copy_back_early = True
         self._prev_samples = put(np.zeros((2, layout.max_num_seqs), np.int32), self._replicated)
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -347,13 +391,17 @@ class ModelRunner:
         prev_abs = self._abstract((2, s), i32)
         step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
-        logits_abs = self._abstract((s, vocab), jnp.float32)
         lowered = {
             ("forward", t): self._forward_fn.lower(t, params_abs, kv_abs, prev_abs, step_abs)
             for t in self.buckets
         }
         lowered.update(
-            {("sampler", m): fn.lower(logits_abs, step_abs) for m, fn in self._sample_fns.items()}
+            {
+                ("sampler", (p, r)): self._sample_fns[p].lower(
+                    self._abstract((r, vocab), jnp.float32), step_abs
+                )
+                for p, r in self.sampler_keys
+            }
         )
         lowered.update(
             {
@@ -368,7 +416,7 @@ class ModelRunner:
             "compiling %d token buckets %s and %d sampler programs",
             len(self.buckets),
             self.buckets,
-            len(self._sample_fns),
+            len(self.sampler_keys),
         )
 
         def compile_one(key):
@@ -407,16 +455,16 @@ class ModelRunner:
             if kind == "forward":
                 return f"forward {key}"
             if kind == "sampler":
-                return f"sampler {key.name}"
+                return f"sampler {key[0].name} ({key[1]} rows)"
             return f"multi-step {key[0]} {key[1].name}"
 
         return {name(kind, key): call.direct for (kind, key), call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
-        """Every compiled program by name ("forward 64", "sampler random", "multi-step 16
-        greedy"), for inspection. (Greedy sampling is part of every forward pass.)"""
+        """Every compiled program by name ("forward 64", "sampler random (64 rows)", "multi-step
+        16 greedy"), for inspection. (Greedy sampling is part of every forward pass.)"""
         out = {f"forward {t}": exe for t, exe in self._forwards.items()}
-        out.update({f"sampler {p.name}": exe for p, exe in self._samplers.items()})
+        out.update({f"sampler {p.name} ({r} rows)": exe for (p, r), exe in self._samplers.items()})
         out.update({f"multi-step {t} {p.name}": exe for (t, p), exe in self._multis.items()})
         return out
 
@@ -446,11 +494,12 @@ class ModelRunner:
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
         # A sampler program runs the same on any logits: each runs once on zeros, without another
         # forward pass (which costs seconds per layer with interpret-mode kernels on CPU).
-        s_vocab = (s, self.model.config.vocab_size)
-        logits = jax.device_put(np.zeros(s_vocab, np.float32), self._replicated)
         step_d = self._put_step(step)
-        for program in self._samplers:
-            self.fetch(self._direct["sampler", program]([logits, step_d])[0])
+        for program, r in self._samplers:
+            logits = jax.device_put(
+                np.zeros((r, self.model.config.vocab_size), np.float32), self._replicated
+            )
+            self.fetch(self._direct["sampler", (program, r)]([logits, step_d])[0])
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
@@ -513,11 +562,12 @@ class ModelRunner:
         else:
             samples, logits = out[:2]
             if program != GREEDY:  # the forward pass sampled greedily; this step needs more
-                samples = self._direct["sampler", program]([logits, step_d])[0]
+                rows = logit_rows(self.layout.max_num_seqs, bucket)
+                samples = self._direct["sampler", (program, rows)]([logits, step_d])[0]
             self._prev_samples = samples
         self.kv_pages = out[2:]
-        # Start the device-to-host copy now, so fetching later does not add a round trip.
-        samples.copy_to_host_async()
+        if self.copy_back_early:  # so that fetching later does not add a round trip
+            samples.copy_to_host_async()
         lt = self.launch_times
         lt.transfer += t1 - t0
         lt.forward += t2 - t1
