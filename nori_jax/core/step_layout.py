@@ -91,9 +91,9 @@ class StepLayout:
 
     @functools.cached_property
     def size(self) -> int:
-        """Elements of the whole step buffer."""
+        """Elements of the whole step buffer (a multiple of FIELD_ALIGN)."""
         last = self.row_fields[-1]
-        return last.offset + last.size
+        return last.offset + _aligned(last.size)
 
     @functools.cached_property
     def _by_name(self) -> dict[str, Field]:

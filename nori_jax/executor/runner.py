@@ -66,8 +66,10 @@ from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.linear import MODEL
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
+from pallas_kernels.materialize import materialize
 
 logger = logging.getLogger(__name__)
+_MATERIALIZE_STEP = os.environ.get("NORI_JAX_MATERIALIZE_STEP", "0") == "1"  # an experiment
 
 
 @dataclasses.dataclass
@@ -156,6 +158,8 @@ def _forward(
     step,
 ):
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
+    if _MATERIALIZE_STEP:  # one graph node reads the fresh buffer (pallas_kernels/materialize.py)
+        step = materialize(step)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     logits, kv_pages = _logits(
         model,
@@ -221,6 +225,8 @@ def _multi_step(
     `prev_samples`), kv_pages).
     """
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
+    if _MATERIALIZE_STEP:  # one graph node reads the fresh buffer (pallas_kernels/materialize.py)
+        step = materialize(step)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     s, t = layout.max_num_seqs, bucket
     r = logit_rows(s, t)

@@ -1,0 +1,115 @@
+"""What launching a CUDA graph costs the host when the buffers of its kernels move between calls.
+
+    python benchmarks/engine/graph_launch_bench.py [--kernels 400] [--calls 200] [--json F]
+
+XLA runs a compiled program as one CUDA graph (a command buffer). A node whose buffer moved since
+the last launch must be updated before the graph runs again. The step buffer of the engine is a
+fresh device array every step, and dozens of the forward pass's kernels read it (every layer's KV
+write and attention). This measures what that costs, on a chain of `--kernels` small matmuls (one
+kernel each), called `--calls` times back to back (host microseconds per call, no waiting):
+
+  moved-all    every kernel reads a slice of an input that is a fresh array on each call
+  moved-edges  a fresh input read by the first kernel only; a fresh output from the last one
+  stable       the same input arrays on every call and the output written into a donated buffer
+               (aliased), so no buffer moves
+  moved-copied the fresh input of moved-all, copied first into the program's temporary buffer
+               (fixed under skip_temp) by one kernel that every other kernel then reads
+
+Each program runs under the update mode the engine uses (`skip_temp`) unless `--update always`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernels", type=int, default=400)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--update", default="skip_temp", choices=("skip_temp", "always"))
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from nori_jax.executor import xla_flags
+
+    os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(
+        os.environ.get("XLA_FLAGS", ""), args.update
+    )
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.materialize import materialize
+
+    h, n_w, k = 128, 30, args.kernels
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((h, h)) / h**0.5, jnp.bfloat16) for _ in range(n_w)]
+    x0 = jnp.asarray(rng.standard_normal((16, h)), jnp.bfloat16)
+    side0 = jnp.asarray(rng.standard_normal((k, h)) * 0.01, jnp.bfloat16)
+
+    def chain(x, side, ws):
+        for i in range(k):
+            x = jnp.tanh(x @ ws[i % n_w] + side[i])
+        return x
+
+    programs = {
+        "moved-all": jax.jit(lambda x, side, ws: chain(x, side, ws)),
+        "moved-edges": jax.jit(lambda x, side, ws: chain(x, side, ws)),
+        "stable": jax.jit(lambda x, side, ws, out: chain(x + 0.0 * out, side, ws), donate_argnums=3),
+        "moved-copied": jax.jit(lambda x, side, ws: chain(x, materialize(side), ws)),
+    }
+    fresh_x = [x0 + i for i in range(args.calls)]
+    fresh_side = [side0 * (1 + 1e-3 * i) for i in range(args.calls)]
+    jax.block_until_ready((fresh_x, fresh_side))
+
+    def run(name):
+        f = programs[name]
+        out = jnp.zeros_like(x0)
+        f_args = {
+            "moved-all": lambda i: (x0, fresh_side[i], ws),
+            "moved-edges": lambda i: (fresh_x[i], side0, ws),
+            "stable": lambda i: (x0, side0, ws, out),
+            "moved-copied": lambda i: (x0, fresh_side[i], ws),
+        }[name]
+        for i in range(3):  # compile, record the graph
+            r = f(*f_args(i))
+            if name == "stable":
+                out = r
+        jax.block_until_ready(r)
+        t0 = time.perf_counter()
+        for i in range(args.calls):
+            r = f(*f_args(i))
+            if name == "stable":
+                out = r
+        host = (time.perf_counter() - t0) / args.calls
+        jax.block_until_ready(r)
+        wall = (time.perf_counter() - t0) / args.calls
+        return host * 1e6, wall * 1e6
+
+    results = {name: [] for name in programs}
+    for _ in range(args.rounds):
+        for name in programs:
+            results[name].append(run(name))
+    print(f"{jax.devices()[0].device_kind}, {k} kernels, update {args.update}: host / wall us per call")
+    summary = {}
+    for name, rs in results.items():
+        host = statistics.median(r[0] for r in rs)
+        wall = statistics.median(r[1] for r in rs)
+        summary[name] = {"host_us": host, "wall_us": wall, "runs": rs}
+        print(f"  {name:13s} {host:8.1f} {wall:8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kernels": k, "update": args.update, "results": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
