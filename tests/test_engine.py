@@ -82,6 +82,22 @@ def test_no_compiles_after_warmup_over_many_shapes_and_settings(llm):
     assert launches and all(launches.values()), launches
 
 
+def test_the_step_buffers_keep_their_addresses(llm):
+    """Every buffer the forward pass reads or writes stays where it was from step to step (the
+    step buffer, samples, logits, KV pages: the runner's own, donated), which is what lets XLA
+    launch its CUDA graph on a GPU without updating it."""
+    runner = llm.engine.runner
+
+    def addresses():
+        states = [runner._step_state, runner._samples_state, runner._logits_state]
+        return [x.unsafe_buffer_pointer() for x in states + list(runner.kv_pages)]
+
+    before = addresses()
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.9, top_k=4, seed=1)]
+    llm.generate(_prompts(6, seed=3), params * 3)
+    assert addresses() == before
+
+
 def test_same_seed_same_output_whatever_the_batch(llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     a = llm.generate([[5, 6, 7]], p)[0].token_ids

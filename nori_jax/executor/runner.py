@@ -1,36 +1,41 @@
-"""The device side: a jitted forward pass per token bucket and a few sampler programs, all
-compiled ahead of time.
+"""The device side: a jitted forward pass per token bucket and a few small programs, all compiled
+ahead of time.
 
-    forward[T](params, kv_pages, prev_samples, step)
-        -> (samples int32[2, S], logits float32[R, V], kv_pages)
-    sample[program, R](logits, step) -> samples int32[2, S]
+    stage(step_state, fresh) -> step_state          the step's packed buffer, in place
+    forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
+    sample[program, R](samples, logits, step_state) -> samples
+    peek(samples) -> a copy for the host
 
-`samples` packs each row's token (row 0) and its logprob's float32 bits (row 1): one array to
-copy back. The forward pass samples greedily itself, so a step whose rows are all greedy is one
-program; another step runs the sampler program that `sampling_modes.choose_program` picked on
-the forward pass's logits. Only the first R = min(S, T) rows get logits (`logit_rows`: a bucket
-of T tokens holds at most T rows); the samples of the others are zeros.
+`samples` int32[2, S] packs each row's token (row 0) and its logprob's float32 bits (row 1);
+`logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
+(`logit_rows`: a bucket of T holds at most T rows). The forward pass samples greedily itself, so a
+greedy step runs no sampler program; another step runs the one `sampling_modes.choose_program`
+picked. Decode rows whose input is the previous step's sample read it from `samples` on the device
+(`prev_index`), which lets the host plan step N+1 while step N runs.
 
-`params` is the model's parameters as a flat list of arrays, flattened once at start-up (the
-graphdef and the tree structure are closed over), so a launch flattens no NNX state. `step` is
-the step's packed int32 buffer (core/step_layout.py): one host-to-device transfer, of one shape
-for every program. `kv_pages` is donated and comes back updated in place; only `samples` returns
-to the host. `prev_samples` is the previous launch's `samples`, still on the device: decode rows
-whose input is the previous step's sample read it from there (`prev_index`), which lets the host
-plan step N+1 while step N runs. A launch hands its flat argument list straight to each
-program's executable (direct_call.py), past JAX's per-argument dispatch checks.
+**Buffers that never move.** XLA runs each program as a CUDA graph, and a launch after any of the
+graph's buffers moved updates and re-uploads the graph first: on the H200 a chain of 400 kernels
+launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 ms with none
+(benchmarks/engine/graph_launch_bench.py; docs/benchmarks.md). So every buffer of the forward pass
+keeps its address from launch to launch: `params` never change, and the runner owns one device
+buffer each for the KV pages, `samples`, `logits` and the step buffer, which each program takes
+donated and returns in place. A step's fresh host-to-device buffer goes through `stage` (a one-
+kernel program, cheap to update), and the host reads the samples through `peek`'s copy (the
+runner's own buffer is donated to the next launch before the host reads it). The parameters go in
+as a flat list prepared once; a launch hands its flat argument list straight to each program's
+executable (direct_call.py), past JAX's per-argument dispatch checks.
 
-The random and filtering samplers are programs of their own over the fixed [S, V] logits, so
-their variants (sampling_modes.py) cost a handful of small compiles rather than more forward
-passes per bucket, and the step never branches on device data.
+The random and filtering samplers are programs of their own, so their variants
+(sampling_modes.py) cost a handful of small compiles rather than more forward passes per bucket,
+and the step never branches on device data.
 
 Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
 program) that runs both K times in a scan:
 
-    multi_step[bucket, program](params, kv_pages, prev_samples, step)
-        -> (samples int32[K, 2, S], last samples int32[2, S], kv_pages)
+    multi_step[bucket, program](params, kv_pages, samples, step_state)
+        -> (all samples int32[K, 2, S], samples, kv_pages)
 
-Its last step's samples are the next launch's `prev_samples`.
+Its last step's samples are the next launch's `samples`.
 """
 
 from __future__ import annotations
@@ -66,25 +71,33 @@ from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.linear import MODEL
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
-from pallas_kernels.materialize import materialize
 
 logger = logging.getLogger(__name__)
-_MATERIALIZE_STEP = os.environ.get("NORI_JAX_MATERIALIZE_STEP", "0") == "1"  # an experiment
 
 
 @dataclasses.dataclass
 class LaunchTimes:
     """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
 
-    transfer: float = 0.0  # the step buffer's host-to-device transfer
+    transfer: float = 0.0  # the step buffer's host-to-device transfer and its staging copy
     forward: float = 0.0  # dispatch of the forward pass (or multi-step program)
-    sampler: float = 0.0  # dispatch of a sampler program (not greedy steps), the async copy back
+    sampler: float = 0.0  # a sampler program (not greedy steps), the samples' copy, copy back
 
 
 def _model(graphdef, treedef, params, kv_scales):
     # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
     kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), kv_scales
+
+
+def _stage(state, fresh):
+    """The step's fresh buffer into the runner's own (donated, so its address never changes)."""
+    return jax.lax.dynamic_update_slice(state, fresh, (0,))
+
+
+def _peek(samples):
+    """A copy of the samples for the host: the runner's own buffer goes to the next launch."""
+    return samples + 0
 
 
 def _input_ids(tok, prev_samples):
@@ -155,11 +168,10 @@ def _forward(
     params,
     kv_pages,
     prev_samples,
+    logits_state,
     step,
 ):
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    if _MATERIALIZE_STEP:  # one graph node reads the fresh buffer (pallas_kernels/materialize.py)
-        step = materialize(step)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     logits, kv_pages = _logits(
         model,
@@ -176,6 +188,8 @@ def _forward(
     # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
     # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
     greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
+    if logits.shape[0] < logits_state.shape[0]:  # R < S rows: into the first R
+        logits = jax.lax.dynamic_update_slice(logits_state, logits, (0, 0))
     return _pad_rows(greedy, layout.max_num_seqs), logits, kv_pages
 
 
@@ -194,10 +208,12 @@ def _sample_row(program, logits, row, sample_index):
     )
 
 
-def _sample(layout, program, logits, step):
+def _sample(layout, program, rows, samples, logits_state, step):
+    """New `samples` (the forward pass's greedy ones, donated) from the first `rows` logits."""
+    del samples  # its buffer becomes the output's
     row = unpack_rows(layout, step)
-    samples = _pack(*_sample_row(program, logits, row, row["sample_index"]))
-    return _pad_rows(samples, layout.max_num_seqs)
+    out = _pack(*_sample_row(program, logits_state[:rows], row, row["sample_index"]))
+    return _pad_rows(out, layout.max_num_seqs)
 
 
 def _multi_step(
@@ -225,8 +241,6 @@ def _multi_step(
     `prev_samples`), kv_pages).
     """
     model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    if _MATERIALIZE_STEP:  # one graph node reads the fresh buffer (pallas_kernels/materialize.py)
-        step = materialize(step)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     s, t = layout.max_num_seqs, bucket
     r = logit_rows(s, t)
@@ -275,7 +289,20 @@ def _program_name(kind: str, key) -> str:
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
+    if kind in ("stage", "peek"):
+        return kind
     return f"bucket {key}"
+
+
+def _name(kind: str, key) -> str:
+    """A program's name for inspection (compiled_programs, direct_launches)."""
+    if kind == "forward":
+        return f"forward {key}"
+    if kind == "sampler":
+        return f"sampler {key[0].name} ({key[1]} rows)"
+    if kind == "multi":
+        return f"multi-step {key[0]} {key[1].name}"
+    return kind
 
 
 class ModelRunner:
@@ -317,7 +344,10 @@ class ModelRunner:
                 _forward, loaded.graphdef, treedef, layout, kv_scales, logits_shardings
             ),
             static_argnums=(0,),
-            donate_argnums=(2,),
+            # pages, samples and logits: their buffers come back as the outputs (kept even
+            # where unused, so that they do)
+            donate_argnums=(2, 3, 4),
+            keep_unused=True,
             out_shardings=(
                 self._replicated,
                 self._replicated,
@@ -336,10 +366,16 @@ class ModelRunner:
         )
         self._sample_fns = {
             program: jax.jit(
-                functools.partial(_sample, layout, program), out_shardings=self._replicated
+                functools.partial(_sample, layout, program),
+                static_argnums=(0,),
+                donate_argnums=(1,),
+                keep_unused=True,
+                out_shardings=self._replicated,
             )
             for program in {p for p, _ in self.sampler_keys}
         }
+        self._stage_fn = jax.jit(_stage, donate_argnums=(0,), out_shardings=self._replicated)
+        self._peek_fn = jax.jit(_peek, out_shardings=self._replicated)
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_keys = (
             multi_step_programs(self.buckets, layout.max_num_seqs, multi_step_max_seqs)
@@ -360,7 +396,7 @@ class ModelRunner:
                     program,
                 ),
                 static_argnums=(0,),
-                donate_argnums=(2,),
+                donate_argnums=(2, 3),
                 out_shardings=(
                     self._replicated,
                     self._replicated,
@@ -373,7 +409,8 @@ class ModelRunner:
         self._samplers: dict[tuple[SamplerProgram, int], jax.stages.Compiled] = {}
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
         # Every program as the launch calls it (direct_call.py), by its compile key:
-        # ("forward", bucket), ("sampler", (program, R)) or ("multi", (bucket, program)).
+        # ("forward", bucket), ("sampler", (program, R)), ("multi", (bucket, program)),
+        # ("stage", None) or ("peek", None).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
@@ -381,7 +418,12 @@ class ModelRunner:
         # Start each step's device-to-host copy at launch (fetch then finds the samples on the
         # host), or let fetch copy them once the step is done.
         self.copy_back_early = True
-        self._prev_samples = put(np.zeros((2, layout.max_num_seqs), np.int32), self._replicated)
+        # The device buffers every step reads and writes in place (module docstring: their
+        # addresses never change, so XLA's CUDA graphs launch without an update).
+        s, vocab = layout.max_num_seqs, cfg.vocab_size
+        self._step_state = put(layout.new_step(), self._replicated)
+        self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
+        self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
@@ -397,18 +439,21 @@ class ModelRunner:
         prev_abs = self._abstract((2, s), i32)
         step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
+        logits_abs = self._abstract((s, vocab), jnp.float32)
         lowered = {
-            ("forward", t): self._forward_fn.lower(t, params_abs, kv_abs, prev_abs, step_abs)
+            ("forward", t): self._forward_fn.lower(
+                t, params_abs, kv_abs, prev_abs, logits_abs, step_abs
+            )
             for t in self.buckets
         }
         lowered.update(
             {
-                ("sampler", (p, r)): self._sample_fns[p].lower(
-                    self._abstract((r, vocab), jnp.float32), step_abs
-                )
+                ("sampler", (p, r)): self._sample_fns[p].lower(r, prev_abs, logits_abs, step_abs)
                 for p, r in self.sampler_keys
             }
         )
+        lowered["stage", None] = self._stage_fn.lower(step_abs, step_abs)
+        lowered["peek", None] = self._peek_fn.lower(prev_abs)
         lowered.update(
             {
                 ("multi", (t, p)): self._multi_fns[p].lower(
@@ -441,7 +486,8 @@ class ModelRunner:
             compiled = dict(zip(lowered, pool.map(compile_one, lowered), strict=True))
         tables = {"forward": self._forwards, "sampler": self._samplers, "multi": self._multis}
         for (kind, key), exe in compiled.items():
-            tables[kind][key] = exe
+            if kind in tables:
+                tables[kind][key] = exe
             self._direct[kind, key] = DirectCall(exe)
         self.compile_seconds = time.perf_counter() - start
         logger.info(
@@ -457,22 +503,13 @@ class ModelRunner:
         """For each program, whether a launch calls its executable directly (direct_call.py) or
         through JAX's dispatcher."""
 
-        def name(kind, key):  # as compiled_programs names them
-            if kind == "forward":
-                return f"forward {key}"
-            if kind == "sampler":
-                return f"sampler {key[0].name} ({key[1]} rows)"
-            return f"multi-step {key[0]} {key[1].name}"
-
-        return {name(kind, key): call.direct for (kind, key), call in self._direct.items()}
+        return {_name(kind, key): call.direct for (kind, key), call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
         """Every compiled program by name ("forward 64", "sampler random (64 rows)", "multi-step
-        16 greedy"), for inspection. (Greedy sampling is part of every forward pass.)"""
-        out = {f"forward {t}": exe for t, exe in self._forwards.items()}
-        out.update({f"sampler {p.name} ({r} rows)": exe for (p, r), exe in self._samplers.items()})
-        out.update({f"multi-step {t} {p.name}": exe for (t, p), exe in self._multis.items()})
-        return out
+        16 greedy", "stage", "peek"), for inspection. (Greedy sampling is part of every forward
+        pass.)"""
+        return {_name(kind, key): call.compiled for (kind, key), call in self._direct.items()}
 
     def warm_up(self) -> None:
         """Run every compiled bucket and sampler program once on a plan that touches only the
@@ -498,14 +535,14 @@ class ModelRunner:
             tokens[TOKEN_FIELDS.index("input_ids")] = 1
             self.fetch(self._launch(t, step, GREEDY))
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
-        # A sampler program runs the same on any logits: each runs once on zeros, without another
-        # forward pass (which costs seconds per layer with interpret-mode kernels on CPU).
-        step_d = self._put_step(step)
+        # A sampler program runs the same on any logits: each runs once on the last bucket's,
+        # without another forward pass (which costs seconds per layer with interpret-mode
+        # kernels on CPU).
         for program, r in self._samplers:
-            logits = jax.device_put(
-                np.zeros((r, self.model.config.vocab_size), np.float32), self._replicated
-            )
-            self.fetch(self._direct["sampler", (program, r)]([logits, step_d])[0])
+            self._samples_state = self._direct["sampler", (program, r)](
+                [self._samples_state, self._logits_state, self._step_state]
+            )[0]
+            self.fetch(self._direct["peek", None]([self._samples_state])[0])
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
@@ -559,18 +596,31 @@ class ModelRunner:
                 f"{sorted((t, p.name) for t, p in self._multis)})"
             )
         t0 = time.perf_counter()
-        step_d = self._put_step(step)
+        fresh = self._put_step(step)
+        self._step_state = self._direct["stage", None]([self._step_state, fresh])[0]
         t1 = time.perf_counter()
-        out = call([*self._params, *self.kv_pages, self._prev_samples, step_d])
-        t2 = time.perf_counter()
         if num_steps > 1:  # the forward passes and samplers of every step in one program
-            samples, self._prev_samples = out[:2]
+            out = call([*self._params, *self.kv_pages, self._samples_state, self._step_state])
+            t2 = time.perf_counter()
+            samples, self._samples_state = out[:2]
         else:
-            samples, logits = out[:2]
+            out = call(
+                [
+                    *self._params,
+                    *self.kv_pages,
+                    self._samples_state,
+                    self._logits_state,
+                    self._step_state,
+                ]
+            )
+            t2 = time.perf_counter()
+            self._samples_state, self._logits_state = out[:2]
             if program != GREEDY:  # the forward pass sampled greedily; this step needs more
                 rows = logit_rows(self.layout.max_num_seqs, bucket)
-                samples = self._direct["sampler", (program, rows)]([logits, step_d])[0]
-            self._prev_samples = samples
+                self._samples_state = self._direct["sampler", (program, rows)](
+                    [self._samples_state, self._logits_state, self._step_state]
+                )[0]
+            samples = self._direct["peek", None]([self._samples_state])[0]
         self.kv_pages = out[2:]
         if self.copy_back_early:  # so that fetching later does not add a round trip
             samples.copy_to_host_async()
