@@ -145,3 +145,15 @@ def test_choose_program_picks_the_cheapest_exact_program():
         "filter-1024",
     ]
     assert normalize_top_k(12, VOCAB) == 0 and normalize_top_k(2**40, VOCAB) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 64, 65, 1024])
+def test_a_step_of_few_rows_needs_only_the_programs_listed_for_them(rows):
+    """sampler_programs(S, R) holds whatever choose_program picks for a step of R rows (the
+    runner compiles the random and filtering samplers per R = min(S, bucket))."""
+    listed = sampler_programs(1024, rows)
+    for filtering in range(rows + 1):
+        t = np.ones(rows, np.float32)
+        top_k = np.where(np.arange(rows) < filtering, 5, 0).astype(np.int32)
+        assert choose_program(t, np.ones(rows, np.float32), top_k, 1024)[0] in listed
+    assert len(listed) == len(set(listed))
