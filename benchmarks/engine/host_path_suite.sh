@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the host-path figures of docs/benchmarks.md (offline 135M and 1B shapes, a
-# served sweep beside the offline run, the step profile at 64 and 1,024 sequences).
+# served sweep beside the offline run, the step profile at 16 to 1,024 sequences with overlapped
+# steps and with the device idle at each launch, the CUDA-graph launch bench).
 #   OUT=/tmp/hp benchmarks/engine/host_path_suite.sh
 # Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh).
 set -u
@@ -19,9 +20,12 @@ OUT="$OUT/serve" N=${N:-1000} RATES=${RATES:-48,96,144} EXTRA="$SHAPES" \
 echo "=== offline llama3.2-1b, 1000 requests ($(date +%T))"
 timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput --model llama3.2-1b \
   $SHAPES --num-prompts 1000 --result-json "$OUT/offline_1b.json" 2>&1 | quiet | tail -22
-for b in 64 1024; do
-  echo "=== step profile, $b sequences x context 1024 ($(date +%T))"
-  timeout 120 python3 "$here/step_profile.py" --config h200-throughput $SHAPES --context 1024 \
-    --steps 30 --batch $b --json "$OUT/profile_$b.json" 2>&1 | quiet | tail -7
+for mode in "" --no-async-scheduling; do  # overlapped steps, then the device idle at each launch
+  echo "=== step profile ${mode:-overlapped}, 16-1,024 sequences x context 1024 ($(date +%T))"
+  timeout 150 python3 "$here/step_profile.py" --config h200-throughput $SHAPES \
+    --num-scheduler-steps 1 --context 1024 --steps 30 --batch 16,64,256,1024 --no-trace $mode \
+    --json "$OUT/profile${mode:+_idle}.json" 2>&1 | grep "^batch"
 done
+echo "=== CUDA-graph launch with moved and fixed buffers ($(date +%T))"
+timeout 150 python3 "$here/graph_launch_bench.py" --json "$OUT/graph_launch.json" 2>&1 | quiet | tail -4
 echo "=== done ($(date +%T))"
