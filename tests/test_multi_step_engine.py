@@ -49,8 +49,12 @@ def _run(llm, prompts, params):
 
 def test_multi_step_programs_are_compiled_for_the_small_buckets_only(multi_step):
     names = set(multi_step.engine.runner.compiled_programs())
-    assert {"multi-step 16 greedy", "multi-step 16 random", "multi-step 16 filter-8"} <= names
-    assert not any(n.startswith("multi-step 32") for n in names)  # 4 rows fit bucket 16
+    assert {
+        "multi-step bucket 16 greedy",
+        "multi-step bucket 16 random",
+        "multi-step bucket 16 filter-8",
+    } <= names
+    assert not any(n.startswith("multi-step bucket 32") for n in names)  # 4 rows fit bucket 16
     launches = multi_step.engine.runner.direct_launches()
     assert {n for n in launches if n.startswith("multi-step")} == {
         n for n in names if n.startswith("multi-step")

@@ -85,6 +85,7 @@ def test_two_all_reduces_per_layer(report):
     no other collective. tp 1 has none."""
     for name, e in report["engines"].items():
         layers = 1 if name.startswith("kernel-model") else NUM_LAYERS
+        assert e["collectives"], f"{name}: no forward pass was inspected"
         for program, found in e["collectives"].items():
             if name.endswith("tp1"):
                 assert found == {}, (name, program)

@@ -90,7 +90,9 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
         "free_pages": llm.engine.scheduler.allocator.num_free_pages,
         "num_pages": ENGINE["num_pages"],
         "collectives": {
-            name: collectives(exe.as_text()) for name, exe in programs.items() if "forward" in name
+            name: collectives(exe.as_text())
+            for name, exe in programs.items()
+            if name.startswith("bucket ")
         },
     }
 

@@ -283,8 +283,8 @@ def _multi_step(
 
 
 def _program_name(kind: str, key) -> str:
-    """ "bucket 128", "sampler random", "multi-step bucket 16 greedy": the names the start-up
-    log gives the programs it compiles."""
+    """ "bucket 128", "sampler random (64 rows)", "multi-step bucket 16 greedy", "stage", "peek":
+    a program's name in the start-up log and for inspection (compiled_programs)."""
     if kind == "sampler":
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "multi":
@@ -292,17 +292,6 @@ def _program_name(kind: str, key) -> str:
     if kind in ("stage", "peek"):
         return kind
     return f"bucket {key}"
-
-
-def _name(kind: str, key) -> str:
-    """A program's name for inspection (compiled_programs, direct_launches)."""
-    if kind == "forward":
-        return f"forward {key}"
-    if kind == "sampler":
-        return f"sampler {key[0].name} ({key[1]} rows)"
-    if kind == "multi":
-        return f"multi-step {key[0]} {key[1].name}"
-    return kind
 
 
 class ModelRunner:
@@ -503,13 +492,14 @@ class ModelRunner:
         """For each program, whether a launch calls its executable directly (direct_call.py) or
         through JAX's dispatcher."""
 
-        return {_name(kind, key): call.direct for (kind, key), call in self._direct.items()}
+        return {_program_name(kind, key): call.direct for (kind, key), call in self._direct.items()}
 
     def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
-        """Every compiled program by name ("forward 64", "sampler random (64 rows)", "multi-step
-        16 greedy", "stage", "peek"), for inspection. (Greedy sampling is part of every forward
-        pass.)"""
-        return {_name(kind, key): call.compiled for (kind, key), call in self._direct.items()}
+        """Every compiled program by `_program_name`, for inspection. (Greedy sampling is part of
+        every forward pass.)"""
+        return {
+            _program_name(kind, key): call.compiled for (kind, key), call in self._direct.items()
+        }
 
     def warm_up(self) -> None:
         """Run every compiled bucket and sampler program once on a plan that touches only the

@@ -44,11 +44,11 @@ def control_flow(hlo: str) -> list[tuple[str, str]]:
 
 
 def test_every_bucket_and_sampler_mode_is_checked(programs):
-    assert {"forward 16", "forward 32"} <= set(programs)
+    assert {"bucket 16", "bucket 32"} <= set(programs)
     # greedy sampling is part of every forward pass: no program of its own
     assert {"sampler random (8 rows)", "sampler filter-8 (8 rows)"} <= set(programs)
     assert not any(name.startswith("sampler greedy") for name in programs)
-    assert {"multi-step 16 greedy", "multi-step 16 filter-8"} <= set(programs)
+    assert {"multi-step bucket 16 greedy", "multi-step bucket 16 filter-8"} <= set(programs)
 
 
 def test_no_data_dependent_control_flow_outside_the_attention(programs):
