@@ -247,9 +247,6 @@ def build_engine(
         kv_scales,
         num_scheduler_steps=scfg.num_scheduler_steps,
         multi_step_max_seqs=scfg.multi_step_max_seqs,
-        # Overlapped steps launch on a thread of their own; a synchronous loop waits for each
-        # step anyway, and a hop to another thread would only add to it.
-        launch_thread=config.async_scheduling,
     )
     runner.compile_all()
     runner.warm_up()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
-import jax
 import numpy as np
 import pytest
 from engine_fixtures import small_llm
@@ -99,64 +96,6 @@ def test_the_step_buffers_keep_their_addresses(llm):
     params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.9, top_k=4, seed=1)]
     llm.generate(_prompts(6, seed=3), params * 3)
     assert addresses() == before
-
-
-def test_launches_on_their_own_thread_give_the_same_tokens(llm):
-    """An overlapped engine launches on a thread of its own (executor/runner.py): the same tokens
-    as launching inline."""
-    runner = llm.engine.runner
-    assert runner.launch_thread
-    prompts, params = _prompts(7, seed=11), [GREEDY, *SEEDED] * 2 + [GREEDY]
-    on_thread = [o.token_ids for o in llm.generate(prompts, params)]
-    assert runner._launcher_thread.name.startswith("nori-launch")
-    runner.launch_thread = False
-    try:
-        inline = [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        runner.launch_thread = True
-    assert on_thread == inline
-
-
-def test_a_program_built_on_the_launch_thread_counts_as_a_recompile():
-    """The compile counter is scoped by thread: a launch on the launch thread is charged to the
-    engine all the same (its own engine: the count stays up)."""
-    llm = small_llm("tiny-llama")
-    runner = llm.engine.runner
-    stage = runner._direct["stage", None]
-
-    def stage_that_compiles(args):
-        jax.jit(lambda x: x + 0)(args[1])  # a new function each call: a compile, on the thread
-        return stage(args)
-
-    runner._direct["stage", None] = stage_that_compiles
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
-    assert runner._launcher_thread.name.startswith("nori-launch")
-    assert llm.engine.num_recompiles >= 3
-
-
-def test_reading_the_kv_pages_waits_for_queued_launches(llm):
-    """Each launch donates the KV pages and gets new arrays back, on the launch thread: what the
-    runner hands out meanwhile (kv_transfer, calibration read it) is the newest, never a donated
-    array."""
-    runner, engine = llm.engine.runner, llm.engine
-    put = runner._put_step
-
-    def slow_put(step):
-        time.sleep(0.3)  # the launch is still on its thread when the pages are read
-        return put(step)
-
-    runner._put_step = slow_put
-    try:
-        rid = engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
-        engine.step()  # launched, not fetched
-        assert runner._last_launch is not None and not runner._last_launch.done()
-        pages = runner.kv_pages
-        runner.wait_for_launches()
-        assert not any(p.is_deleted() for p in pages)  # not the arrays the launch donated
-    finally:
-        runner._put_step = put
-        engine.abort(rid)
-        engine.drain()
 
 
 def test_same_seed_same_output_whatever_the_batch(llm):

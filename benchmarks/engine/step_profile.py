@@ -15,9 +15,6 @@ Run it under different XLA_FLAGS (e.g. command buffers on or off) to compare.
 aborted before the next fills it); `--no-trace` skips the traced pass. With
 `--no-async-scheduling` every launch finds the device idle, so the launch clock is host work
 alone; with overlapped steps (the default) a launch at large batches also waits for the device.
-Overlapped engines launch on a thread of their own (executor/runner.py): then the stage clock
-"launch" is the hand-over to that thread, its "wait" includes the launch, and "launch = ..."
-are the launch thread's own clocks. `--launch-inline` launches on the loop's thread instead.
 """
 
 from __future__ import annotations
@@ -83,14 +80,12 @@ def profile(engine: LLMEngine, args, batch: int, trace_dir: str | None) -> dict:
 
     st0 = engine.step_times
     before = (st0.steps, st0.schedule, st0.launch, st0.wait, st0.postprocess)
-    engine.runner.wait_for_launches()  # the launch clocks run on the launch thread, if any
     lt0 = dataclasses.replace(engine.runner.launch_times)
     outputs_spent.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - t0) / args.steps
-    engine.runner.wait_for_launches()
     st = engine.step_times
     n = st.steps - before[0]
     stages = {
@@ -201,12 +196,6 @@ def main() -> None:
         action="store_true",
         help="no device-to-host copy started at launch: fetch copies the samples",
     )
-    parser.add_argument(
-        "--launch-inline",
-        action="store_true",
-        help="launch on the engine loop's thread (overlapped engines launch on a thread of "
-        "their own)",
-    )
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument(
@@ -219,8 +208,6 @@ def main() -> None:
 
     engine = LLMEngine(engine_config_from_args(args))
     engine.runner.copy_back_early = not args.late_copy
-    if args.launch_inline:
-        engine.runner.launch_thread = False
     results = []
     for batch in [int(b) for b in args.batch.split(",")]:
         trace_dir = None

@@ -36,21 +36,6 @@ def _install() -> None:
             _installed = True
 
 
-def active_counters() -> tuple[CompileCounter, ...]:
-    """The counters active on this thread: what work handed to another thread should be charged
-    to (`counting_all` there)."""
-    return tuple(getattr(_local, "active", ()))
-
-
-@contextlib.contextmanager
-def counting_all(counters: tuple[CompileCounter, ...]) -> Iterator[None]:
-    """Every counter of `counters` active on this thread for the block."""
-    with contextlib.ExitStack() as stack:
-        for counter in counters:
-            stack.enter_context(counter.counting())
-        yield
-
-
 class CompileCounter:
     def __init__(self) -> None:
         _install()

@@ -29,14 +29,6 @@ The random and filtering samplers are programs of their own, so their variants
 (sampling_modes.py) cost a handful of small compiles rather than more forward passes per bucket,
 and the step never branches on device data.
 
-**A thread of its own for launches** (`launch_thread`, what an overlapped engine runs). A launch
-costs the host about a millisecond whatever the batch (the step buffer's transfer, then three
-programs handed to the driver), most of it in the runtime with the GIL released. On its own thread
-it runs beside the engine loop's other work (fetching and post-processing the step before,
-scheduling the next), and `launch` returns a future at once. One thread keeps the launches in
-order; whatever else reads or replaces the runner's device state (`kv_pages`) waits for the
-launches queued before it.
-
 Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
 program) that runs both K times in a scan:
 
@@ -53,7 +45,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -71,7 +62,6 @@ from nori_jax.core.sampling_modes import (
 )
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 from nori_jax.core.step_plan import StepPlan
-from nori_jax.executor import compile_counter
 from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
@@ -317,14 +307,11 @@ class ModelRunner:
         kv_scales: np.ndarray | None = None,
         num_scheduler_steps: int = 1,
         multi_step_max_seqs: int = 0,
-        launch_thread: bool = False,
     ):
         """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages).
         `kv_scales`: float32[num_layers, 2] of fp8 pages (kv_calibration.py); None: 1.0.
         `num_scheduler_steps` > 1: multi-step programs for the buckets and sampler programs a
-        launch of at most `multi_step_max_seqs` decode rows can need. `launch_thread`: `launch`
-        hands each step to a thread of its own and returns a future (module docstring); it can
-        be switched later, between launches."""
+        launch of at most `multi_step_max_seqs` decode rows can need."""
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
@@ -332,10 +319,7 @@ class ModelRunner:
         self.buckets = list(buckets)
         cfg = loaded.config
         kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
-        self._kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
-        self.launch_thread = launch_thread
-        self._launcher: concurrent.futures.ThreadPoolExecutor | None = None
-        self._last_launch: concurrent.futures.Future | None = None
+        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
         self.kv_scales = kv_scales
         self._params, treedef = jax.tree.flatten(loaded.state)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
@@ -539,7 +523,7 @@ class ModelRunner:
             positions[1:n] = np.arange(n - 1)
             tokens[TOKEN_FIELDS.index("slot_mapping")] = positions % self.page_size
             tokens[TOKEN_FIELDS.index("input_ids")] = 1
-            self.fetch(self._launch(self._program(t, GREEDY, 1), t, step, GREEDY))
+            self.fetch(self._launch(t, step, GREEDY))
             logger.info("bucket %d warmed up in %.1fs", t, time.perf_counter() - t0)
         # A sampler program runs the same on any logits: each runs once on the last bucket's,
         # without another forward pass (which costs seconds per layer with interpret-mode
@@ -553,8 +537,7 @@ class ModelRunner:
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
         for t, program in self._multis:
-            k = self.num_scheduler_steps
-            self.fetch(self._launch(self._program(t, program, k), t, step, program, k))
+            self.fetch(self._launch(t, step, program, self.num_scheduler_steps))
 
     def _warm_up_step(self, q_lens: list[int]) -> np.ndarray:
         """A step buffer of one decode row then the given rows, every other row padding, with
@@ -573,70 +556,25 @@ class ModelRunner:
         layout.view(step, "filter_rows")[:] = np.arange(s)
         return step
 
-    @property
-    def kv_pages(self) -> list[jax.Array]:
-        """The KV pages' device arrays, once the launches queued so far have taken them (each
-        launch donates them and gets new arrays back)."""
-        self.wait_for_launches()
-        return self._kv_pages
-
-    @kv_pages.setter
-    def kv_pages(self, pages) -> None:
-        self.wait_for_launches()
-        self._kv_pages = pages
-
-    def wait_for_launches(self) -> None:
-        """Block until every launch handed to the launch thread has been enqueued on the device
-        (not until the device ran it). A launch that raised still counts as done."""
-        last = self._last_launch
-        if last is not None and threading.current_thread() is not self._launcher_thread:
-            concurrent.futures.wait([last])
-
-    def launch(self, plan: StepPlan) -> jax.Array | concurrent.futures.Future:
+    def launch(self, plan: StepPlan) -> jax.Array:
         """Enqueue the step and return its samples' device array without waiting (`fetch` reads
-        it); with `launch_thread`, a future of that array, and the launch itself runs on the
-        thread.
+        it).
 
         The device runs launched steps in order, so a step may read pages or tokens that the
         previous one is still writing.
         """
-        call = self._program(plan.bucket, plan.sampler, plan.num_steps)  # errors raise here
-        args = (call, plan.bucket, plan.buffer, plan.sampler, plan.num_steps)
-        if not self.launch_thread:
-            self.wait_for_launches()
-            return self._launch(*args)
-        if self._launcher is None:
-            self._launcher = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="nori-launch", initializer=self._mark_launch_thread
-            )
-        # A program built inside the launch is charged to the caller's compile counters.
-        counters = compile_counter.active_counters()
-        future = self._launcher.submit(self._launch_counted, counters, *args)
-        self._last_launch = future
-        return future
-
-    def _mark_launch_thread(self) -> None:
-        self._launcher_thread = threading.current_thread()
-
-    _launcher_thread: threading.Thread | None = None
-
-    def _launch_counted(self, counters, *args) -> jax.Array:
-        with compile_counter.counting_all(counters):
-            return self._launch(*args)
+        return self._launch(plan.bucket, plan.buffer, plan.sampler, plan.num_steps)
 
     def launch_buffer(
         self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
     ) -> jax.Array:
-        """`launch` from a plan's parts, on the calling thread: what a follower of a multi-host
-        engine runs, with the buffer process 0 sent it (executor/multihost.py)."""
-        self.wait_for_launches()
-        return self._launch(
-            self._program(bucket, program, num_steps), bucket, step, program, num_steps
-        )
+        """`launch` from a plan's parts: what a follower of a multi-host engine runs, with the
+        buffer process 0 sent it (executor/multihost.py)."""
+        return self._launch(bucket, step, program, num_steps)
 
-    def _program(self, bucket: int, program: SamplerProgram, num_steps: int) -> DirectCall:
-        """The forward pass or multi-step program a launch runs, or a RuntimeError naming what
-        was compiled."""
+    def _launch(
+        self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
+    ) -> jax.Array:
         key = ("forward", bucket) if num_steps == 1 else ("multi", (bucket, program))
         call = self._direct.get(key)
         if call is None or (num_steps > 1 and num_steps != self.num_scheduler_steps):
@@ -647,29 +585,19 @@ class ModelRunner:
                 f"{program.name} (compiled: {self.num_scheduler_steps} steps, "
                 f"{sorted((t, p.name) for t, p in self._multis)})"
             )
-        return call
-
-    def _launch(
-        self,
-        call: DirectCall,
-        bucket: int,
-        step: np.ndarray,
-        program: SamplerProgram,
-        num_steps: int = 1,
-    ) -> jax.Array:
         t0 = time.perf_counter()
         fresh = self._put_step(step)
         self._step_state = self._direct["stage", None]([self._step_state, fresh])[0]
         t1 = time.perf_counter()
         if num_steps > 1:  # the forward passes and samplers of every step in one program
-            out = call([*self._params, *self._kv_pages, self._samples_state, self._step_state])
+            out = call([*self._params, *self.kv_pages, self._samples_state, self._step_state])
             t2 = time.perf_counter()
             samples, self._samples_state = out[:2]
         else:
             out = call(
                 [
                     *self._params,
-                    *self._kv_pages,
+                    *self.kv_pages,
                     self._samples_state,
                     self._logits_state,
                     self._step_state,
@@ -683,7 +611,7 @@ class ModelRunner:
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
             samples = self._direct["peek", None]([self._samples_state])[0]
-        self._kv_pages = out[2:]
+        self.kv_pages = out[2:]
         if self.copy_back_early:  # so that fetching later does not add a round trip
             samples.copy_to_host_async()
         lt = self.launch_times
@@ -693,12 +621,9 @@ class ModelRunner:
         return samples
 
     @staticmethod
-    def fetch(handle: jax.Array | concurrent.futures.Future) -> tuple[np.ndarray, np.ndarray]:
+    def fetch(handle: jax.Array) -> tuple[np.ndarray, np.ndarray]:
         """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S]), or
-        [K, S] each for a multi-step launch. A launch that failed on the launch thread raises
-        here."""
-        if isinstance(handle, concurrent.futures.Future):
-            handle = handle.result()
+        [K, S] each for a multi-step launch."""
         samples = np.asarray(handle)
         return samples[..., 0, :], samples[..., 1, :].view(np.float32)
 

@@ -493,9 +493,6 @@ def calibrate(
     started = time.perf_counter()
     parts = build_engine(config)
     mcfg, runner = parts.model.config, parts.runner
-    # Each profile times a launch on the calling thread (the simulator models the loop with
-    # launches inline, where its host costs are the loop's own).
-    runner.launch_thread = False
     log(f"engine built in {time.perf_counter() - started:.1f}s; recording profiles")
     session = _Session(parts.core, runner, mcfg.vocab_size, grid, log)
     session.decode_grid()
