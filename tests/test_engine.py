@@ -98,6 +98,33 @@ def test_the_step_buffers_keep_their_addresses(llm):
     assert addresses() == before
 
 
+def test_each_launch_copies_the_last_steps_samples(llm):
+    """In an overlapped engine the host's copy of a step's samples is made by the next launch's
+    staging program ("stage+peek"): a separate `peek` runs only where a fetch finds no launch
+    after it (the last step of a generate call)."""
+    runner = llm.engine.runner
+    kinds = ("stage", "stage+peek", "peek")
+    originals = {kind: runner._direct[kind, None] for kind in kinds}
+    calls = dict.fromkeys(kinds, 0)
+
+    def counted(kind):
+        def call(args):
+            calls[kind] += 1
+            return originals[kind](args)
+
+        return call
+
+    for kind in kinds:
+        runner._direct[kind, None] = counted(kind)
+    try:
+        llm.generate(_prompts(3, seed=4), [GREEDY, SEEDED[1], GREEDY])
+    finally:
+        for kind in kinds:
+            runner._direct[kind, None] = originals[kind]
+    assert calls["stage+peek"] >= 11  # 12 tokens: a launch per token, the first after prefill
+    assert calls["stage"] + calls["peek"] <= 3, calls
+
+
 def test_same_seed_same_output_whatever_the_batch(llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     a = llm.generate([[5, 6, 7]], p)[0].token_ids

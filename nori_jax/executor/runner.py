@@ -2,6 +2,7 @@
 ahead of time.
 
     stage(step_state, fresh) -> step_state          the step's packed buffer, in place
+    stage+peek(step_state, fresh, samples) -> (step_state, a copy of the last step's samples)
     forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
     sample[program, R](samples, logits, step_state) -> samples
     peek(samples) -> a copy for the host
@@ -20,8 +21,11 @@ launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 m
 keeps its address from launch to launch: `params` never change, and the runner owns one device
 buffer each for the KV pages, `samples`, `logits` and the step buffer, which each program takes
 donated and returns in place. A step's fresh host-to-device buffer goes through `stage` (a one-
-kernel program, cheap to update), and the host reads the samples through `peek`'s copy (the
-runner's own buffer is donated to the next launch before the host reads it). The parameters go in
+kernel program, cheap to update), and the host reads the samples through a copy (the runner's
+own buffer is donated to the next launch before the host reads it). That copy is made by the next
+launch's staging program ("stage+peek"): in an overlapped engine the next step is launched before
+the host fetches this one, and one program per launch fewer saves a launch's worth of host time.
+A fetch that finds no later launch makes the copy itself (`peek`). The parameters go in
 as a flat list prepared once; a launch hands its flat argument list straight to each program's
 executable (direct_call.py), past JAX's per-argument dispatch checks.
 
@@ -79,9 +83,11 @@ logger = logging.getLogger(__name__)
 class LaunchTimes:
     """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
 
-    transfer: float = 0.0  # the step buffer's host-to-device transfer and its staging copy
+    # the step buffer's host-to-device transfer and its staging program (which copies the last
+    # launch's samples and starts their copy back, if it was a one-step launch)
+    transfer: float = 0.0
     forward: float = 0.0  # dispatch of the forward pass (or multi-step program)
-    sampler: float = 0.0  # a sampler program (not greedy steps), the samples' copy, copy back
+    sampler: float = 0.0  # a sampler program (not greedy steps); a multi-step copy back
 
 
 def _model(graphdef, treedef, params, kv_scales):
@@ -98,6 +104,22 @@ def _stage(state, fresh):
 def _peek(samples):
     """A copy of the samples for the host: the runner's own buffer goes to the next launch."""
     return samples + 0
+
+
+def _stage_and_peek(state, fresh, samples):
+    """`_stage` of this launch and `_peek` of the last one's samples, in one program: their
+    buffer is still the last step's output here, before this step's forward pass takes it."""
+    return _stage(state, fresh), _peek(samples)
+
+
+class LaunchedSamples:
+    """A launched step's samples on the device: `array` is the host's copy (int32[2, S], or
+    [K, 2, S] from a multi-step launch), None until the next launch or `fetch` makes it."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array | None = None):
+        self.array = array
 
 
 def _input_ids(tok, prev_samples):
@@ -283,13 +305,14 @@ def _multi_step(
 
 
 def _program_name(kind: str, key) -> str:
-    """ "bucket 128", "sampler random (64 rows)", "multi-step bucket 16 greedy", "stage", "peek":
-    a program's name in the start-up log and for inspection (compiled_programs)."""
+    """ "bucket 128", "sampler random (64 rows)", "multi-step bucket 16 greedy", "stage",
+    "stage+peek", "peek": a program's name in the start-up log and for inspection
+    (compiled_programs)."""
     if kind == "sampler":
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
-    if kind in ("stage", "peek"):
+    if kind in ("stage", "stage+peek", "peek"):
         return kind
     return f"bucket {key}"
 
@@ -365,6 +388,9 @@ class ModelRunner:
         }
         self._stage_fn = jax.jit(_stage, donate_argnums=(0,), out_shardings=self._replicated)
         self._peek_fn = jax.jit(_peek, out_shardings=self._replicated)
+        self._stage_peek_fn = jax.jit(
+            _stage_and_peek, donate_argnums=(0,), out_shardings=self._replicated
+        )
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_keys = (
             multi_step_programs(self.buckets, layout.max_num_seqs, multi_step_max_seqs)
@@ -399,7 +425,7 @@ class ModelRunner:
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
         # Every program as the launch calls it (direct_call.py), by its compile key:
         # ("forward", bucket), ("sampler", (program, R)), ("multi", (bucket, program)),
-        # ("stage", None) or ("peek", None).
+        # ("stage", None), ("stage+peek", None) or ("peek", None).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
@@ -413,6 +439,8 @@ class ModelRunner:
         self._step_state = put(layout.new_step(), self._replicated)
         self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
+        # The last launch's samples while only `_samples_state` holds them (no copy yet).
+        self._unpeeked: LaunchedSamples | None = None
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
@@ -443,6 +471,7 @@ class ModelRunner:
         )
         lowered["stage", None] = self._stage_fn.lower(step_abs, step_abs)
         lowered["peek", None] = self._peek_fn.lower(prev_abs)
+        lowered["stage+peek", None] = self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)
         lowered.update(
             {
                 ("multi", (t, p)): self._multi_fns[p].lower(
@@ -533,6 +562,11 @@ class ModelRunner:
                 [self._samples_state, self._logits_state, self._step_state]
             )[0]
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
+        # The staging program that also copies the last launch's samples, once on its own.
+        self._step_state, peeked = self._direct["stage+peek", None](
+            [self._step_state, self._put_step(layout.new_step()), self._samples_state]
+        )
+        self.fetch(peeked)
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
@@ -556,8 +590,8 @@ class ModelRunner:
         layout.view(step, "filter_rows")[:] = np.arange(s)
         return step
 
-    def launch(self, plan: StepPlan) -> jax.Array:
-        """Enqueue the step and return its samples' device array without waiting (`fetch` reads
+    def launch(self, plan: StepPlan) -> LaunchedSamples:
+        """Enqueue the step and return a handle to its samples without waiting (`fetch` reads
         it).
 
         The device runs launched steps in order, so a step may read pages or tokens that the
@@ -569,12 +603,15 @@ class ModelRunner:
         self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
     ) -> jax.Array:
         """`launch` from a plan's parts: what a follower of a multi-host engine runs, with the
-        buffer process 0 sent it (executor/multihost.py)."""
-        return self._launch(bucket, step, program, num_steps)
+        buffer process 0 sent it (executor/multihost.py). Returns the samples' copy at once
+        (the follower waits on it to report the step done, whether or not another follows)."""
+        handle = self._launch(bucket, step, program, num_steps)
+        self._peek_now(handle)
+        return handle.array
 
     def _launch(
         self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
-    ) -> jax.Array:
+    ) -> LaunchedSamples:
         key = ("forward", bucket) if num_steps == 1 else ("multi", (bucket, program))
         call = self._direct.get(key)
         if call is None or (num_steps > 1 and num_steps != self.num_scheduler_steps):
@@ -587,12 +624,21 @@ class ModelRunner:
             )
         t0 = time.perf_counter()
         fresh = self._put_step(step)
-        self._step_state = self._direct["stage", None]([self._step_state, fresh])[0]
+        last, self._unpeeked = self._unpeeked, None
+        if last is None:
+            self._step_state = self._direct["stage", None]([self._step_state, fresh])[0]
+        else:  # the last launch's samples are copied for the host on the way
+            self._step_state, last.array = self._direct["stage+peek", None](
+                [self._step_state, fresh, self._samples_state]
+            )
+            self._copy_back(last.array)
         t1 = time.perf_counter()
         if num_steps > 1:  # the forward passes and samplers of every step in one program
             out = call([*self._params, *self.kv_pages, self._samples_state, self._step_state])
             t2 = time.perf_counter()
             samples, self._samples_state = out[:2]
+            handle = LaunchedSamples(samples)
+            self._copy_back(samples)
         else:
             out = call(
                 [
@@ -610,20 +656,32 @@ class ModelRunner:
                 self._samples_state = self._direct["sampler", (program, rows)](
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
-            samples = self._direct["peek", None]([self._samples_state])[0]
+            handle = self._unpeeked = LaunchedSamples()  # the next launch copies them
         self.kv_pages = out[2:]
-        if self.copy_back_early:  # so that fetching later does not add a round trip
-            samples.copy_to_host_async()
         lt = self.launch_times
         lt.transfer += t1 - t0
         lt.forward += t2 - t1
         lt.sampler += time.perf_counter() - t2
-        return samples
+        return handle
 
-    @staticmethod
-    def fetch(handle: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    def _copy_back(self, samples: jax.Array) -> None:
+        if self.copy_back_early:  # so that fetching later does not add a round trip
+            samples.copy_to_host_async()
+
+    def _peek_now(self, handle: LaunchedSamples) -> None:
+        """The host's copy of the last launch's samples, where no later launch made it."""
+        if handle.array is None:
+            if handle is not self._unpeeked:
+                raise RuntimeError("these samples were neither copied nor the last launch's")
+            self._unpeeked = None
+            handle.array = self._direct["peek", None]([self._samples_state])[0]
+
+    def fetch(self, handle: LaunchedSamples | jax.Array) -> tuple[np.ndarray, np.ndarray]:
         """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S]), or
         [K, S] each for a multi-step launch."""
+        if isinstance(handle, LaunchedSamples):
+            self._peek_now(handle)
+            handle = handle.array
         samples = np.asarray(handle)
         return samples[..., 0, :], samples[..., 1, :].view(np.float32)
 

@@ -1,0 +1,155 @@
+"""What a step buffer's way onto the device costs the launch, by route and size.
+
+    python benchmarks/engine/stage_bench.py [--kib 670,170] [--calls 200] [--json F]
+
+Each launch of the engine sends a fresh int32 step buffer from the host and copies it into the
+runner's own device buffer (its address must not change: graph_launch_bench.py), then launches
+the forward pass. This times that loop on the host (microseconds per step), with a chain of 400
+small kernels standing in for the forward pass (its state donated, so its CUDA graph is never
+updated) and the result of each step copied by the next step's staging program and read back
+then, as the overlapped engine does:
+
+  device_put     the runtime's transfer of the numpy buffer (placement.ReplicatedPut), then the
+                 staging program: the engine's route
+  pinned_host    the buffer put in pinned host memory; the staging program copies it in itself
+  no_transfer    the staging program on a buffer already on the device: the floor of the route
+
+for each buffer size of `--kib` (the h200-throughput engine's step buffer is 670 KiB at 1,024
+sequences, 512 KiB of it the page table). Columns: put, stage, forward (host us each), and
+the loop's host and wall time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kib", default="670,170")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kernels", type=int, default=400)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from nori_jax.executor import xla_flags
+    from nori_jax.executor.placement import ReplicatedPut
+
+    os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(
+        os.environ.get("XLA_FLAGS", ""), "skip_temp"
+    )
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    device = jax.devices()[0]
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    try:
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        jax.device_put(np.zeros(4, np.int32), pinned).block_until_ready()
+    except Exception as e:  # a backend without that memory
+        print(f"no pinned_host memory: {type(e).__name__}: {e}")
+        pinned = None
+
+    h, n_w, k = 128, 30, args.kernels
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((h, h)) / h**0.5, jnp.bfloat16) for _ in range(n_w)]
+    x0 = jnp.asarray(rng.standard_normal((16, h)), jnp.bfloat16)
+
+    def forward(x, ws, out, state):
+        x = x + 0.0 * out + state[:h].astype(x.dtype)  # reads the step buffer, as the engine's
+        for i in range(k):
+            x = jnp.tanh(x @ ws[i % n_w])
+        return x
+
+    fwd = jax.jit(forward, donate_argnums=2)
+    # The staging program also copies the last step's result for the host (the engine's
+    # stage+peek): the forward pass's own output is donated to the next step.
+    stage = jax.jit(
+        lambda state, fresh, last: (jax.lax.dynamic_update_slice(state, fresh, (0,)), last + 0),
+        donate_argnums=0,
+        out_shardings=on_device,
+    )
+    routes = ["device_put", "no_transfer"] + (["pinned_host"] if pinned is not None else [])
+
+    def run(route: str, n: int) -> dict:
+        state = jax.device_put(np.zeros(n, np.int32), on_device)
+        host_bufs = [np.full(n, i, np.int32) for i in range(4)]
+        resident = jax.device_put(host_bufs[0], on_device)
+        put = ReplicatedPut((n,), np.int32, pinned if route == "pinned_host" else on_device)
+        if route == "pinned_host":
+            s = jax.jit(
+                lambda state, fresh, last: (
+                    jax.lax.dynamic_update_slice(state, jax.device_put(fresh, on_device), (0,)),
+                    last + 0,
+                ),
+                donate_argnums=0,
+                out_shardings=on_device,
+            )
+        else:
+            s = stage
+        out = jnp.zeros_like(x0)
+        parts = {"put": 0.0, "stage": 0.0, "forward": 0.0}
+
+        def one(i, timed):
+            nonlocal state, out
+            t0 = time.perf_counter()
+            fresh = resident if route == "no_transfer" else put(host_bufs[i % 4])
+            t1 = time.perf_counter()
+            state, last = s(state, fresh, out)
+            last.copy_to_host_async()
+            t2 = time.perf_counter()
+            out = fwd(x0, ws, out, state)
+            t3 = time.perf_counter()
+            np.asarray(last)  # the step before, read back one step late
+            if timed:
+                parts["put"] += t1 - t0
+                parts["stage"] += t2 - t1
+                parts["forward"] += t3 - t2
+
+        for i in range(3):  # compile, record the graphs
+            one(i, False)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for i in range(args.calls):
+            one(i, True)
+        host = time.perf_counter() - t0
+        jax.block_until_ready(out)
+        wall = time.perf_counter() - t0
+        per = 1e6 / args.calls
+        return {name: v * per for name, v in parts.items()} | {
+            "host": host * per,
+            "wall": wall * per,
+        }
+
+    sizes = [int(x) for x in args.kib.split(",")]
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for kib in sizes:
+            for route in routes:
+                results.setdefault(f"{route} {kib} KiB", []).append(run(route, kib * 256))
+    print(f"{device.device_kind}, forward of {k} kernels: host us per step (median of rounds)")
+    print(f"  {'route':24s} {'put':>7s} {'stage':>7s} {'forward':>8s} {'host':>7s} {'wall':>7s}")
+    summary = {}
+    for name, rs in results.items():
+        med = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        summary[name] = {"median": med, "runs": rs}
+        print(
+            f"  {name:24s} {med['put']:7.1f} {med['stage']:7.1f} {med['forward']:8.1f} "
+            f"{med['host']:7.1f} {med['wall']:7.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kernels": k, "results": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
