@@ -11,7 +11,8 @@ then, as the overlapped engine does:
 
   device_put     the runtime's transfer of the numpy buffer (placement.ReplicatedPut), then the
                  staging program: the engine's route
-  pinned_host    the buffer put in pinned host memory; the staging program copies it in itself
+  pinned_host    the buffer put in pinned host memory (jax.device_put); the staging program
+                 copies it in itself
   no_transfer    the staging program on a buffer already on the device: the floor of the route
 
 for each buffer size of `--kib` (the h200-throughput engine's step buffer is 670 KiB at 1,024
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kib", default="670,170")
+    p.add_argument("--routes", default="device_put,no_transfer,pinned_host")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kernels", type=int, default=400)
@@ -52,12 +54,15 @@ def main() -> None:
 
     device = jax.devices()[0]
     on_device = jax.sharding.SingleDeviceSharding(device)
-    try:
-        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        jax.device_put(np.zeros(4, np.int32), pinned).block_until_ready()
-    except Exception as e:  # a backend without that memory
-        print(f"no pinned_host memory: {type(e).__name__}: {e}")
-        pinned = None
+    routes = args.routes.split(",")
+    pinned = None
+    if "pinned_host" in routes:
+        try:
+            pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+            jax.device_put(np.zeros(4, np.int32), pinned).block_until_ready()
+        except Exception as e:  # a backend without that memory
+            print(f"no pinned_host memory: {type(e).__name__}: {e}")
+            routes.remove("pinned_host")
 
     h, n_w, k = 128, 30, args.kernels
     rng = np.random.default_rng(0)
@@ -78,13 +83,15 @@ def main() -> None:
         donate_argnums=0,
         out_shardings=on_device,
     )
-    routes = ["device_put", "no_transfer"] + (["pinned_host"] if pinned is not None else [])
 
     def run(route: str, n: int) -> dict:
         state = jax.device_put(np.zeros(n, np.int32), on_device)
         host_bufs = [np.full(n, i, np.int32) for i in range(4)]
         resident = jax.device_put(host_bufs[0], on_device)
-        put = ReplicatedPut((n,), np.int32, pinned if route == "pinned_host" else on_device)
+        if route == "pinned_host":
+            put = lambda x: jax.device_put(x, pinned)  # noqa: E731
+        else:
+            put = ReplicatedPut((n,), np.int32, on_device)
         if route == "pinned_host":
             s = jax.jit(
                 lambda state, fresh, last: (
