@@ -104,3 +104,23 @@ def test_the_multi_step_program_updates_the_kv_pool_in_place(multi_step):
             memory = exe.memory_analysis()
             assert memory.alias_size_in_bytes >= pool, name
             assert memory.temp_size_in_bytes < pool, name
+
+
+def test_the_multi_step_buffers_keep_their_addresses(multi_step):
+    """A multi-step launch writes its samples of every step into the runner's own buffer too
+    (donated, returned in place), so its CUDA graph is never updated for a moved output; the
+    host's copy is made by the next launch's staging program or by fetch."""
+    runner = multi_step.engine.runner
+
+    def addresses():
+        states = [runner._step_state, runner._samples_state, runner._all_samples_state]
+        return [x.unsafe_buffer_pointer() for x in states + list(runner.kv_pages)]
+
+    assert runner._all_samples_state.shape == (K, 2, runner.layout.max_num_seqs)
+    before = addresses()
+    launches = multi_step.engine.core.step_times.multi_step_launches
+    _run(multi_step, _prompts(3, seed=5), _settings(3))
+    assert multi_step.engine.core.step_times.multi_step_launches > launches
+    assert addresses() == before
+    names = set(runner.compiled_programs())
+    assert {"stage+peek multi-step", "peek multi-step"} <= names

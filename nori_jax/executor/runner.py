@@ -36,10 +36,12 @@ and the step never branches on device data.
 Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
 program) that runs both K times in a scan:
 
-    multi_step[bucket, program](params, kv_pages, samples, step_state)
-        -> (all samples int32[K, 2, S], samples, kv_pages)
+    multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
+        -> (all_samples int32[K, 2, S], samples, kv_pages)
 
-Its last step's samples are the next launch's `samples`.
+Its last step's samples are the next launch's `samples`; `all_samples` is the runner's own buffer
+too (donated, returned in place), and the host's copy of it is made as for one step
+("stage+peek multi-step", "peek multi-step").
 """
 
 from __future__ import annotations
@@ -84,10 +86,10 @@ class LaunchTimes:
     """Cumulative host time inside `launch`, by part (seconds): where a launch waits, if it does."""
 
     # the step buffer's host-to-device transfer and its staging program (which copies the last
-    # launch's samples and starts their copy back, if it was a one-step launch)
+    # launch's samples and starts their copy back)
     transfer: float = 0.0
     forward: float = 0.0  # dispatch of the forward pass (or multi-step program)
-    sampler: float = 0.0  # a sampler program (not greedy steps); a multi-step copy back
+    sampler: float = 0.0  # a sampler program (not greedy steps)
 
 
 def _model(graphdef, treedef, params, kv_scales):
@@ -113,13 +115,15 @@ def _stage_and_peek(state, fresh, samples):
 
 
 class LaunchedSamples:
-    """A launched step's samples on the device: `array` is the host's copy (int32[2, S], or
-    [K, 2, S] from a multi-step launch), None until the next launch or `fetch` makes it."""
+    """A launched step's samples: `array` is the host's copy (int32[2, S], or [K, 2, S] from a
+    multi-step launch), None until the next launch or `fetch` makes it from the runner's buffer
+    (`source`: None for `samples`, "multi-step" for `all_samples`)."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "source")
 
-    def __init__(self, array: jax.Array | None = None):
-        self.array = array
+    def __init__(self, source: str | None = None):
+        self.array: jax.Array | None = None
+        self.source = source
 
 
 def _input_ids(tok, prev_samples):
@@ -251,6 +255,7 @@ def _multi_step(
     params,
     kv_pages,
     prev_samples,
+    all_samples,
     step,
 ):
     """`num_steps` decode steps in one program: forward pass and sampler, each step's samples
@@ -297,6 +302,7 @@ def _multi_step(
         next_ids = jnp.where(is_row, sampled[token_row], 0)
         return (kv_pages, next_ids), _pack(sampled, logprobs)
 
+    del all_samples  # its buffer becomes the first output's
     (kv_pages, _), samples = jax.lax.scan(
         one_step, (kv_pages, _input_ids(tok, prev_samples)), jnp.arange(num_steps, dtype=jnp.int32)
     )
@@ -306,14 +312,14 @@ def _multi_step(
 
 def _program_name(kind: str, key) -> str:
     """ "bucket 128", "sampler random (64 rows)", "multi-step bucket 16 greedy", "stage",
-    "stage+peek", "peek": a program's name in the start-up log and for inspection
+    "stage+peek", "peek", "peek multi-step": a program's name in the start-up log and for inspection
     (compiled_programs)."""
     if kind == "sampler":
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     if kind in ("stage", "stage+peek", "peek"):
-        return kind
+        return kind if key is None else f"{kind} {key}"
     return f"bucket {key}"
 
 
@@ -411,7 +417,8 @@ class ModelRunner:
                     program,
                 ),
                 static_argnums=(0,),
-                donate_argnums=(2, 3),
+                donate_argnums=(2, 3, 4),
+                keep_unused=True,
                 out_shardings=(
                     self._replicated,
                     self._replicated,
@@ -425,7 +432,8 @@ class ModelRunner:
         self._multis: dict[tuple[int, SamplerProgram], jax.stages.Compiled] = {}
         # Every program as the launch calls it (direct_call.py), by its compile key:
         # ("forward", bucket), ("sampler", (program, R)), ("multi", (bucket, program)),
-        # ("stage", None), ("stage+peek", None) or ("peek", None).
+        # ("stage", None), ("stage+peek", source) or ("peek", source) (source: None for the
+        # samples, "multi-step" for a multi-step launch's).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
@@ -439,8 +447,16 @@ class ModelRunner:
         self._step_state = put(layout.new_step(), self._replicated)
         self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
-        # The last launch's samples while only `_samples_state` holds them (no copy yet).
+        k = num_scheduler_steps
+        self._all_samples_state = (
+            put(np.zeros((k, 2, s), np.int32), self._replicated) if self.multi_step_keys else None
+        )
+        # The last launch's samples while only the runner's buffer holds them (no copy yet).
         self._unpeeked: LaunchedSamples | None = None
+
+    def _samples_buffer(self, source: str | None) -> jax.Array:
+        """The runner's buffer a LaunchedSamples of `source` is copied from."""
+        return self._samples_state if source is None else self._all_samples_state
 
     def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
@@ -472,10 +488,16 @@ class ModelRunner:
         lowered["stage", None] = self._stage_fn.lower(step_abs, step_abs)
         lowered["peek", None] = self._peek_fn.lower(prev_abs)
         lowered["stage+peek", None] = self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)
+        all_abs = self._abstract((self.num_scheduler_steps, 2, s), i32)
+        if self.multi_step_keys:
+            lowered["peek", "multi-step"] = self._peek_fn.lower(all_abs)
+            lowered["stage+peek", "multi-step"] = self._stage_peek_fn.lower(
+                step_abs, step_abs, all_abs
+            )
         lowered.update(
             {
                 ("multi", (t, p)): self._multi_fns[p].lower(
-                    t, params_abs, kv_abs, prev_abs, step_abs
+                    t, params_abs, kv_abs, prev_abs, all_abs, step_abs
                 )
                 for t, p in self.multi_step_keys
             }
@@ -572,6 +594,11 @@ class ModelRunner:
         layout.view(step, "decode_steps")[0] = 1
         for t, program in self._multis:
             self.fetch(self._launch(t, step, program, self.num_scheduler_steps))
+        if self._multis:
+            self._step_state, peeked = self._direct["stage+peek", "multi-step"](
+                [self._step_state, self._put_step(layout.new_step()), self._all_samples_state]
+            )
+            self.fetch(peeked)
 
     def _warm_up_step(self, q_lens: list[int]) -> np.ndarray:
         """A step buffer of one decode row then the given rows, every other row padding, with
@@ -628,17 +655,24 @@ class ModelRunner:
         if last is None:
             self._step_state = self._direct["stage", None]([self._step_state, fresh])[0]
         else:  # the last launch's samples are copied for the host on the way
-            self._step_state, last.array = self._direct["stage+peek", None](
-                [self._step_state, fresh, self._samples_state]
+            self._step_state, last.array = self._direct["stage+peek", last.source](
+                [self._step_state, fresh, self._samples_buffer(last.source)]
             )
             self._copy_back(last.array)
         t1 = time.perf_counter()
         if num_steps > 1:  # the forward passes and samplers of every step in one program
-            out = call([*self._params, *self.kv_pages, self._samples_state, self._step_state])
+            out = call(
+                [
+                    *self._params,
+                    *self.kv_pages,
+                    self._samples_state,
+                    self._all_samples_state,
+                    self._step_state,
+                ]
+            )
             t2 = time.perf_counter()
-            samples, self._samples_state = out[:2]
-            handle = LaunchedSamples(samples)
-            self._copy_back(samples)
+            self._all_samples_state, self._samples_state = out[:2]
+            handle = self._unpeeked = LaunchedSamples("multi-step")
         else:
             out = call(
                 [
@@ -656,7 +690,8 @@ class ModelRunner:
                 self._samples_state = self._direct["sampler", (program, rows)](
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
-            handle = self._unpeeked = LaunchedSamples()  # the next launch copies them
+            handle = self._unpeeked = LaunchedSamples()
+        # (the next launch copies the samples for the host, or fetch does)
         self.kv_pages = out[2:]
         lt = self.launch_times
         lt.transfer += t1 - t0
@@ -674,7 +709,9 @@ class ModelRunner:
             if handle is not self._unpeeked:
                 raise RuntimeError("these samples were neither copied nor the last launch's")
             self._unpeeked = None
-            handle.array = self._direct["peek", None]([self._samples_state])[0]
+            handle.array = self._direct["peek", handle.source](
+                [self._samples_buffer(handle.source)]
+            )[0]
 
     def fetch(self, handle: LaunchedSamples | jax.Array) -> tuple[np.ndarray, np.ndarray]:
         """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S]), or
