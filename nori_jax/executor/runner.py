@@ -1,47 +1,26 @@
-"""The device side: a jitted forward pass per token bucket and a few small programs, all compiled
-ahead of time.
-
-    stage(step_state, fresh) -> step_state          the step's packed buffer, in place
-    stage+peek(step_state, fresh, samples) -> (step_state, a copy of the last step's samples)
-    forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
-    sample[program, R](samples, logits, step_state) -> samples
-    peek(samples) -> a copy for the host
-
-`samples` int32[2, S] packs each row's token (row 0) and its logprob's float32 bits (row 1);
-`logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
-(`logit_rows`: a bucket of T holds at most T rows). The forward pass samples greedily itself, so a
-greedy step runs no sampler program; another step runs the one `sampling_modes.choose_program`
-picked. Decode rows whose input is the previous step's sample read it from `samples` on the device
-(`prev_index`), which lets the host plan step N+1 while step N runs.
+"""The device side: the step's programs (step_programs.py), compiled ahead of time per token
+bucket, sampler program and multi-step key, and launched on buffers the runner owns.
 
 **Buffers that never move.** XLA runs each program as a CUDA graph, and a launch after any of the
 graph's buffers moved updates and re-uploads the graph first: on the H200 a chain of 400 kernels
 launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 ms with none
 (benchmarks/engine/graph_launch_bench.py; docs/benchmarks.md). So every buffer of the forward pass
 keeps its address from launch to launch: `params` never change, and the runner owns one device
-buffer each for the KV pages, `samples`, `logits` and the step buffer, which each program takes
-donated and returns in place. A step's fresh host-to-device buffer goes through `stage` (a one-
-kernel program, cheap to update), and the host reads the samples through a copy (the runner's
-own buffer is donated to the next launch before the host reads it). That copy is made by the next
-launch's staging program ("stage+peek"): in an overlapped engine the next step is launched before
-the host fetches this one, and one program per launch fewer saves a launch's worth of host time.
-A fetch that finds no later launch makes the copy itself (`peek`). The parameters go in
-as a flat list prepared once; a launch hands its flat argument list straight to each program's
-executable (direct_call.py), past JAX's per-argument dispatch checks.
+buffer each for the KV pages, `samples`, `logits`, the step buffer and (with multi-step decode)
+`all_samples`, which each program takes donated and returns in place. A step's fresh
+host-to-device buffer goes through `stage` (a one-kernel program, cheap to update), and the host
+reads the samples through a copy (the runner's own buffer is donated to the next launch before
+the host reads it). That copy is made by the next launch's staging program ("stage+peek"): in an
+overlapped engine the next step is launched before the host fetches this one, and one program
+per launch fewer saves a launch's worth of host time. A fetch that finds no later launch makes the
+copy itself (`peek`). The parameters go in as a flat list prepared once; a launch hands its flat
+argument list straight to each program's executable (direct_call.py), past JAX's per-argument
+dispatch checks.
 
 The random and filtering samplers are programs of their own, so their variants
 (sampling_modes.py) cost a handful of small compiles rather than more forward passes per bucket,
-and the step never branches on device data.
-
-Multi-step decode (`num_scheduler_steps` K > 1) adds one program per (small bucket, sampler
-program) that runs both K times in a scan:
-
-    multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
-        -> (all_samples int32[K, 2, S], samples, kv_pages)
-
-Its last step's samples are the next launch's `samples`; `all_samples` is the runner's own buffer
-too (donated, returned in place), and the host's copy of it is made as for one step
-("stage+peek multi-step", "peek multi-step").
+and the step never branches on device data. Multi-step decode (`num_scheduler_steps` K > 1) adds
+one program per (small bucket, sampler program) that runs both K times in a scan.
 """
 
 from __future__ import annotations
@@ -57,7 +36,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nori_jax.core.sampling_modes import (
@@ -72,10 +50,16 @@ from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
 from nori_jax.executor.placement import ReplicatedPut, put
-from nori_jax.executor.sampler import sample
-from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
+from nori_jax.executor.step_programs import (
+    forward,
+    logit_rows,
+    multi_step,
+    peek,
+    sample_from_logits,
+    stage,
+    stage_and_peek,
+)
 from nori_jax.models.linear import MODEL
-from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -92,28 +76,6 @@ class LaunchTimes:
     sampler: float = 0.0  # a sampler program (not greedy steps)
 
 
-def _model(graphdef, treedef, params, kv_scales):
-    # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
-    kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), kv_scales
-
-
-def _stage(state, fresh):
-    """The step's fresh buffer into the runner's own (donated, so its address never changes)."""
-    return jax.lax.dynamic_update_slice(state, fresh, (0,))
-
-
-def _peek(samples):
-    """A copy of the samples for the host: the runner's own buffer goes to the next launch."""
-    return samples + 0
-
-
-def _stage_and_peek(state, fresh, samples):
-    """`_stage` of this launch and `_peek` of the last one's samples, in one program: their
-    buffer is still the last step's output here, before this step's forward pass takes it."""
-    return _stage(state, fresh), _peek(samples)
-
-
 class LaunchedSamples:
     """A launched step's samples: `array` is the host's copy (int32[2, S], or [K, 2, S] from a
     multi-step launch), None until the next launch or `fetch` makes it from the runner's buffer
@@ -124,190 +86,6 @@ class LaunchedSamples:
     def __init__(self, source: str | None = None):
         self.array: jax.Array | None = None
         self.source = source
-
-
-def _input_ids(tok, prev_samples):
-    """The step's token ids, with the previous launch's samples where `prev_index` points."""
-    prev = tok["prev_index"]
-    return jnp.where(prev >= 0, prev_samples[0, jnp.maximum(prev, 0)], tok["input_ids"])
-
-
-def _pack(tokens, logprobs):
-    """int32[..., 2, S]: the tokens, then the logprobs' float32 bits (one array to copy back)."""
-    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=-2)
-
-
-def logit_rows(max_num_seqs: int, bucket: int) -> int:
-    """R: the rows whose logits a step of `bucket` tokens computes. A row has at least one token,
-    so a bucket of T holds at most T rows: the LM head and the sampler skip the other padding
-    rows (at 64 sequences, 1,024 rows of LM head, float32 logits and their reductions cost about
-    0.2 ms a step on an H200)."""
-    return min(max_num_seqs, bucket)
-
-
-def _pad_rows(samples, max_num_seqs):
-    """int32[..., 2, R] -> int32[..., 2, S]: what the host reads and the next step's input."""
-    pad = max_num_seqs - samples.shape[-1]
-    return jnp.pad(samples, [(0, 0)] * (samples.ndim - 1) + [(0, pad)]) if pad else samples
-
-
-def _logits(
-    model,
-    kv_scales,
-    logits_shardings,
-    num_rows,
-    row,
-    input_ids,
-    positions,
-    slot_mapping,
-    kv_lens,
-    kv_pages,
-):
-    """float32[R, V] logits of the first `num_rows` rows' last tokens, replicated, and the new
-    pages.
-
-    On a tensor-parallel mesh the LM head is split by vocab: its logits are computed on each
-    device's vocab slice, then gathered once (`logits_shardings`: (split, replicated)). Left to
-    itself, XLA moves the gather elsewhere once sampling follows in the same program (sampling
-    from vocab shards: three more collectives; or gathering the whole LM head weight)."""
-    meta = AttentionInputs(
-        slot_mapping=slot_mapping,
-        kv_lens=kv_lens,
-        page_table=row["page_table"],
-        cu_q_lens=row["cu_q_lens"],
-        distribution=row["distribution"],
-    )
-    hidden, kv_pages = model(input_ids, positions, kv_pages, meta, kv_scales)
-    logits = model.compute_logits(hidden[row["logits_indices"][:num_rows]])  # [R, V]
-    for sharding in logits_shardings:
-        logits = jax.lax.with_sharding_constraint(logits, sharding)
-    return logits, kv_pages
-
-
-def _forward(
-    graphdef,
-    treedef,
-    layout,
-    kv_scales,
-    logits_shardings,
-    bucket,
-    params,
-    kv_pages,
-    prev_samples,
-    logits_state,
-    step,
-):
-    model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
-    logits, kv_pages = _logits(
-        model,
-        kv_scales,
-        logits_shardings,
-        logit_rows(layout.max_num_seqs, bucket),
-        row,
-        _input_ids(tok, prev_samples),
-        tok["positions"],
-        tok["slot_mapping"],
-        row["kv_lens"],
-        kv_pages,
-    )
-    # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
-    # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
-    greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
-    if logits.shape[0] < logits_state.shape[0]:  # R < S rows: into the first R
-        logits = jax.lax.dynamic_update_slice(logits_state, logits, (0, 0))
-    return _pad_rows(greedy, layout.max_num_seqs), logits, kv_pages
-
-
-def _sample_row(program, logits, row, sample_index):
-    """(tokens int32[R], logprobs float32[R]) of the logits' R rows."""
-    r = logits.shape[0]
-    return sample(
-        logits,
-        row["temperature"][:r],
-        row["top_p"][:r],
-        row["top_k"][:r],
-        row["seeds"][:r],
-        sample_index[:r],
-        row["filter_rows"],  # indices of rows < R, then padding (S), which the sampler drops
-        program=program,
-    )
-
-
-def _sample(layout, program, rows, samples, logits_state, step):
-    """New `samples` (the forward pass's greedy ones, donated) from the first `rows` logits."""
-    del samples  # its buffer becomes the output's
-    row = unpack_rows(layout, step)
-    out = _pack(*_sample_row(program, logits_state[:rows], row, row["sample_index"]))
-    return _pad_rows(out, layout.max_num_seqs)
-
-
-def _multi_step(
-    graphdef,
-    treedef,
-    layout,
-    kv_scales,
-    logits_shardings,
-    page_size,
-    num_steps,
-    program,
-    bucket,
-    params,
-    kv_pages,
-    prev_samples,
-    all_samples,
-    step,
-):
-    """`num_steps` decode steps in one program: forward pass and sampler, each step's samples
-    the next one's inputs, in a `lax.scan` of static length (XLA knows its trip count: no host
-    synchronization). The plan holds decode rows only (token j is row j). Row i computes its
-    first `decode_steps[i]` steps; in the later ones its token writes the null page and reads
-    its last real length, and its samples are garbage the host drops.
-
-    Returns (samples int32[k, 2, S], the last step's samples int32[2, S] (the next launch's
-    `prev_samples`), kv_pages).
-    """
-    model, kv_scales = _model(graphdef, treedef, params, kv_scales)
-    tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
-    s, t = layout.max_num_seqs, bucket
-    r = logit_rows(s, t)
-    token_row = jnp.minimum(jnp.arange(t), r - 1)
-    is_row = jnp.arange(t) < row["distribution"][0]
-    token_steps = jnp.where(is_row, row["decode_steps"][token_row], 0)  # int32[T]
-    row_steps = jnp.maximum(row["decode_steps"], 1)  # int32[S]; padding rows: 1
-    page_table, positions0 = row["page_table"], tok["positions"]
-    pages_per_seq = page_table.shape[1]
-
-    def one_step(carry, i):
-        kv_pages, input_ids = carry
-        active = i < token_steps
-        positions = positions0 + i
-        page = jnp.minimum(positions // page_size, pages_per_seq - 1)
-        slot = page_table[token_row, page] * page_size + positions % page_size
-        slot_mapping = jnp.where(active, slot, 0)  # done rows and padding: the null page
-        kv_lens = row["kv_lens"] + jnp.where(row["kv_lens"] > 0, jnp.minimum(i, row_steps - 1), 0)
-        logits, kv_pages = _logits(
-            model,
-            kv_scales,
-            logits_shardings,
-            r,
-            row,
-            input_ids,
-            positions,
-            slot_mapping,
-            kv_lens,
-            kv_pages,
-        )
-        sampled, logprobs = _sample_row(program, logits, row, row["sample_index"] + i)
-        next_ids = jnp.where(is_row, sampled[token_row], 0)
-        return (kv_pages, next_ids), _pack(sampled, logprobs)
-
-    del all_samples  # its buffer becomes the first output's
-    (kv_pages, _), samples = jax.lax.scan(
-        one_step, (kv_pages, _input_ids(tok, prev_samples)), jnp.arange(num_steps, dtype=jnp.int32)
-    )
-    samples = _pad_rows(samples, s)
-    return samples, samples[-1], kv_pages
 
 
 def _program_name(kind: str, key) -> str:
@@ -359,7 +137,7 @@ class ModelRunner:
         # buffer it reads); the buffer's shape is the same for all.
         self._forward_fn = jax.jit(
             functools.partial(
-                _forward, loaded.graphdef, treedef, layout, kv_scales, logits_shardings
+                forward, loaded.graphdef, treedef, layout, kv_scales, logits_shardings
             ),
             static_argnums=(0,),
             # pages, samples and logits: their buffers come back as the outputs (kept even
@@ -384,7 +162,7 @@ class ModelRunner:
         )
         self._sample_fns = {
             program: jax.jit(
-                functools.partial(_sample, layout, program),
+                functools.partial(sample_from_logits, layout, program),
                 static_argnums=(0,),
                 donate_argnums=(1,),
                 keep_unused=True,
@@ -392,10 +170,10 @@ class ModelRunner:
             )
             for program in {p for p, _ in self.sampler_keys}
         }
-        self._stage_fn = jax.jit(_stage, donate_argnums=(0,), out_shardings=self._replicated)
-        self._peek_fn = jax.jit(_peek, out_shardings=self._replicated)
+        self._stage_fn = jax.jit(stage, donate_argnums=(0,), out_shardings=self._replicated)
+        self._peek_fn = jax.jit(peek, out_shardings=self._replicated)
         self._stage_peek_fn = jax.jit(
-            _stage_and_peek, donate_argnums=(0,), out_shardings=self._replicated
+            stage_and_peek, donate_argnums=(0,), out_shardings=self._replicated
         )
         self.num_scheduler_steps = num_scheduler_steps
         self.multi_step_keys = (
@@ -406,7 +184,7 @@ class ModelRunner:
         self._multi_fns = {
             program: jax.jit(
                 functools.partial(
-                    _multi_step,
+                    multi_step,
                     loaded.graphdef,
                     treedef,
                     layout,
