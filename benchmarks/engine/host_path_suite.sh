@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the host-path figures of docs/benchmarks.md (offline 135M and 1B shapes, a
 # served sweep beside the offline run, the step profile at 16 to 1,024 sequences with overlapped
-# steps and with the device idle at each launch, the CUDA-graph launch bench).
+# steps and with the device idle at each launch, the CUDA-graph launch bench, the staging bench).
 #   OUT=/tmp/hp benchmarks/engine/host_path_suite.sh
 # Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh).
 set -u
@@ -28,4 +28,8 @@ for mode in "" --no-async-scheduling; do  # overlapped steps, then the device id
 done
 echo "=== CUDA-graph launch with moved and fixed buffers ($(date +%T))"
 timeout 150 python3 "$here/graph_launch_bench.py" --json "$OUT/graph_launch.json" 2>&1 | quiet | tail -4
+echo "=== the step buffer's route onto the device ($(date +%T))"
+# (the pinned_host route crashed the runtime under the VMM allocator on 2026-12-04: left out)
+timeout 90 python3 "$here/stage_bench.py" --routes device_put,no_transfer \
+  --json "$OUT/stage_bench.json" 2>&1 | quiet | tail -6
 echo "=== done ($(date +%T))"
