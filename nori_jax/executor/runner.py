@@ -216,8 +216,8 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.launch_times = LaunchTimes()
         self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
-        # Start each step's device-to-host copy at launch (fetch then finds the samples on the
-        # host), or let fetch copy them once the step is done.
+        # Start each step's device-to-host copy as soon as the next launch has made the host's
+        # copy of its samples (fetch then finds them on the host), or let fetch copy them.
         self.copy_back_early = True
         # The device buffers every step reads and writes in place (module docstring: their
         # addresses never change, so XLA's CUDA graphs launch without an update).
