@@ -10,12 +10,15 @@ and the fp8 reference against the bf16 reference on the unquantized values (what
 costs). Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
 default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
-at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
+at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time. `--v-early`
+adds a third form: fp8 pages with V converted while the tensor cores run Q K^T
+(tuning.fp8_v_early, on the default schedule, its KV block halved where SMEM needs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +32,7 @@ import numpy as np
 from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_kv
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.tuning import SMEM_BYTES, SMEM_SLACK, default_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_bench import (  # noqa: E402
@@ -118,10 +122,15 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     hq, hkv, d = LAYOUTS[layout]
     p = step_of(rng, layout, [(1, ctx)] * batch, args.page_size, extra_seqs=0)
     pages8, scales = to_fp8(p["kv"], jnp.float8_e4m3fn)
-    forms = {"bf16": (p["kv"], None), "fp8_e4m3": (pages8, scales)}
+    forms = {"bf16": (p["kv"], None, None), "fp8_e4m3": (pages8, scales, None)}
+    if args.v_early:  # V converted under Q K^T (tuning.fp8_v_early), else the default schedule
+        forms["fp8_e4m3 v_early"] = (pages8, scales, v_early_tuning(p, hq, hkv, d, args))
     fns = {}
-    for name, (pages, sc) in forms.items():
+    for name, (pages, sc, tuning) in forms.items():
         extra = {} if sc is None else {"kv_scales": sc}
+        if tuning is not None:
+            extra["tuning"] = tuning
+            log(kind="tuning", form=name, layout=layout, batch=batch, tuning=str(tuning))
 
         def call(pt, pages=pages, extra=extra):
             return ragged_paged_attention_pallas(
@@ -135,7 +144,7 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     n = min(8, batch)
     for name, fn in fns.items():  # compile, check the first n sequences' rows
         out = jax.block_until_ready(fn(p["tables"][0]))
-        pages, sc = forms[name]
+        pages, sc, _ = forms[name]
         ref = ragged_paged_attention_reference(
             p["q"][:n],
             pages,
@@ -167,8 +176,35 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
             tokens_per_s=batch / t,
             err=errs[name],
         )
-    bf16 = ROWS[-2]["ms"]
-    ROWS[-1]["speedup"] = bf16 / ROWS[-1]["ms"]
+    rows = ROWS[-len(forms) :]
+    for r in rows[1:]:
+        r["speedup"] = rows[0]["ms"] / r["ms"]  # bf16 time / this form's
+
+
+def v_early_tuning(p, hq, hkv, d, args):
+    """The default schedule of this decode bucket with fp8_v_early, its KV block halved while
+    the second dequantized tile does not fit in SMEM."""
+    num_seqs, pages_per_seq = p["tables"][0].shape
+    kv8 = jnp.dtype(jnp.float8_e4m3fn)
+    cfg = default_tuning(
+        num_seqs=num_seqs,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=args.page_size,
+        pages_per_seq=pages_per_seq,
+        dtype=p["q"].dtype,
+        num_tokens=p["q"].shape[0],
+        num_q_heads=hq,
+        num_ctas=getattr(jax.devices()[0], "core_count", None) or 132,
+        kv_dtype=kv8,
+    )
+    cfg = dataclasses.replace(cfg, fp8_v_early=True)
+    while (
+        cfg.block_kv > 64
+        and cfg.smem_bytes(d, p["q"].dtype, kv_dtype=kv8) > SMEM_BYTES - SMEM_SLACK
+    ):
+        cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
+    return cfg
 
 
 def print_table(ceil) -> None:
@@ -215,6 +251,11 @@ def main() -> None:
         help='"layout,batch,ctx;..."',
     )
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument(
+        "--v-early",
+        action="store_true",
+        help="a third decode form: fp8 pages with V converted under Q K^T (tuning.fp8_v_early)",
+    )
     ap.add_argument("--dry", action="store_true", help="CPU syntax check: tiny shapes")
     args = ap.parse_args()
     if args.dry:

@@ -2,11 +2,13 @@
 
 fp8 pages (st.kv_fp8): the producer copies the 8-bit pages into 8-bit stages as it copies any
 pages; each compute warpgroup converts a block of K, then of V, from its stage to float16 in
-registers and stores it into its own swizzled SMEM tile (dq_smem), which wgmma reads. wgmma on
-Hopper takes fp8 operands only K-major, which P V's V is not, and only with both operands in fp8,
-which would quantize Q and P too; float16 holds every e4m3 and e5m2 value exactly, and Q (bf16,
-converted once per item, |q| clamped to 65,504) as well as bf16 does or better. The scales are
-not applied to K or V: k_scale joins the softmax scale and v_scale the output's normalisation.
+registers and stores it into its own swizzled SMEM tile (dq_smem), which wgmma reads. With
+tuning.fp8_v_early V has a tile of its own and is converted while the tensor cores run Q K^T.
+wgmma on Hopper takes fp8 operands only K-major, which P V's V is not, and only with both
+operands in fp8, which would quantize Q and P too; float16 holds every e4m3 and e5m2 value
+exactly, and Q (bf16, converted once per item, |q| clamped to 65,504) as well as bf16 does or
+better. The scales are not applied to K or V: k_scale joins the softmax scale and v_scale the
+output's normalisation.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def _attend(
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
-    None; dq: this warpgroup's [bk, D] tile for dequantized fp8 blocks, or None. kvc: stream index
+    None; dq: this warpgroup's [bk, D] tiles (K's, V's) for dequantized fp8 blocks (one tile for
+    both unless tuning.fp8_v_early), or None. kvc: stream index
     of block b_start. Row r is at query position row_pos0 + r // group; blocks before b_full need
     no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
@@ -145,25 +148,31 @@ def _attend(
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
+    v_early = dq is not None and st.tuning.fp8_v_early
+    dq_k, dq_v = (None, None) if dq is None else dq
 
-    def operand(stage):  # a K or V stage as wgmma reads it
-        if dq is None:
+    def operand(stage, tile):  # a K or V stage as wgmma reads it
+        if tile is None:
             return stage
         with jax.named_scope("dequantize"):
-            _dequantize(st, stage, dq)
-        return dq
+            _dequantize(st, stage, tile)
+        return tile
 
     def block(b, carry, *, masked):
         acc, m, denom = carry
         slot = lax.rem(kvc + (b - b_start), stages)
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(r.k_full.at[slot])
-        k_op = operand(r.k_smem.at[slot])
+        k_op = operand(r.k_smem.at[slot], dq_k)
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, k_op.T)
             turns.after_qk_issue()
-            return s_ref[...]  # waits for the wgmma: dq may then take V
+            if v_early:  # V into its own tile while the tensor cores compute the scores
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(r.v_full.at[slot])
+                operand(r.v_smem.at[slot], dq_v)
+            return s_ref[...]  # waits for the wgmma: a shared dq tile may then take V
 
         with jax.named_scope("qk"):
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
@@ -172,9 +181,10 @@ def _attend(
                 st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale
             )
         with jax.named_scope("wait_v"):
-            wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
+            # (with v_early V has been waited for and converted already)
+            wait_v = (lambda: None) if v_early else lambda: plgpu.barrier_wait(r.v_full.at[slot])
             acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
-        v_op = operand(r.v_smem.at[slot])
+        v_op = dq_v if v_early else operand(r.v_smem.at[slot], dq_v)
         with jax.named_scope("pv"):
             acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom)
         plgpu.barrier_arrive(r.kv_free.at[slot])
@@ -198,7 +208,10 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
-    dq = None if r.dq_smem is None else r.dq_smem.at[wg]
+    dq = None
+    if r.dq_smem is not None:  # [WGS x tiles, bk, D]: this warpgroup's K tile, then its V tile
+        tiles = st.tuning.dq_tiles
+        dq = (r.dq_smem.at[wg * tiles], r.dq_smem.at[wg * tiles + (tiles - 1)])
     v_scale = r.kv_scales[1] if st.kv_fp8 else None
     ones = None
     if st.tuning.mma_row_sums:  # this warpgroup's ones operand, written once (mgpu_launch.py)

@@ -60,8 +60,8 @@ def attention_kernel(
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     ones_smem,  # [WGS, 64, bk]                SMEM, ones (tuning.mma_row_sums) or None
     part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
-    dq_smem,  # [WGS, bk, D] mma dtype         SMEM, swizzled: a K or V block dequantized from the
-    #                                          fp8 stage (st.kv_fp8), or None
+    dq_smem,  # [WGS x tiles, bk, D] mma dtype SMEM, swizzled: K and V blocks dequantized from
+    #                                          fp8 stages (st.kv_fp8; tuning.dq_tiles), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)

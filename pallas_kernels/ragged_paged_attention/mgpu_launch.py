@@ -96,8 +96,11 @@ def launch(
         if tn.mma_row_sums
         else None,
         plgpu.SMEM((wgs, ROWS), jnp.float32) if tn.prefill_kv_splits > 1 else None,  # part_lse
-        # dq_smem: each compute warpgroup's block of K, then of V, dequantized for wgmma.
-        plgpu.SMEM((wgs, tn.block_kv, d), mma_dtype, transforms=mma) if st.kv_fp8 else None,
+        # dq_smem: each compute warpgroup's block of K, then of V, dequantized for wgmma (one
+        # tile for both, or one each with fp8_v_early).
+        plgpu.SMEM((wgs * tn.dq_tiles, tn.block_kv, d), mma_dtype, transforms=mma)
+        if st.kv_fp8
+        else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free

@@ -74,8 +74,32 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
             "e4m3",
         ),
         (TuningConfig(128, 2, 1, 132, pingpong=True), 32, "e5m2"),
+        (
+            TuningConfig(64, 2, 1, 132, decode_wgs=2, pingpong=True, fp8_v_early=True),
+            128,
+            "e4m3",
+        ),
+        (
+            TuningConfig(  # a block of 128 would need 224 KiB of SMEM with the second tile
+                *(64, 2, 1, 132),
+                compute_wgs=3,
+                decode_wgs=2,
+                producer_warps=4,
+                mma_row_sums=True,
+                fp8_v_early=True,
+            ),
+            64,
+            "e4m3",
+        ),
     ],
-    ids=["default-form-e4m3", "split-decode-e5m2", "compute-wgs-3-e4m3", "head-dim-32-e5m2"],
+    ids=[
+        "default-form-e4m3",
+        "split-decode-e5m2",
+        "compute-wgs-3-e4m3",
+        "head-dim-32-e5m2",
+        "v-early-e4m3",
+        "v-early-compute-wgs-3-e4m3",
+    ],
 )
 def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):
     """fp8 pages: 8-bit stages, the float16 dequantization in registers (Mosaic GPU's layouts and

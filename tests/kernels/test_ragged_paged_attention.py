@@ -12,6 +12,8 @@ the tensor cores, CTA count). Every case carries the edge lengths of its kind: 1
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,6 +221,48 @@ def test_split_prefill_tiles_match_reference(case):
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
+# fp8 pages with V converted under Q K^T (tuning.fp8_v_early): a mixed step (decode rows, a
+# chunk from position 0, a chunk after a cached prefix), once with split decode on two decode
+# warpgroups and ping-pong prefill tiles, once with three compute warpgroups and row sums.
+# (q dtype, pages, head_dim, page size, q heads, kv heads, tuning)
+V_EARLY_CASES = [
+    (
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 8, 2),
+        TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_v_early=True),
+    ),
+    (
+        *(jnp.float16, jnp.float8_e5m2, 32, 32, 3, 3),
+        TuningConfig(64, 3, 1, 2, compute_wgs=3, mma_row_sums=True, fp8_v_early=True),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", V_EARLY_CASES, ids=["e4m3-split-pingpong", "e5m2-cw3-mrs"])
+def test_fp8_v_converted_under_qk_matches_reference(case):
+    dtype, pages, d, ps, hq, hkv, tuning = case
+    step = make_step(
+        13,
+        decode_kv_lens=[1, ps + 1, 3 * ps + 5],
+        prefill=[(70, 70), (17, 2 * ps + 17)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
+    args, scales = fp8_pages(step, pages)
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*args, **kw)
+    _check(out, ref, dtype)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+    # the same as the one-tile form, which converts V after the softmax
+    one_tile = dataclasses.replace(tuning, fp8_v_early=False)
+    np.testing.assert_array_equal(
+        np.asarray(out), np.asarray(ragged_paged_attention_pallas(*args, **kw, tuning=one_tile))
+    )
+
+
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_attention_step_writes_kv_exactly_and_attends(pages):
     """backend="pallas": the written pages equal write_kv_reference bit for bit (fp8 pages:
@@ -404,6 +448,15 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(prefill_kv_splits=True)
     with pytest.raises(ValueError, match="prefill_kv_splits=9"):
         TuningConfig(prefill_kv_splits=9)
+    with pytest.raises(ValueError, match="fp8_v_early"):
+        TuningConfig(fp8_v_early=1)
+    # V's own dequantized tile: block_kv x head_dim float16 more per compute warpgroup
+    one, two = TuningConfig(128, compute_wgs=3), TuningConfig(128, compute_wgs=3, fp8_v_early=True)
+    fp8 = dict(kv_dtype=jnp.float8_e4m3fn)
+    assert two.smem_bytes(64, jnp.bfloat16, **fp8) - one.smem_bytes(64, jnp.bfloat16, **fp8) == (
+        3 * 128 * 64 * 2
+    )
+    assert two.smem_bytes(64, jnp.bfloat16) == one.smem_bytes(64, jnp.bfloat16)  # bf16 pages
     with pytest.raises(ValueError, match="pingpong=True needs compute_wgs=2"):
         TuningConfig(compute_wgs=3, pingpong=True)
     with pytest.raises(ValueError, match="head_dim=128"):  # 160 registers: no head_dim-128 tile
