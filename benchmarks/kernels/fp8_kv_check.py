@@ -10,9 +10,10 @@ and the fp8 reference against the bf16 reference on the unquantized values (what
 costs). Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
 default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
-at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time. `--v-early`
-adds a third form: fp8 pages with V converted while the tensor cores run Q K^T
-(tuning.fp8_v_early, on the default schedule, its KV block halved where SMEM needs it).
+at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
+`--convert-early` adds a third form: fp8 pages converted off the critical path (V under Q K^T,
+the next K under P V: tuning.fp8_convert_early), on the default schedule, its KV block halved
+where SMEM needs it.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     p = step_of(rng, layout, [(1, ctx)] * batch, args.page_size, extra_seqs=0)
     pages8, scales = to_fp8(p["kv"], jnp.float8_e4m3fn)
     forms = {"bf16": (p["kv"], None, None), "fp8_e4m3": (pages8, scales, None)}
-    if args.v_early:  # V converted under Q K^T (tuning.fp8_v_early), else the default schedule
-        forms["fp8_e4m3 v_early"] = (pages8, scales, v_early_tuning(p, hq, hkv, d, args))
+    if args.convert_early:  # tuning.fp8_convert_early on the default schedule
+        forms["fp8_e4m3 early"] = (pages8, scales, convert_early_tuning(p, hq, hkv, d, args))
     fns = {}
     for name, (pages, sc, tuning) in forms.items():
         extra = {} if sc is None else {"kv_scales": sc}
@@ -181,9 +182,9 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
         r["speedup"] = rows[0]["ms"] / r["ms"]  # bf16 time / this form's
 
 
-def v_early_tuning(p, hq, hkv, d, args):
-    """The default schedule of this decode bucket with fp8_v_early, its KV block halved while
-    the second dequantized tile does not fit in SMEM."""
+def convert_early_tuning(p, hq, hkv, d, args):
+    """The default schedule of this decode bucket with fp8_convert_early, its KV block halved
+    while the second dequantized tile does not fit in SMEM."""
     num_seqs, pages_per_seq = p["tables"][0].shape
     kv8 = jnp.dtype(jnp.float8_e4m3fn)
     cfg = default_tuning(
@@ -198,7 +199,7 @@ def v_early_tuning(p, hq, hkv, d, args):
         num_ctas=getattr(jax.devices()[0], "core_count", None) or 132,
         kv_dtype=kv8,
     )
-    cfg = dataclasses.replace(cfg, fp8_v_early=True)
+    cfg = dataclasses.replace(cfg, fp8_convert_early=True)
     while (
         cfg.block_kv > 64
         and cfg.smem_bytes(d, p["q"].dtype, kv_dtype=kv8) > SMEM_BYTES - SMEM_SLACK
@@ -252,9 +253,10 @@ def main() -> None:
     )
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument(
-        "--v-early",
+        "--convert-early",
         action="store_true",
-        help="a third decode form: fp8 pages with V converted under Q K^T (tuning.fp8_v_early)",
+        help="a third decode form: fp8 pages converted off the critical path "
+        "(tuning.fp8_convert_early)",
     )
     ap.add_argument("--dry", action="store_true", help="CPU syntax check: tiny shapes")
     args = ap.parse_args()

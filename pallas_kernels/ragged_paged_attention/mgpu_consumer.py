@@ -3,7 +3,9 @@
 fp8 pages (st.kv_fp8): the producer copies the 8-bit pages into 8-bit stages as it copies any
 pages; each compute warpgroup converts a block of K, then of V, from its stage to float16 in
 registers and stores it into its own swizzled SMEM tile (dq_smem), which wgmma reads. With
-tuning.fp8_v_early V has a tile of its own and is converted while the tensor cores run Q K^T.
+tuning.fp8_convert_early V has a tile of its own and is converted while the tensor cores run
+Q K^T, and the next block's K while they run P V: neither conversion sits between a stage's
+arrival and the matmul that reads it.
 wgmma on Hopper takes fp8 operands only K-major, which P V's V is not, and only with both
 operands in fp8, which would quantize Q and P too; float16 holds every e4m3 and e5m2 value
 exactly, and Q (bf16, converted once per item, |q| clamped to 65,504) as well as bf16 does or
@@ -101,10 +103,11 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
     return p.astype(st.mma_dtype), acc, m_new, denom
 
 
-def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
+def _pv(st: Statics, v, p16, p_smem, ones, acc, denom, meanwhile=None):
     """O += P V for one block, and with `ones` (mma_row_sums) the row sums += P @ ones on the
     tensor cores too; returns (acc, denom). a_operands "regs": P from registers, accumulated in
-    place; "smem": P staged in p_smem, fresh products added."""
+    place; "smem": P staged in p_smem, fresh products added. `meanwhile()`, if given, runs while
+    the tensor cores compute."""
     with_sums = ones is not None
     if st.a_operands == "regs":
 
@@ -112,6 +115,8 @@ def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
             plgpu.wgmma(refs[0], p16, v)
             if with_sums:
                 plgpu.wgmma(refs[1], p16, ones)
+            if meanwhile is not None:
+                meanwhile()
 
         inits = (acc, denom) if with_sums else (acc,)
         outs = pl.run_state(in_place)(tuple(map(plgpu.ACC.init, inits)))
@@ -123,6 +128,8 @@ def _pv(st: Statics, v, p16, p_smem, ones, acc, denom):
         plgpu.wgmma(refs[0], p_smem, v)
         if with_sums:
             plgpu.wgmma(refs[1], p_smem, ones)
+        if meanwhile is not None:
+            meanwhile()
         return tuple(ref[...] for ref in refs)
 
     shapes = [(ROWS, st.head_dim)] + ([(ROWS, 8)] if with_sums else [])
@@ -138,7 +145,8 @@ def _attend(
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
     None; dq: this warpgroup's [bk, D] tiles (K's, V's) for dequantized fp8 blocks (one tile for
-    both unless tuning.fp8_v_early), or None. kvc: stream index
+    both unless tuning.fp8_convert_early: then a block's V is converted under its Q K^T and the
+    next block's K under its P V), or None. kvc: stream index
     of block b_start. Row r is at query position row_pos0 + r // group; blocks before b_full need
     no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
@@ -148,7 +156,7 @@ def _attend(
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
-    v_early = dq is not None and st.tuning.fp8_v_early
+    early = dq is not None and st.tuning.fp8_convert_early
     dq_k, dq_v = (None, None) if dq is None else dq
 
     def operand(stage, tile):  # a K or V stage as wgmma reads it
@@ -158,17 +166,28 @@ def _attend(
             _dequantize(st, stage, tile)
         return tile
 
+    def slot_of(b):
+        return lax.rem(kvc + (b - b_start), stages)
+
+    def convert_k(b):  # block b's K, waited for and converted into the K tile
+        with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(r.k_full.at[slot_of(b)])
+        operand(r.k_smem.at[slot_of(b)], dq_k)
+
     def block(b, carry, *, masked):
         acc, m, denom = carry
-        slot = lax.rem(kvc + (b - b_start), stages)
-        with jax.named_scope("wait_k"):
-            plgpu.barrier_wait(r.k_full.at[slot])
-        k_op = operand(r.k_smem.at[slot], dq_k)
+        slot = slot_of(b)
+        if early:  # converted already: under the last block's P V, or before the first block
+            k_op = dq_k
+        else:
+            with jax.named_scope("wait_k"):
+                plgpu.barrier_wait(r.k_full.at[slot])
+            k_op = operand(r.k_smem.at[slot], dq_k)
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, k_op.T)
             turns.after_qk_issue()
-            if v_early:  # V into its own tile while the tensor cores compute the scores
+            if early:  # V into its own tile while the tensor cores compute the scores
                 with jax.named_scope("wait_v"):
                     plgpu.barrier_wait(r.v_full.at[slot])
                 operand(r.v_smem.at[slot], dq_v)
@@ -181,12 +200,14 @@ def _attend(
                 st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale
             )
         with jax.named_scope("wait_v"):
-            # (with v_early V has been waited for and converted already)
-            wait_v = (lambda: None) if v_early else lambda: plgpu.barrier_wait(r.v_full.at[slot])
+            # (with early V has been waited for and converted already)
+            wait_v = (lambda: None) if early else lambda: plgpu.barrier_wait(r.v_full.at[slot])
             acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
-        v_op = dq_v if v_early else operand(r.v_smem.at[slot], dq_v)
+        v_op = dq_v if early else operand(r.v_smem.at[slot], dq_v)
+        # (early: the next block's K into the K tile, which this block's Q K^T is done with)
+        next_k = (lambda: pl.when(b + 1 < b_end)(lambda: convert_k(b + 1))) if early else None
         with jax.named_scope("pv"):
-            acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom)
+            acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom, meanwhile=next_k)
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 
@@ -196,6 +217,8 @@ def _attend(
         denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW_VEC)
     else:
         denom = plgpu.layout_cast(jnp.zeros((ROWS, 8), jnp.float32), WGMMA)
+    if early:
+        pl.when(b_start < b_end)(lambda: convert_k(b_start))
     carry = lax.fori_loop(b_start, b_full, functools.partial(block, masked=False), (acc, m, denom))
     acc, m, denom = lax.fori_loop(b_full, b_end, functools.partial(block, masked=True), carry)
     if ones is not None:

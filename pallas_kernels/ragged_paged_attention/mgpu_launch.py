@@ -97,7 +97,7 @@ def launch(
         else None,
         plgpu.SMEM((wgs, ROWS), jnp.float32) if tn.prefill_kv_splits > 1 else None,  # part_lse
         # dq_smem: each compute warpgroup's block of K, then of V, dequantized for wgmma (one
-        # tile for both, or one each with fp8_v_early).
+        # tile for both, or one each with fp8_convert_early).
         plgpu.SMEM((wgs * tn.dq_tiles, tn.block_kv, d), mma_dtype, transforms=mma)
         if st.kv_fp8
         else None,

@@ -59,10 +59,11 @@ class TuningConfig:
                    too few tiles to keep every SM busy to the end). Parts write partial outputs
                    and their log-sum-exp; partial_merge.py combines them, which reads
                    prefill_kv_splits - 1 more output-sized buffers after the kernel.
-    fp8_v_early:   fp8 pages only: each compute warpgroup converts a block's V while the tensor
-                   cores run that block's Q K^T, into a second dequantized tile (block_kv x D
-                   more SMEM per compute warpgroup), instead of after the softmax, where the
-                   conversion sits between the scores and P V. Not measured on the GPU yet.
+    fp8_convert_early: fp8 pages only: each compute warpgroup converts a block's V while the
+                   tensor cores run that block's Q K^T (into a second dequantized tile, block_kv
+                   x D more SMEM per compute warpgroup) and the next block's K while they run
+                   P V, instead of each just before the matmul that reads it. Not measured on
+                   the GPU yet.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -77,7 +78,7 @@ class TuningConfig:
     producer_warps: int = 1
     mma_row_sums: bool = False
     prefill_kv_splits: int = 1
-    fp8_v_early: bool = False
+    fp8_convert_early: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -103,8 +104,8 @@ class TuningConfig:
             raise ValueError(f"{self.mma_row_sums=} must be a bool")
         if isinstance(self.prefill_kv_splits, bool) or self.prefill_kv_splits not in range(1, 9):
             raise ValueError(f"{self.prefill_kv_splits=} must be an int in [1, 8]")
-        if not isinstance(self.fp8_v_early, bool):
-            raise ValueError(f"{self.fp8_v_early=} must be a bool")
+        if not isinstance(self.fp8_convert_early, bool):
+            raise ValueError(f"{self.fp8_convert_early=} must be a bool")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
@@ -128,8 +129,8 @@ class TuningConfig:
     @property
     def dq_tiles(self) -> int:
         """Dequantized [block_kv, D] tiles per compute warpgroup with fp8 pages: K then V in one,
-        or (fp8_v_early) one each."""
-        return 2 if self.fp8_v_early else 1
+        or (fp8_convert_early) one each."""
+        return 2 if self.fp8_convert_early else 1
 
     @property
     def compute_registers(self) -> int:

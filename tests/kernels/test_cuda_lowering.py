@@ -75,7 +75,7 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
         ),
         (TuningConfig(128, 2, 1, 132, pingpong=True), 32, "e5m2"),
         (
-            TuningConfig(64, 2, 1, 132, decode_wgs=2, pingpong=True, fp8_v_early=True),
+            TuningConfig(64, 2, 1, 132, decode_wgs=2, pingpong=True, fp8_convert_early=True),
             128,
             "e4m3",
         ),
@@ -86,7 +86,7 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
                 decode_wgs=2,
                 producer_warps=4,
                 mma_row_sums=True,
-                fp8_v_early=True,
+                fp8_convert_early=True,
             ),
             64,
             "e4m3",
@@ -97,8 +97,8 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
         "split-decode-e5m2",
         "compute-wgs-3-e4m3",
         "head-dim-32-e5m2",
-        "v-early-e4m3",
-        "v-early-compute-wgs-3-e4m3",
+        "convert-early-e4m3",
+        "convert-early-compute-wgs-3-e4m3",
     ],
 )
 def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):

@@ -221,24 +221,25 @@ def test_split_prefill_tiles_match_reference(case):
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
-# fp8 pages with V converted under Q K^T (tuning.fp8_v_early): a mixed step (decode rows, a
-# chunk from position 0, a chunk after a cached prefix), once with split decode on two decode
-# warpgroups and ping-pong prefill tiles, once with three compute warpgroups and row sums.
+# fp8 pages converted off the critical path (tuning.fp8_convert_early: V under Q K^T, the next
+# block's K under P V): a mixed step (decode rows, a chunk from position 0, a chunk after a cached
+# prefix), once with split decode on two decode warpgroups and ping-pong prefill tiles, once with
+# three compute warpgroups and row sums.
 # (q dtype, pages, head_dim, page size, q heads, kv heads, tuning)
-V_EARLY_CASES = [
+EARLY_CASES = [
     (
         *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 8, 2),
-        TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_v_early=True),
+        TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_convert_early=True),
     ),
     (
         *(jnp.float16, jnp.float8_e5m2, 32, 32, 3, 3),
-        TuningConfig(64, 3, 1, 2, compute_wgs=3, mma_row_sums=True, fp8_v_early=True),
+        TuningConfig(64, 3, 1, 2, compute_wgs=3, mma_row_sums=True, fp8_convert_early=True),
     ),
 ]
 
 
-@pytest.mark.parametrize("case", V_EARLY_CASES, ids=["e4m3-split-pingpong", "e5m2-cw3-mrs"])
-def test_fp8_v_converted_under_qk_matches_reference(case):
+@pytest.mark.parametrize("case", EARLY_CASES, ids=["e4m3-split-pingpong", "e5m2-cw3-mrs"])
+def test_fp8_converted_early_matches_reference(case):
     dtype, pages, d, ps, hq, hkv, tuning = case
     step = make_step(
         13,
@@ -256,8 +257,8 @@ def test_fp8_v_converted_under_qk_matches_reference(case):
     ref = ragged_paged_attention_reference(*args, **kw)
     _check(out, ref, dtype)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
-    # the same as the one-tile form, which converts V after the softmax
-    one_tile = dataclasses.replace(tuning, fp8_v_early=False)
+    # the same as the one-tile form, which converts each block just before its matmul
+    one_tile = dataclasses.replace(tuning, fp8_convert_early=False)
     np.testing.assert_array_equal(
         np.asarray(out), np.asarray(ragged_paged_attention_pallas(*args, **kw, tuning=one_tile))
     )
@@ -448,10 +449,13 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(prefill_kv_splits=True)
     with pytest.raises(ValueError, match="prefill_kv_splits=9"):
         TuningConfig(prefill_kv_splits=9)
-    with pytest.raises(ValueError, match="fp8_v_early"):
-        TuningConfig(fp8_v_early=1)
+    with pytest.raises(ValueError, match="fp8_convert_early"):
+        TuningConfig(fp8_convert_early=1)
     # V's own dequantized tile: block_kv x head_dim float16 more per compute warpgroup
-    one, two = TuningConfig(128, compute_wgs=3), TuningConfig(128, compute_wgs=3, fp8_v_early=True)
+    one, two = (
+        TuningConfig(128, compute_wgs=3),
+        TuningConfig(128, compute_wgs=3, fp8_convert_early=True),
+    )
     fp8 = dict(kv_dtype=jnp.float8_e4m3fn)
     assert two.smem_bytes(64, jnp.bfloat16, **fp8) - one.smem_bytes(64, jnp.bfloat16, **fp8) == (
         3 * 128 * 64 * 2
