@@ -32,11 +32,16 @@ def test_freezes_for_the_block_and_unfreezes_after():
 
 
 def test_nested_blocks_share_one_freeze_lifted_by_the_outermost():
+    # Frozen objects still leave the permanent generation when reference counting frees them
+    # (another thread's, at any time), so the count may only fall between two reads: a second
+    # freeze would raise it by at least the containers made in between, an unfreeze zero it.
     with heap_frozen():
         frozen = gc.get_freeze_count()
+        made_since = [[] for _ in range(100)]  # tracked containers a second freeze would take
         with heap_frozen(collect=True):
-            assert gc.get_freeze_count() == frozen  # no second freeze of the loop's objects
-        assert gc.get_freeze_count() == frozen  # the inner block did not unfreeze
+            assert 0 < gc.get_freeze_count() <= frozen  # no second freeze of the loop's objects
+        assert 0 < gc.get_freeze_count() <= frozen  # the inner block did not unfreeze
+        del made_since
     assert gc.get_freeze_count() == 0
 
 
