@@ -362,19 +362,15 @@ class ModelRunner:
                 [self._samples_state, self._logits_state, self._step_state]
             )[0]
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
-        # The staging program that also copies the last launch's samples, once on its own.
-        self._step_state, peeked = self._direct["stage+peek", None](
-            [self._step_state, self._put_step(layout.new_step()), self._samples_state]
-        )
-        self.fetch(peeked)
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
         for t, program in self._multis:
             self.fetch(self._launch(t, step, program, self.num_scheduler_steps))
-        if self._multis:
-            self._step_state, peeked = self._direct["stage+peek", "multi-step"](
-                [self._step_state, self._put_step(layout.new_step()), self._all_samples_state]
+        # Each staging program that also copies the last launch's samples, once on its own.
+        for source in [None] + (["multi-step"] if self._multis else []):
+            self._step_state, peeked = self._direct["stage+peek", source](
+                [self._step_state, self._put_step(layout.new_step()), self._samples_buffer(source)]
             )
             self.fetch(peeked)
 
@@ -438,30 +434,15 @@ class ModelRunner:
             )
             self._copy_back(last.array)
         t1 = time.perf_counter()
-        if num_steps > 1:  # the forward passes and samplers of every step in one program
-            out = call(
-                [
-                    *self._params,
-                    *self.kv_pages,
-                    self._samples_state,
-                    self._all_samples_state,
-                    self._step_state,
-                ]
-            )
-            t2 = time.perf_counter()
+        multi = num_steps > 1  # the forward passes and samplers of every step in one program
+        # The program's second own buffer: every step's samples (multi-step), or the logits.
+        own = self._all_samples_state if multi else self._logits_state
+        out = call([*self._params, *self.kv_pages, self._samples_state, own, self._step_state])
+        t2 = time.perf_counter()
+        if multi:
             self._all_samples_state, self._samples_state = out[:2]
             handle = self._unpeeked = LaunchedSamples("multi-step")
         else:
-            out = call(
-                [
-                    *self._params,
-                    *self.kv_pages,
-                    self._samples_state,
-                    self._logits_state,
-                    self._step_state,
-                ]
-            )
-            t2 = time.perf_counter()
             self._samples_state, self._logits_state = out[:2]
             if program != GREEDY:  # the forward pass sampled greedily; this step needs more
                 rows = logit_rows(self.layout.max_num_seqs, bucket)
