@@ -13,7 +13,9 @@ of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x by
 at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
 `--convert-early` adds a third form: fp8 pages converted off the critical path (V under Q K^T,
 the next K under P V: tuning.fp8_convert_early), on the default schedule, its KV block halved
-where SMEM needs it.
+where SMEM needs it. `--fp8-tunings` adds fp8 forms on other schedules (attention_bench's
+--decode-tunings syntax, plus the flag "early"); one that does not fit SMEM is reported and
+skipped.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from attention_bench import (  # noqa: E402
     back_to_back,
     build_step,
     measure_ceilings,
+    parse_tuning,
     rel_err,
 )
 
@@ -126,6 +129,13 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     forms = {"bf16": (p["kv"], None, None), "fp8_e4m3": (pages8, scales, None)}
     if args.convert_early:  # tuning.fp8_convert_early on the default schedule
         forms["fp8_e4m3 early"] = (pages8, scales, convert_early_tuning(p, hq, hkv, d, args))
+    for spec, resolve in args.fp8_tunings:
+        cfg = resolve(default_of(p, hq, hkv, d, args))
+        need = cfg.smem_bytes(d, p["q"].dtype, kv_dtype=jnp.dtype(jnp.float8_e4m3fn))
+        if need > SMEM_BYTES - SMEM_SLACK:
+            log(kind="tuning_skipped", layout=layout, batch=batch, spec=spec, smem=need)
+            continue
+        forms[f"fp8 {spec}"] = (pages8, scales, cfg)
     fns = {}
     for name, (pages, sc, tuning) in forms.items():
         extra = {} if sc is None else {"kv_scales": sc}
@@ -182,12 +192,10 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
         r["speedup"] = rows[0]["ms"] / r["ms"]  # bf16 time / this form's
 
 
-def convert_early_tuning(p, hq, hkv, d, args):
-    """The default schedule of this decode bucket with fp8_convert_early, its KV block halved
-    while the second dequantized tile does not fit in SMEM."""
+def default_of(p, hq, hkv, d, args):
+    """default_tuning's schedule for this decode bucket with fp8 pages."""
     num_seqs, pages_per_seq = p["tables"][0].shape
-    kv8 = jnp.dtype(jnp.float8_e4m3fn)
-    cfg = default_tuning(
+    return default_tuning(
         num_seqs=num_seqs,
         num_kv_heads=hkv,
         head_dim=d,
@@ -197,9 +205,15 @@ def convert_early_tuning(p, hq, hkv, d, args):
         num_tokens=p["q"].shape[0],
         num_q_heads=hq,
         num_ctas=getattr(jax.devices()[0], "core_count", None) or 132,
-        kv_dtype=kv8,
+        kv_dtype=jnp.dtype(jnp.float8_e4m3fn),
     )
-    cfg = dataclasses.replace(cfg, fp8_convert_early=True)
+
+
+def convert_early_tuning(p, hq, hkv, d, args):
+    """The default schedule of this decode bucket with fp8_convert_early, its KV block halved
+    while the second dequantized tile does not fit in SMEM."""
+    kv8 = jnp.dtype(jnp.float8_e4m3fn)
+    cfg = dataclasses.replace(default_of(p, hq, hkv, d, args), fp8_convert_early=True)
     while (
         cfg.block_kv > 64
         and cfg.smem_bytes(d, p["q"].dtype, kv_dtype=kv8) > SMEM_BYTES - SMEM_SLACK
@@ -222,15 +236,17 @@ def print_table(ceil) -> None:
                 f"{case:44s} {r['pages']:9s} {r['err_vs_ref']:11.1e} "
                 f"{r['quant_err_vs_bf16']:12.1e}  {r['pad_rows_zero']}"
             )
-    print(f"\n{'decode':32s} {'pages':9s} {'ms':>8s} {'TB/s':>6s} {'%copy':>6s} {'speedup':>8s}")
+    print(f"\n{'decode':32s} {'pages':28s} {'ms':>8s} {'TB/s':>6s} {'%copy':>6s} {'speedup':>8s}")
     for r in ROWS:
         if r["kind"] == "decode":
             case = f"B={r['batch']} ctx={r['ctx']} {r['layout']}"
             speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
             print(
-                f"{case:32s} {r['pages']:9s} {r['ms']:8.3f} {r['tbs']:6.2f} {r['pct_copy']:6.1f}"
+                f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {r['tbs']:6.2f} {r['pct_copy']:6.1f}"
                 f" {speed:>8s}  err {r['err']:.1e}"
             )
+        elif r["kind"] == "tuning_skipped":
+            print(f"B={r['batch']} {r['layout']} {r['spec']}: skipped, {r['smem']} bytes of SMEM")
         elif r["kind"] == "decode_error":
             print(f"B={r['batch']} ctx={r['ctx']} {r['layout']}: ERROR {r['error'][:80]}")
 
@@ -258,8 +274,18 @@ def main() -> None:
         help="a third decode form: fp8 pages converted off the critical path "
         "(tuning.fp8_convert_early)",
     )
+    ap.add_argument(
+        "--fp8-tunings",
+        default="",
+        help='more fp8 decode forms, as attention_bench --decode-tunings plus the flag "early", '
+        'e.g. "defaultxearly,128x4x1xwg2xpw4xearly"',
+    )
     ap.add_argument("--dry", action="store_true", help="CPU syntax check: tiny shapes")
     args = ap.parse_args()
+    num_ctas = getattr(jax.devices()[0], "core_count", None) or 132
+    args.fp8_tunings = [  # parsed first: a typo fails before any work
+        (spec, parse_tuning(spec, num_ctas)) for spec in filter(None, args.fp8_tunings.split(","))
+    ]
     if args.dry:
         global CHECKS
         CHECKS = [("mixed", "9q/3kv/64", 16, [(1, 40), (1, 17), (30, 50), (0, 0)])]

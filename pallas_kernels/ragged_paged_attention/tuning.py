@@ -62,8 +62,8 @@ class TuningConfig:
     fp8_convert_early: fp8 pages only: each compute warpgroup converts a block's V while the
                    tensor cores run that block's Q K^T (into a second dequantized tile, block_kv
                    x D more SMEM per compute warpgroup) and the next block's K while they run
-                   P V, instead of each just before the matmul that reads it. Not measured on
-                   the GPU yet.
+                   P V, instead of each just before the matmul that reads it. default_tuning
+                   turns it on for fp8 decode buckets (RULES).
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -177,6 +177,7 @@ class Bucket:
     num_tokens: int
     num_q_heads: int | None
     num_ctas: int
+    kv_fp8: bool = False  # 8-bit pages, converted to float16 in the kernel
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
@@ -215,6 +216,23 @@ BLOCKS: dict[str, tuple[tuple[int, int, str], ...]] = {
         (128, 2, "next in SMEM"),
         (64, 3, "next in SMEM"),
     ),
+    # fp8 pages in a decode bucket (with fp8_convert_early, RULES): the dequantized tiles take
+    # the SMEM that bf16 stages would, and deeper pipelines pay (the producer's copies are half
+    # the bytes; the kernel is bound by latency and the conversion, not by bandwidth).
+    "fp8 decode, head_dim 128": (
+        (64, 4, "run 11 call R2: 32q/8kv/128, B=1024 x ctx 1024, 1.076 ms against 1.210 for "
+                "128 x 2 (bf16's block) and 1.309 for 64 x 3 without early conversion"),
+        (64, 3, "next in SMEM"),
+        (64, 2, "the smallest"),
+    ),
+    "fp8 decode, head_dim <= 64": (
+        (128, 6, "run 11 call R2: 9q/3kv/64 B=1024 x ctx 1024 0.276 ms, 32q/8kv/64 B=512 x ctx "
+                 "2048 0.654 ms, against 0.284 / 0.688 with 4 stages, 0.301 / 0.719 with 3, "
+                 "0.321 / 0.806 for 64 x 6 and 0.332 / 0.826 for bf16's 128 x 3 converted late"),
+        (128, 4, "next in SMEM"),
+        (128, 3, "next in SMEM"),
+        (64, 3, "next in SMEM"),
+    ),
 }
 # fmt: on
 
@@ -244,6 +262,8 @@ _THREE_WGS = dict(block_kv=128, num_stages=2, decode_splits=1, compute_wgs=3, de
 _HEADLINE = _h200(num_seqs=256, num_kv_heads=8, head_dim=128, pages_per_seq=64, num_tokens=256)
 _PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512, num_tokens=8192)
 _PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
+_FP8_DECODE_64 = _h200(num_seqs=1024, num_kv_heads=3, head_dim=64, pages_per_seq=64,
+                       num_tokens=1024, num_q_heads=9, kv_dtype="float8_e4m3fn")  # fmt: skip
 
 # fmt: off
 RULES: tuple[Rule, ...] = (
@@ -275,6 +295,12 @@ RULES: tuple[Rule, ...] = (
          "against 0.103-0.104 ms; where tiles are plenty (32q/8kv/64 at 4,096 and 8,192 "
          "tokens) the merge only added time",
          {**_PREFILL_64, "num_kv_heads": 3, "num_q_heads": 9, "num_tokens": 2048}),
+    Rule("fp8 pages, decode bucket", lambda b, k: b.kv_fp8 and not b.prefill,
+         dict(fp8_convert_early=True),
+         "run 11 calls R1, R2: decode at B=1024 x ctx 1024 with bf16's blocks, 9q/3kv/64 0.299-"
+         "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
+         "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
+         _FP8_DECODE_64),
 )
 # fmt: on
 
@@ -291,11 +317,10 @@ def _candidates(b: Bucket) -> list[tuple[int, int, int]]:
     """(block_kv, num_stages, decode_splits) in the order tried: split-decode staging costs SMEM,
     so prefill buckets give up the splits before the big blocks, decode buckets the big blocks
     before the splits."""
-    blocks = [
-        (bk, s)
-        for bk, s, _ in BLOCKS["head_dim 128" if b.head_dim >= 128 else "head_dim <= 64"]
-        if b.tiles_pages(bk)
-    ]
+    table = "head_dim 128" if b.head_dim >= 128 else "head_dim <= 64"
+    if b.kv_fp8 and not b.prefill:
+        table = f"fp8 decode, {table}"
+    blocks = [(bk, s) for bk, s, _ in BLOCKS[table] if b.tiles_pages(bk)]
     blocks = blocks or [(max(64, min(256, b.page_size)), 2)]
     splits = _wanted_splits(b, blocks[-1][0])
     if b.prefill:
@@ -318,9 +343,11 @@ def default_tuning(
 ) -> TuningConfig:
     """The schedule of a bucket from its static shapes: the first candidate KV block (BLOCKS,
     _candidates) that, with the RULES applied, fits a Hopper CTA's shared memory. kv_dtype: the
-    pages' dtype when it is not `dtype` (fp8 pages take the same rules, measured with bf16)."""
+    pages' dtype when it is not `dtype` (fp8 pages: decode buckets have blocks and a rule of
+    their own, prefill buckets take bf16's, measured with bf16)."""
+    kv_fp8 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     b = Bucket(num_seqs, num_kv_heads, head_dim, page_size, pages_per_seq, num_tokens,
-               num_q_heads, num_ctas)  # fmt: skip
+               num_q_heads, num_ctas, kv_fp8)  # fmt: skip
     budget = SMEM_BYTES - SMEM_SLACK
     for block_kv, stages, splits in _candidates(b):
         fields = dict(block_kv=block_kv, num_stages=stages, decode_splits=splits)
