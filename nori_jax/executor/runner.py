@@ -5,7 +5,8 @@ bucket, sampler program and multi-step key, and launched on buffers the runner o
 graph's buffers moved updates and re-uploads the graph first: on the H200 a chain of 400 kernels
 launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 ms with none
 (benchmarks/engine/graph_launch_bench.py; docs/benchmarks.md). So every buffer of the forward pass
-keeps its address from launch to launch: `params` never change, and the runner owns one device
+keeps its address from launch to launch: `params` never change (the norm scales stacked into a
+few arrays once, param_packing.py), and the runner owns one device
 buffer each for the KV pages, `samples`, `logits`, the step buffer and (with multi-step decode)
 `all_samples`, which each program takes donated and returns in place. A step's fresh
 host-to-device buffer goes through `stage` (a one-kernel program, cheap to update), and the host
@@ -49,6 +50,7 @@ from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
+from nori_jax.executor.param_packing import PackedParams
 from nori_jax.executor.placement import ReplicatedPut, put
 from nori_jax.executor.step_programs import (
     forward,
@@ -128,7 +130,10 @@ class ModelRunner:
         kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
         self.kv_scales = kv_scales
-        self._params, treedef = jax.tree.flatten(loaded.state)
+        leaves, treedef = jax.tree.flatten(loaded.state)
+        # Small vectors (the norm scales) stacked: fewer arguments per launch (param_packing.py).
+        self._packed = PackedParams(leaves, treedef)
+        self._params = self._packed.arrays
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
@@ -137,7 +142,7 @@ class ModelRunner:
         # buffer it reads); the buffer's shape is the same for all.
         self._forward_fn = jax.jit(
             functools.partial(
-                forward, loaded.graphdef, treedef, layout, kv_scales, logits_shardings
+                forward, loaded.graphdef, self._packed, layout, kv_scales, logits_shardings
             ),
             static_argnums=(0,),
             # pages, samples and logits: their buffers come back as the outputs (kept even
@@ -186,7 +191,7 @@ class ModelRunner:
                 functools.partial(
                     multi_step,
                     loaded.graphdef,
-                    treedef,
+                    self._packed,
                     layout,
                     kv_scales,
                     logits_shardings,

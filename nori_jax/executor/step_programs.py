@@ -4,6 +4,7 @@
     stage(step_state, fresh) -> step_state          the step's packed buffer, in place
     stage_and_peek(step_state, fresh, samples) -> (step_state, a copy of the last step's samples)
     forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
+        (params: the model's parameters as param_packing.PackedParams passes them)
     sample_from_logits[program, R](samples, logits, step_state) -> samples
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
@@ -35,10 +36,11 @@ from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
 
 
-def model_from(graphdef, treedef, params, kv_scales):
+def model_from(graphdef, packed, params, kv_scales):
+    """The model from its parameter arguments (`packed`: the runner's PackedParams)."""
     # Calibrated fp8 scales are constants of the program (known before it compiles): no buffer.
     kv_scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), kv_scales
+    return nnx.merge(graphdef, packed.unflatten(params)), kv_scales
 
 
 def stage(state, fresh):
@@ -117,7 +119,7 @@ def _logits(
 
 def forward(
     graphdef,
-    treedef,
+    packed,
     layout,
     kv_scales,
     logits_shardings,
@@ -128,7 +130,7 @@ def forward(
     logits_state,
     step,
 ):
-    model, kv_scales = model_from(graphdef, treedef, params, kv_scales)
+    model, kv_scales = model_from(graphdef, packed, params, kv_scales)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     logits, kv_pages = _logits(
         model,
@@ -175,7 +177,7 @@ def sample_from_logits(layout, program, rows, samples, logits_state, step):
 
 def multi_step(
     graphdef,
-    treedef,
+    packed,
     layout,
     kv_scales,
     logits_shardings,
@@ -198,7 +200,7 @@ def multi_step(
     Returns (samples int32[k, 2, S], the last step's samples int32[2, S] (the next launch's
     `prev_samples`), kv_pages).
     """
-    model, kv_scales = model_from(graphdef, treedef, params, kv_scales)
+    model, kv_scales = model_from(graphdef, packed, params, kv_scales)
     tok, row = unpack_tokens(layout, step, bucket), unpack_rows(layout, step)
     s, t = layout.max_num_seqs, bucket
     r = logit_rows(s, t)

@@ -69,3 +69,11 @@ def test_the_check_sees_a_conditional():
     f = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, x))
     hlo = f.lower(jnp.ones(4)).compile().as_text()
     assert [op for op, _ in control_flow(hlo)] == ["conditional"]
+
+
+def test_the_norm_scales_arrive_as_one_stacked_argument(programs):
+    # tiny-llama: 2 layers, hidden 64: 5 RMSNorm scales of f32[64] (param_packing.py)
+    entry = programs["bucket 16"].split("ENTRY", 1)[1]
+    params = re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? parameter\(", entry)
+    assert "f32[5,64]" in params
+    assert "f32[64]" not in params

@@ -1,0 +1,66 @@
+"""The model's parameters as the forward pass takes them: small vectors stacked into one array.
+
+Each argument of a launch costs the host work in the runtime (a buffer to look up, hold and
+hand to the CUDA graph): on the H200 0.75-1.6 us per argument, docs/benchmarks.md, "Host costs".
+A Llama-family model has two RMSNorm scales per layer and one at the end, 61 vectors of a few
+KiB for SmolLM2-135M's 30 layers, a fifth of the forward pass's ~300 arguments. `PackedParams`
+stacks every group of same-shaped 1-D leaves (same dtype and sharding) into one [n, ...] array,
+made once when the runner starts; the program takes row i where the model reads the vector, a
+slice that fuses into the elementwise op that reads it. Weight matrices go in as they are.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+class PackedParams:
+    """`arrays`: the launch's parameter arguments; `unflatten(args)` (inside a program): the
+    model's parameter tree from them."""
+
+    def __init__(self, leaves: list[jax.Array], treedef):
+        self.treedef = treedef
+        self.num_leaves = len(leaves)
+        groups: dict[tuple, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if x.ndim == 1 and isinstance(x.sharding, NamedSharding):
+                key = (x.shape, x.dtype, x.sharding.mesh, tuple(x.sharding.spec))
+                groups.setdefault(key, []).append(i)
+        stacked = {key: idx for key, idx in groups.items() if len(idx) > 1}
+        in_stack = {i: (key, row) for key, idx in stacked.items() for row, i in enumerate(idx)}
+        self.arrays: list[jax.Array] = []
+        # Per leaf: (argument index, row) where the leaf is a row of a stacked argument, or
+        # (argument index, None) where it is the argument itself.
+        self._where: list[tuple[int, int | None]] = [None] * len(leaves)  # type: ignore[list-item]
+        stack_arg: dict[tuple, int] = {}
+        for i, x in enumerate(leaves):
+            if i not in in_stack:
+                self._where[i] = (len(self.arrays), None)
+                self.arrays.append(x)
+                continue
+            key, row = in_stack[i]
+            if key not in stack_arg:
+                stack_arg[key] = len(self.arrays)
+                self.arrays.append(_stack([leaves[j] for j in stacked[key]], key))
+            self._where[i] = (stack_arg[key], row)
+
+    @property
+    def num_stacked(self) -> int:
+        """Leaves that travel inside a stacked argument."""
+        return sum(row is not None for _, row in self._where)
+
+    def unflatten(self, args):
+        """The parameter tree from the launch's parameter arguments (traced or concrete)."""
+        if len(args) != len(self.arrays):
+            raise ValueError(f"expected {len(self.arrays)} parameter arguments, got {len(args)}")
+        leaves = [args[a] if row is None else args[a][row] for a, row in self._where]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _stack(vectors: list[jax.Array], key: tuple) -> jax.Array:
+    """The vectors as rows of one array on their own sharding, the new axis whole."""
+    _, _, mesh, spec = key
+    sharding = NamedSharding(mesh, PartitionSpec(None, *spec))
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*vectors)

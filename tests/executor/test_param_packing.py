@@ -1,0 +1,50 @@
+"""PackedParams: same-shaped vectors travel as rows of one argument, everything else as it is, and
+the program gets back exactly the leaves it was given."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nori_jax.executor.param_packing import PackedParams
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:1]), ("model",))
+
+
+def _on(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def test_vectors_of_one_shape_dtype_and_sharding_share_an_argument(mesh):
+    norms = [_on(mesh, jnp.full((6,), i, jnp.bfloat16), None) for i in range(3)]
+    weight = _on(mesh, jnp.arange(12.0).reshape(3, 4), None, None)
+    bias = _on(mesh, jnp.arange(6, dtype=jnp.float32), "model")  # another dtype and spec
+    lone = _on(mesh, jnp.ones((5,), jnp.bfloat16), None)  # another shape, alone
+    tree = {"a": norms[0], "b": [weight, norms[1]], "c": bias, "d": norms[2], "e": lone}
+    leaves, treedef = jax.tree.flatten(tree)
+    packed = PackedParams(leaves, treedef)
+
+    assert len(packed.arrays) == len(leaves) - 2 and packed.num_stacked == 3
+    stacked = [a for a in packed.arrays if a.shape == (3, 6)]
+    assert len(stacked) == 1
+    assert stacked[0].sharding.spec == PartitionSpec(None, None)
+    np.testing.assert_array_equal(np.asarray(stacked[0], np.float32)[:, 0], [0, 1, 2])
+
+    back = jax.jit(lambda args: packed.unflatten(args))(packed.arrays)
+    assert jax.tree.structure(back) == treedef
+    for got, want in zip(jax.tree.leaves(back), leaves, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_unflatten_names_a_wrong_argument_count(mesh):
+    leaves = [_on(mesh, jnp.zeros((4,)), None) for _ in range(2)]
+    packed = PackedParams(leaves, jax.tree.structure([0, 0]))
+    with pytest.raises(ValueError, match="expected 1 parameter arguments, got 2"):
+        packed.unflatten(leaves)
