@@ -67,14 +67,15 @@ def test_pallas_attention_step_split_over_kv_heads(report, tp):
 
 def test_kv_heads_split_or_replicated_on_the_pages(report):
     engines = report["engines"]
-    for tp, heads, k_spec in ((2, 4, "P(None, 'model')"), (4, 4, "P(None, 'model')")):
+    for tp, heads in ((2, 4), (4, 4)):
         e = engines[f"reference tp{tp}"]
         assert e["kv_shape"][1] == heads and e["kv_shard_shape"][1] == heads // tp
-        assert e["k_spec"] == k_spec
-    # 4 kv heads on 8 devices: each stored twice, one per device; k/v projections replicated.
+        assert e["proj_specs"] == {"qkv_proj": "P(None, 'model')"}  # one fused, column-split
+    # 4 kv heads on 8 devices: each stored twice, one per device; k/v projections replicated,
+    # so q/k/v are not fused.
     e = engines["reference tp8"]
     assert e["kv_shape"][1] == 8 and e["kv_shard_shape"][1] == 1
-    assert e["k_spec"] == "P(None, None)" and e["q_spec"] == "P(None, 'model')"
+    assert e["proj_specs"] == {"q_proj": "P(None, 'model')", "k_proj": "P(None, None)"}
     assert "model" in e["kv_spec"]
 
 

@@ -82,8 +82,12 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
         # Interpret-mode kernels run as host programs (sharded.py): none may be built after
         # warm-up either.
         "kernel_programs_built": ragged_paged_attention_pallas._cache_size() - kernel_programs,
-        "q_spec": str(attn["q_proj"].get_value().sharding.spec),
-        "k_spec": str(attn["k_proj"].get_value().sharding.spec),
+        # the projections' shardings: fused q/k/v, or (k/v replicated) q and k apart
+        "proj_specs": {
+            name: str(attn[name].get_value().sharding.spec)
+            for name in ("qkv_proj", "q_proj", "k_proj")
+            if name in attn
+        },
         "kv_shape": list(kv.shape),
         "kv_shard_shape": list(kv.addressable_shards[0].data.shape),
         "kv_spec": str(kv.sharding.spec),

@@ -2,15 +2,17 @@
 
 Every parameter carries its tensor-parallel sharding as metadata (`out_sharding`, Megatron style
 over the mesh axis `model`: q/k/v/gate/up split by output columns, o/down by input rows,
-embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. Float kernels
+embeddings by vocab), so tensor parallelism is a mesh configuration, not a rewrite. q/k/v are one
+matmul (`qkv_proj`) and gate/up another (`gate_up_proj`), in a layout whose column split gives
+each device its own heads and columns (models/fused_layout.py). Float kernels
 are stored [in, out]; quantized linear layers (`quantization=`) as models/linear.py describes.
 
 On a mesh whose `model` axis has tp > 1 devices, the attention step runs under `shard_map` over
 kv heads (pallas_kernels/ragged_paged_attention/sharded.py): each device writes and attends over
 its own heads and page slices. With fewer kv heads than devices, k_proj and v_proj are replicated
-and the pages store each kv head tp / Hkv times. The collectives of a layer are the two
-all-reduces XLA inserts after the row-parallel o_proj and down_proj (tests/test_tensor_parallel.py
-counts them in the compiled step).
+(and q_proj, split, a matmul of its own) and the pages store each kv head tp / Hkv times. The
+collectives of a layer are the two all-reduces XLA inserts after the row-parallel o_proj and
+down_proj (tests/test_tensor_parallel.py counts them in the compiled step).
 
 Shapes: T = tokens of the step, H = hidden, Hq/Hkv = heads, D = head_dim, V = vocab, F = MLP width.
 """
@@ -25,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nori_jax.model_config import ModelConfig
+from nori_jax.models.fused_layout import split_gate_up, split_qkv
 from nori_jax.models.linear import COLUMN, MODEL, REPLICATED, ROW, linear, linear_weight, param
 from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nori_jax.quantization.scheme import WeightQuantization
@@ -79,27 +82,42 @@ class Attention(nnx.Module):
         replicate_kv = stored_kv_heads(cfg.num_kv_heads, tp) > cfg.num_kv_heads
         kv_parallel = REPLICATED if replicate_kv else COLUMN
         kv_bias_spec = (None,) if replicate_kv else (MODEL,)
-        self.q_proj = linear_weight(rngs, h, q, dtype, COLUMN, quant, "self_attn.q_proj")
-        self.k_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.k_proj")
-        self.v_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.v_proj")
+        # q, k and v as one matmul (fused_layout.py), unless k/v are replicated while q is split
+        self.fused_qkv = not replicate_kv
+        if self.fused_qkv:
+            self.qkv_proj = linear_weight(
+                rngs, h, q + 2 * kv, dtype, COLUMN, quant, "self_attn.qkv_proj"
+            )
+        else:
+            self.q_proj = linear_weight(rngs, h, q, dtype, COLUMN, quant, "self_attn.q_proj")
+            self.k_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.k_proj")
+            self.v_proj = linear_weight(rngs, h, kv, dtype, kv_parallel, quant, "self_attn.v_proj")
         self.o_proj = linear_weight(rngs, q, h, dtype, ROW, quant, "self_attn.o_proj")
-        if cfg.attention_bias:
-            self.q_bias = param(rngs, (cfg.num_heads * d,), dtype, (MODEL,), init="zeros")
-            self.k_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, kv_bias_spec, init="zeros")
-            self.v_bias = param(rngs, (cfg.num_kv_heads * d,), dtype, kv_bias_spec, init="zeros")
+        if cfg.attention_bias and self.fused_qkv:
+            self.qkv_bias = param(rngs, (q + 2 * kv,), dtype, (MODEL,), init="zeros")
+        elif cfg.attention_bias:
+            self.q_bias = param(rngs, (q,), dtype, (MODEL,), init="zeros")
+            self.k_bias = param(rngs, (kv,), dtype, kv_bias_spec, init="zeros")
+            self.v_bias = param(rngs, (kv,), dtype, kv_bias_spec, init="zeros")
         self.has_bias = cfg.attention_bias
         self.sm_scale = d**-0.5
         self.backend = backend
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionInputs, kv_scales=None):
         """`kv_scales`: f32[2] (k_scale, v_scale) of fp8 pages; None: the default scales."""
-        t = x.shape[0]
-        q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
-        if self.has_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused_qkv:
+            qkv = linear(x, self.qkv_proj)
+            if self.has_bias:
+                qkv = qkv + self.qkv_bias[...]
+            q, k, v = split_qkv(qkv, heads, kv_heads, d)
+        else:
+            q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
+            if self.has_bias:
+                q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
+        q = apply_rope(q, cos, sin)  # [T, Hq, D]
+        k = apply_rope(k, cos, sin)  # [T, Hkv, D]
         # The scope names the attention's ops in the compiled HLO: its loops (the reference's
         # page loop, a kernel's) are the only control flow the step may hold (test_step_hlo.py).
         args = (q, k, v, kv_pages, meta.slot_mapping, meta.kv_lens, meta.page_table)
@@ -118,12 +136,13 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant: WeightQuantization | None):
         h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = linear_weight(rngs, h, f, dtype, COLUMN, quant, "mlp.gate_proj")
-        self.up_proj = linear_weight(rngs, h, f, dtype, COLUMN, quant, "mlp.up_proj")
+        # gate and up as one matmul (fused_layout.py)
+        self.gate_up_proj = linear_weight(rngs, h, 2 * f, dtype, COLUMN, quant, "mlp.gate_up_proj")
         self.down_proj = linear_weight(rngs, f, h, dtype, ROW, quant, "mlp.down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gated = jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj)
+        gate, up = split_gate_up(linear(x, self.gate_up_proj))
+        gated = jax.nn.silu(gate) * up
         with jax.named_scope(DOWN_PROJ_SCOPE):
             return linear(gated, self.down_proj)
 

@@ -26,7 +26,7 @@ from nori_jax.weights.file_digest import file_digest
 logger = logging.getLogger(__name__)
 # Bump when the conversion of any source changes what lands in the parameters (the GGUF reader
 # has its own CONVERSION_VERSION, also part of the key).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: q/k/v and gate/up fused (models/fused_layout.py)
 
 
 def cache_root() -> Path:

@@ -21,6 +21,10 @@ _LAYER_PARAMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "mlp.gate_proj.weight": (("mlp", "gate_proj"), True),
     "mlp.up_proj.weight": (("mlp", "up_proj"), True),
     "mlp.down_proj.weight": (("mlp", "down_proj"), True),
+    # the fused projections (models/fused_layout.py), built by the loader from the parts above
+    "self_attn.qkv_proj.weight": (("self_attn", "qkv_proj"), True),
+    "self_attn.qkv_proj.bias": (("self_attn", "qkv_bias"), False),
+    "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj"), True),
     "input_layernorm.weight": (("input_layernorm", "weight"), False),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False),
 }
@@ -32,8 +36,16 @@ _TOP_PARAMS: dict[str, tuple[tuple[str, ...], bool]] = {
 # The decoder's linear projections: what `quantization=` stores quantized (never embeddings or
 # the LM head).
 _LINEAR = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+    r"\.weight$"
 )
+# Fused tensors and the checkpoint tensors they are built from, in order.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "self_attn.qkv_proj.bias": tuple(f"self_attn.{p}_proj.bias" for p in "qkv"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+_PART_OF = {p: (fused, i) for fused, parts in FUSED_PARTS.items() for i, p in enumerate(parts)}
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
 
@@ -57,3 +69,13 @@ def state_path(hf_name: str) -> tuple[tuple[str | int, ...], bool] | None:
 def is_linear_weight(hf_name: str) -> bool:
     """A decoder layer's projection weight (q/k/v/o, gate/up/down)."""
     return _LINEAR.match(hf_name) is not None
+
+
+def fused_part(hf_name: str) -> tuple[str, int, int] | None:
+    """(fused tensor's name, this part's index, number of parts) for a layer tensor that a fused
+    projection is built from (q/k/v weights and biases, gate/up weights); None otherwise."""
+    m = _LAYER.match(hf_name)
+    if not m or m.group(2) not in _PART_OF:
+        return None
+    fused, i = _PART_OF[m.group(2)]
+    return f"model.layers.{m.group(1)}.{fused}", i, len(FUSED_PARTS[fused])

@@ -28,6 +28,7 @@ from nori_jax.executor.placement import put
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
+from nori_jax.models.fused_layout import fuse_gate_up, fuse_qkv
 from nori_jax.quantization.quantize import QuantizedTensor, quantize_on_device, stored_bytes
 from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 from nori_jax.tokenizer import Tokenizer
@@ -130,15 +131,18 @@ def place_tensors(
     mesh: Mesh,
     source: str,
     quantization: WeightQuantization | None = None,
+    *,
+    num_kv_heads: int,
 ) -> nnx.State:
     """Put named host tensors onto the mesh; every parameter must be provided exactly once.
 
-    `quantization` is the scheme the abstract state's QuantizedLinear modules were built with."""
+    `quantization` is the scheme the abstract state's QuantizedLinear modules were built with.
+    The parts of a fused projection (q/k/v, gate/up) are fused on the way (_fuse_parts)."""
     shardings = _shardings(abstract_state, mesh)
     flat = dict(nnx.to_flat_state(abstract_state))
     quantized = _quantized_linears(flat)
     placed: dict[tuple, jax.Array] = {}
-    for name, array in tensors:
+    for name, array in _fuse_parts(tensors, flat, num_kv_heads, source):
         mapped = hf_names.state_path(name)
         if mapped is None:
             continue
@@ -168,6 +172,66 @@ def place_tensors(
             f"{source}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} in all)"
         )
     return _fill(abstract_state, placed)
+
+
+def _fuse_parts(tensors, flat: dict, num_kv_heads: int, source: str):
+    """The tensor stream with each fused projection the model holds (models/fused_layout.py) in
+    place of its parts: a layer's q/k/v (or gate/up) are held until all have come, then yielded
+    as one tensor in the fused layout. A quantized checkpoint's parts are fused leaf by leaf."""
+    pending: dict[str, dict[int, tuple[str, object]]] = {}
+    held = set(flat) | _quantized_linears(flat)  # parameters and quantized linear modules
+    for name, array in tensors:
+        part = hf_names.fused_part(name)
+        if part is None or hf_names.state_path(part[0])[0] not in held:
+            yield name, array
+            continue
+        fused, i, n = part
+        got = pending.setdefault(fused, {})
+        if i in got:
+            raise ValueError(f"{source}: tensor {name!r} appears twice")
+        got[i] = (name, array)
+        if len(got) == n:
+            del pending[fused]
+            yield fused, _fuse(fused, [got[j] for j in range(n)], num_kv_heads, source)
+    for fused, got in pending.items():
+        model, layers, n, key = fused.split(".", 3)  # model.layers.N.<fused name>
+        parts = [f"{model}.{layers}.{n}.{p}" for p in hf_names.FUSED_PARTS[key]]
+        missing = [p for p in parts if p not in {name for name, _ in got.values()}]
+        raise ValueError(f"{source}: checkpoint lacks tensors for {missing} (of {fused!r})")
+
+
+def _fuse(fused: str, parts: list[tuple[str, object]], num_kv_heads: int, source: str):
+    names = [name for name, _ in parts]
+    arrays = [array for _, array in parts]
+    kinds = {isinstance(a, QuantizedTensor) for a in arrays}
+    if len(kinds) > 1:
+        raise ValueError(f"{source}: {names} mix quantized and float tensors; they are fused")
+    first = arrays[0].leaves() if isinstance(arrays[0], QuantizedTensor) else {"": arrays[0]}
+    by_leaf = {
+        leaf: [a.leaves().get(leaf) if isinstance(a, QuantizedTensor) else a for a in arrays]
+        for leaf in first
+    }
+    out = {}
+    for leaf, values in by_leaf.items():
+        shapes = [None if v is None else tuple(np.shape(v)) for v in values]
+        if ".qkv_proj." in fused:
+            q, k, v = shapes
+            ok = None not in shapes and k == v and q[1:] == k[1:]
+            ok = ok and q[0] % num_kv_heads == 0 and k[0] % num_kv_heads == 0
+        else:
+            ok = None not in shapes and shapes[0] == shapes[1]
+        if not ok:
+            what = f" ({leaf})" if leaf else ""
+            raise ValueError(
+                f"{source}: tensors {names}{what} have shapes {shapes}, which do not fuse into "
+                f"{fused!r} ({num_kv_heads} kv heads)"
+            )
+        values = [np.asarray(v) for v in values]
+        if ".qkv_proj." in fused:
+            out[leaf] = fuse_qkv(*values, num_kv_heads)
+        else:
+            out[leaf] = fuse_gate_up(*values)
+    return QuantizedTensor(**out) if "" not in out else out[""]
 
 
 def _place_quantized(
@@ -348,7 +412,9 @@ def load_model(
             abstract,
             mesh,
             param_cache,
-            lambda: place_tensors(tensors(), abstract, mesh, source, scheme),
+            lambda: place_tensors(
+                tensors(), abstract, mesh, source, scheme, num_kv_heads=cfg.num_kv_heads
+            ),
         )
         how = "parameters from the cache" if from_cache else "parameters converted"
     logger.info("model loaded in %.1fs (%s)", time.perf_counter() - start, how)

@@ -30,7 +30,7 @@ def test_unknown_mode_is_refused_by_name():
 def test_int4_needs_inputs_divisible_by_its_group():
     # tiny-llama's hidden size is 64: int4's groups of 128 do not fit its projections.
     with pytest.raises(
-        ValueError, match=r"groups of 128 inputs .* self_attn.q_proj has 64 inputs \(64 % 128 = 64"
+        ValueError, match=r"groups of 128 inputs .* self_attn.qkv_proj has 64 inputs \(64 % 128 = 64"
     ):
         load_model(
             "tiny-llama", load_format="dummy", quantization="int4", mesh=make_mesh(MeshConfig())
@@ -40,7 +40,7 @@ def test_int4_needs_inputs_divisible_by_its_group():
 def test_gguf_that_must_be_requantized_gets_the_same_check(tmp_path):
     path = tmp_path / "q5.gguf"
     write_tiny_gguf(path, qtype=Q.Q5_0)  # no 4-bit blocks to keep: int4 re-quantizes, groups of 128
-    with pytest.raises(ValueError, match=r"multiple of 128: self_attn.q_proj has 64 inputs"):
+    with pytest.raises(ValueError, match=r"multiple of 128: self_attn.qkv_proj has 64 inputs"):
         load_model(str(path), quantization="int4", mesh=make_mesh(MeshConfig()), param_cache=False)
     loaded = load_model(
         str(path), quantization="int8", mesh=make_mesh(MeshConfig()), param_cache=False

@@ -186,9 +186,9 @@ def test_gguf_blocks_load_exactly(qtype, mode, dtype, offset, tmp_path):
     write_tiny_gguf(path, qtype=qtype)
     ref, quant = _loaded(path), _loaded(path, mode)
     assert quant.quantization.group_size == 32 and quant.quantization.offset is offset
-    q_proj = quant.state["layers"][0]["self_attn"]["q_proj"]
-    assert q_proj["qvalue"].get_value().dtype.name == dtype
-    assert q_proj["scale"].get_value().shape == (64, 2)  # [out, in / 32]
+    qkv = quant.state["layers"][0]["self_attn"]["qkv_proj"]  # the file's q, k, v blocks fused
+    assert qkv["qvalue"].get_value().dtype.name == dtype
+    assert qkv["scale"].get_value().shape == (128, 2)  # [64 + 2 x 32 out, 64 in / 32]
     ids = [5, 17, 33, 101, 7, 250, 3, 3, 90]
     lf, lq = PagedSequence(ref).feed(ids), PagedSequence(quant).feed(ids)
     np.testing.assert_allclose(lq, lf, rtol=1e-5, atol=1e-5 * np.abs(lf).max())
@@ -207,7 +207,9 @@ def test_gguf_int4_engine_and_parameter_cache(tmp_path, monkeypatch):
     for llm in (first, again):
         assert [o.token_ids for o in llm.generate(PROMPTS, p)] == float_tokens
         assert llm.engine.num_recompiles == 0
-    leaves = lambda llm: nnx.to_pure_dict(llm.engine.model.state)["layers"][1]["mlp"]["up_proj"]  # noqa: E731
+    def leaves(llm):
+        return nnx.to_pure_dict(llm.engine.model.state)["layers"][1]["mlp"]["gate_up_proj"]
+
     for name in ("qvalue", "scale", "offset"):
         a, b = np.asarray(leaves(first)[name]), np.asarray(leaves(again)[name])
         assert a.dtype == b.dtype and np.array_equal(a.astype(np.float32), b.astype(np.float32))

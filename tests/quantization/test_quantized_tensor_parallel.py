@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
         llm = LLM(str(path), quantization=mode, mesh=MeshConfig(model=2), **kw)
         layer = llm.engine.model.state["layers"][0]
         specs = {}
-        for part, name in (("self_attn", "q_proj"), ("mlp", "down_proj")):
+        for part, name in (("self_attn", "qkv_proj"), ("mlp", "down_proj")):
             for leaf in ("qvalue", "scale"):
                 x = layer[part][name][leaf].get_value()
                 specs[f"{name}.{leaf}"] = [list(x.sharding.spec), len(x.sharding.device_set),
@@ -63,9 +63,10 @@ def test_two_way_tensor_parallel_quantized_matches_float32(tmp_path):
         r = result[mode]
         assert r["tokens"] == result["single"] and r["recompiles"] == 0
         s = r["specs"]
-        # q_proj [256 out, 128 in] splits its outputs; down_proj [128 out, 256 in] its inputs
-        assert s["q_proj.qvalue"] == [["model", None], 2, [64, 128]]
-        assert s["q_proj.scale"][0] == ["model", None]
+        # qkv_proj [128 + 2 x 64 out, 128 in] splits its outputs (one kv head's group per
+        # device); down_proj [128 out, 256 in] its inputs
+        assert s["qkv_proj.qvalue"] == [["model", None], 2, [128, 128]]
+        assert s["qkv_proj.scale"][0] == ["model", None]
         assert s["down_proj.qvalue"] == [[None, "model"], 2, [128, 128]]
     # int4's two groups of down_proj go one to each shard; fp8's one scale per channel is whole
     assert result["int4"]["specs"]["down_proj.scale"] == [
