@@ -65,7 +65,7 @@ def test_each_rule_takes_effect_where_it_was_measured(rule):
 
 
 @pytest.mark.parametrize(
-    "head_dim, block_kv, stages", [(64, 128, 6), (128, 64, 4)], ids=["hd64", "hd128"]
+    "head_dim, block_kv, stages", [(64, 128, 6), (128, 64, 5)], ids=["hd64", "hd128"]
 )
 def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     head_dim, block_kv, stages
