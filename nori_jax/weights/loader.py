@@ -201,37 +201,44 @@ def _fuse_parts(tensors, flat: dict, num_kv_heads: int, source: str):
 
 
 def _fuse(fused: str, parts: list[tuple[str, object]], num_kv_heads: int, source: str):
+    """The fused tensor `fused` from its (name, array) parts: float arrays, or QuantizedTensors
+    fused leaf by leaf (values and scales alike are [out, ...])."""
     names = [name for name, _ in parts]
     arrays = [array for _, array in parts]
-    kinds = {isinstance(a, QuantizedTensor) for a in arrays}
-    if len(kinds) > 1:
+    quantized = [isinstance(a, QuantizedTensor) for a in arrays]
+    if any(quantized) != all(quantized):
         raise ValueError(f"{source}: {names} mix quantized and float tensors; they are fused")
-    first = arrays[0].leaves() if isinstance(arrays[0], QuantizedTensor) else {"": arrays[0]}
-    by_leaf = {
-        leaf: [a.leaves().get(leaf) if isinstance(a, QuantizedTensor) else a for a in arrays]
-        for leaf in first
-    }
-    out = {}
-    for leaf, values in by_leaf.items():
-        shapes = [None if v is None else tuple(np.shape(v)) for v in values]
-        if ".qkv_proj." in fused:
-            q, k, v = shapes
-            ok = None not in shapes and k == v and q[1:] == k[1:]
-            ok = ok and q[0] % num_kv_heads == 0 and k[0] % num_kv_heads == 0
-        else:
-            ok = None not in shapes and shapes[0] == shapes[1]
-        if not ok:
-            what = f" ({leaf})" if leaf else ""
-            raise ValueError(
-                f"{source}: tensors {names}{what} have shapes {shapes}, which do not fuse into "
-                f"{fused!r} ({num_kv_heads} kv heads)"
+    if not any(quantized):
+        return _fuse_leaf(fused, names, arrays, num_kv_heads, source)
+    leaves = sorted({leaf for a in arrays for leaf in a.leaves()})
+    return QuantizedTensor(
+        **{
+            leaf: _fuse_leaf(
+                fused, names, [a.leaves().get(leaf) for a in arrays], num_kv_heads, source, leaf
             )
-        values = [np.asarray(v) for v in values]
-        if ".qkv_proj." in fused:
-            out[leaf] = fuse_qkv(*values, num_kv_heads)
-        else:
-            out[leaf] = fuse_gate_up(*values)
-    return QuantizedTensor(**out) if "" not in out else out[""]
+            for leaf in leaves
+        }
+    )
+
+
+def _fuse_leaf(fused, names, values, num_kv_heads: int, source: str, leaf: str = ""):
+    shapes = [None if v is None else tuple(np.shape(v)) for v in values]
+    qkv = ".qkv_proj." in fused
+    if None in shapes:
+        ok = False
+    elif qkv:
+        q, k, v = shapes
+        ok = k == v and q[1:] == k[1:] and q[0] % num_kv_heads == 0 == k[0] % num_kv_heads
+    else:
+        ok = shapes[0] == shapes[1]
+    if not ok:
+        what = f" ({leaf})" if leaf else ""
+        raise ValueError(
+            f"{source}: tensors {names}{what} have shapes {shapes}, which do not fuse into "
+            f"{fused!r} ({num_kv_heads} kv heads)"
+        )
+    values = [np.asarray(v) for v in values]
+    return fuse_qkv(*values, num_kv_heads) if qkv else fuse_gate_up(*values)
 
 
 def _place_quantized(
