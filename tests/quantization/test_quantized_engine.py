@@ -207,6 +207,7 @@ def test_gguf_int4_engine_and_parameter_cache(tmp_path, monkeypatch):
     for llm in (first, again):
         assert [o.token_ids for o in llm.generate(PROMPTS, p)] == float_tokens
         assert llm.engine.num_recompiles == 0
+
     def leaves(llm):
         return nnx.to_pure_dict(llm.engine.model.state)["layers"][1]["mlp"]["gate_up_proj"]
 
