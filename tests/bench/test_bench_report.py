@@ -244,18 +244,23 @@ def test_ctrl_c_stops_cleanly_and_reports_what_completed(
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     }
+    # As from a terminal: a suite run as a background job (`cmd &` in a script) hands its
+    # children SIGINT ignored, and Python then installs no KeyboardInterrupt handler; the child
+    # installs it itself (a preexec_fn would make this a fork of a JAX process, which JAX warns
+    # against).
+    restore_sigint_then_run = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('nori_jax.bench', run_name='__main__', alter_sys=True)"
+    )
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "nori_jax.bench", "serve", "--base-url", server.base_url,
+            sys.executable, "-c", restore_sigint_then_run, "serve", "--base-url", server.base_url,
             "--dataset", "fixed", "--num-prompts", "60", "--input-len", "8", "--output-len",
             "10", "--request-rate", "10", "--num-client-processes", "2", "--disable-tqdm",
             "--result-json", str(rj),
         ],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
-        # as from a terminal: a suite run as a background job (`cmd &` in a script) hands its
-        # children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while len(server.stats()["sent"]) < 3:  # some requests have finished
