@@ -91,6 +91,29 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
             64,
             "e4m3",
         ),
+        # default_tuning's fp8 decode schedules (tuning.BLOCKS "fp8 decode, ...")
+        (
+            TuningConfig(
+                *(128, 6, 1, 132),
+                decode_wgs=2,
+                pingpong=True,
+                producer_warps=4,
+                fp8_convert_early=True,
+            ),
+            64,
+            "e4m3",
+        ),
+        (
+            TuningConfig(
+                *(64, 5, 1, 132),
+                decode_wgs=2,
+                pingpong=True,
+                producer_warps=4,
+                fp8_convert_early=True,
+            ),
+            128,
+            "e5m2",
+        ),
     ],
     ids=[
         "default-form-e4m3",
@@ -99,6 +122,8 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
         "head-dim-32-e5m2",
         "convert-early-e4m3",
         "convert-early-compute-wgs-3-e4m3",
+        "fp8-decode-default-head-dim-64",
+        "fp8-decode-default-head-dim-128",
     ],
 )
 def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):
