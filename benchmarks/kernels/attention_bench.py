@@ -614,6 +614,7 @@ TUNING_FLAGS = {
     "nomrs": {"mma_row_sums": False},
     **{f"ks{k}": {"prefill_kv_splits": k} for k in (1, 2, 3, 4, 8)},
     "early": {"fp8_convert_early": True},  # fp8 pages only
+    "qk": {"fp8_qk": True},  # fp8 pages only
 }
 
 

@@ -10,7 +10,9 @@ wgmma on Hopper takes fp8 operands only K-major, which P V's V is not, and only 
 operands in fp8, which would quantize Q and P too; float16 holds every e4m3 and e5m2 value
 exactly, and Q (bf16, converted once per item, |q| clamped to 65,504) as well as bf16 does or
 better. The scales are not applied to K or V: k_scale joins the softmax scale and v_scale the
-output's normalisation.
+output's normalisation. With tuning.fp8_qk, Q K^T reads the 8-bit K stage itself (it is K-major,
+the one form fp8 wgmma takes): each warpgroup quantizes its Q rows (one absmax scale per row,
+which joins the softmax scale per row) into an 8-bit tile, and only V is converted.
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ def _dequantize(st: Statics, src, dst) -> None:
     plgpu.commit_smem()
 
 
-def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale):
+def _online_softmax(
+    st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale, q_scale=None
+):
     """One block's scores s [64, bk] f32 into P (st.mma_dtype) with the running max m (log2
     units), the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom).
-    k_scale: a scalar the scores are multiplied by (fp8 pages), or None.
+    k_scale: a scalar the scores are multiplied by (fp8 pages), or None. q_scale: [64] row
+    scales the scores are multiplied by (an fp8 Q, tuning.fp8_qk), or None.
 
     With tuning.mma_row_sums, denom is the [64, 8] accumulator of P @ ones that _pv adds to
     (every column a row sum): only rescaled here, the sum itself is the tensor cores' work."""
@@ -76,17 +81,26 @@ def _online_softmax(st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool,
     # Scores in log2 units are s * to_log2. Without a soft cap the scale is not applied to s
     # itself: it is folded into the row max (scale > 0) and into exp2's argument, one FMA.
     scale = st.sm_scale if k_scale is None else st.sm_scale * k_scale
+
+    def per_row(c):  # the scalar c, times each row's Q scale where Q is fp8
+        if q_scale is None:
+            return c
+        return lax.broadcast_in_dim(q_scale * c, s.shape, [0])
+
     if st.soft_cap is not None:
-        s = jnp.tanh(s * (scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+        s = jnp.tanh(s * per_row(scale / st.soft_cap)) * (st.soft_cap * LOG2E)
         to_log2 = 1.0
+        row_to_log2 = None
     else:
-        to_log2 = scale * LOG2E
+        to_log2 = per_row(scale * LOG2E)
+        # the row max in log2 units: row scales are > 0, so they commute with the max
+        row_to_log2 = None if q_scale is None else q_scale * (scale * LOG2E)
     if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=WGMMA)
         cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=WGMMA)
         visible = cols + b * bk <= row_pos0 + lax.div(rows, jnp.int32(st.group))
         s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
+    m_new = jnp.maximum(m, s.max(axis=1) * (to_log2 if row_to_log2 is None else row_to_log2))
     m_ref = m_new  # what exp2 subtracts
     if masked and st.tuning.prefill_kv_splits > 1:
         # A part of a split tile may start past a row's position: the row sees no key of the
@@ -138,11 +152,24 @@ def _pv(st: Statics, v, p16, p_smem, ones, acc, denom, meanwhile=None):
 
 
 def _attend(
-    st: Statics, r: Refs, q_op, p_smem, ones, dq, kvc, b_start, b_full, b_end, row_pos0, turns
+    st: Statics,
+    r: Refs,
+    q_op,
+    p_smem,
+    ones,
+    dq,
+    kvc,
+    b_start,
+    b_full,
+    b_end,
+    row_pos0,
+    turns,
+    q_scale=None,
 ):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
-    q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref; p_smem: [64, bk] SMEM for P
+    q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref (with tuning.fp8_qk an
+    8-bit one, and q_scale its [64] row scales); p_smem: [64, bk] SMEM for P
     when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
     None; dq: this warpgroup's [bk, D] tiles (K's, V's) for dequantized fp8 blocks (one tile for
     both unless tuning.fp8_convert_early: then a block's V is converted under its Q K^T and the
@@ -156,8 +183,12 @@ def _attend(
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
+    k_direct = st.kv_fp8 and st.tuning.fp8_qk  # Q K^T reads the 8-bit K stage itself
     early = dq is not None and st.tuning.fp8_convert_early
+    early_k = early and not k_direct  # K converted ahead (under the last block's P V)
     dq_k, dq_v = (None, None) if dq is None else dq
+    if k_direct:
+        dq_k = None
 
     def operand(stage, tile):  # a K or V stage as wgmma reads it
         if tile is None:
@@ -177,7 +208,7 @@ def _attend(
     def block(b, carry, *, masked):
         acc, m, denom = carry
         slot = slot_of(b)
-        if early:  # converted already: under the last block's P V, or before the first block
+        if early_k:  # converted already: under the last block's P V, or before the first block
             k_op = dq_k
         else:
             with jax.named_scope("wait_k"):
@@ -197,7 +228,7 @@ def _attend(
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
         with jax.named_scope("softmax"):
             p16, acc, m_new, denom = _online_softmax(
-                st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale
+                st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale, q_scale=q_scale
             )
         with jax.named_scope("wait_v"):
             # (with early V has been waited for and converted already)
@@ -205,7 +236,7 @@ def _attend(
             acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
         v_op = dq_v if early else operand(r.v_smem.at[slot], dq_v)
         # (early: the next block's K into the K tile, which this block's Q K^T is done with)
-        next_k = (lambda: pl.when(b + 1 < b_end)(lambda: convert_k(b + 1))) if early else None
+        next_k = (lambda: pl.when(b + 1 < b_end)(lambda: convert_k(b + 1))) if early_k else None
         with jax.named_scope("pv"):
             acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom, meanwhile=next_k)
         plgpu.barrier_arrive(r.kv_free.at[slot])
@@ -217,7 +248,7 @@ def _attend(
         denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW_VEC)
     else:
         denom = plgpu.layout_cast(jnp.zeros((ROWS, 8), jnp.float32), WGMMA)
-    if early:
+    if early_k:
         pl.when(b_start < b_end)(lambda: convert_k(b_start))
     carry = lax.fori_loop(b_start, b_full, functools.partial(block, masked=False), (acc, m, denom))
     acc, m, denom = lax.fori_loop(b_full, b_end, functools.partial(block, masked=True), carry)
@@ -243,16 +274,26 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         ones = r.ones_smem.at[wg, pl.ds(0, 8)].T  # [bk, 8]: 8 of its rows, K-major
 
     def load_q(qs):
-        """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)."""
+        """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)
+        and their row scales (an 8-bit Q, tuning.fp8_qk), else None."""
         q = plgpu.load(r.q_smem.at[qs, wg], layout=WGMMA, optimized=False)
+        if r.q8_smem is not None:  # each row over its absmax, into the 8-bit operand tile
+            q = q.astype(jnp.float32)
+            top = float(jnp.finfo(r.q8_smem.dtype).max)
+            q_scale = jnp.maximum(jnp.abs(q).max(axis=1), 1e-30) * (1.0 / top)  # [64], > 0
+            r.q8_smem.at[wg][...] = (q / lax.broadcast_in_dim(q_scale, q.shape, [0])).astype(
+                r.q8_smem.dtype
+            )
+            plgpu.commit_smem()
+            return r.q8_smem.at[wg], q_scale
         if q.dtype != st.mma_dtype:  # bf16 Q for float16 products with dequantized fp8 K
             top = float(jnp.finfo(st.mma_dtype).max)
             q = jnp.clip(q.astype(jnp.float32), -top, top).astype(st.mma_dtype)
         if st.a_operands == "regs":
-            return q
+            return q, None
         r.qa_smem.at[wg][...] = q
         plgpu.commit_smem()
-        return r.qa_smem.at[wg]
+        return r.qa_smem.at[wg], None
 
     def normalise(acc, denom):
         # Empty decode splits and parts, and the padding sequence's rows (no KV blocks at all,
@@ -275,10 +316,10 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         @pl.when(is_dec & mine)
         def _decode():
             plgpu.barrier_wait(r.qd_full.at[qs])
-            q = load_q(qs)
+            q, q_scale = load_q(qs)
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
-            args = (kvc, b0, b_full, b1, row_pos0, NoTurns())
+            args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
             acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args)
             o = normalise(acc, denom)
             if splits == 1:
@@ -314,11 +355,11 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
             @pl.when(n_tok > 0)
             def _compute():
-                q = load_q(qs)
+                q, q_scale = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
                 acc, m, denom = _attend(
-                    st, r, q, p_smem, ones, dq, kvc, b0, b_full, b_end, row_pos0, turns
+                    st, r, q, p_smem, ones, dq, kvc, b0, b_full, b_end, row_pos0, turns, q_scale
                 )
                 r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                 if r.part_lse is not None:

@@ -78,6 +78,7 @@ class Refs(NamedTuple):
     ones_smem: Any
     part_lse_smem: Any
     dq_smem: Any
+    q8_smem: Any
     k_full: Any
     v_full: Any
     kv_free: Any

@@ -62,6 +62,8 @@ def attention_kernel(
     part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
     dq_smem,  # [WGS x tiles, bk, D] mma dtype SMEM, swizzled: K and V blocks dequantized from
     #                                          fp8 stages (st.kv_fp8; tuning.dq_tiles), or None
+    q8_smem,  # [WGS, 64, D] fp8               SMEM, swizzled: each warpgroup's Q rows quantized
+    #                                          to the pages' fp8 dtype (tuning.fp8_qk), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -77,8 +79,8 @@ def attention_kernel(
     cta = lax.axis_index("cta")
     r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, kv_scales_ref,
              out_ref, opart_ref, lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem,
-             o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, k_full, v_full, kv_free,
-             qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
+             o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, q8_smem, k_full, v_full,
+             kv_free, qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
     items = Items(st, r)
 
     wgs = st.tuning.compute_wgs

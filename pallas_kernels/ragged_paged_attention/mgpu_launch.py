@@ -101,6 +101,11 @@ def launch(
         plgpu.SMEM((wgs * tn.dq_tiles, tn.block_kv, d), mma_dtype, transforms=mma)
         if st.kv_fp8
         else None,
+        # q8_smem: each compute warpgroup's Q rows in the pages' fp8 dtype, Q K^T's A operand
+        # (fp8_qk)
+        plgpu.SMEM((wgs, ROWS, d), kv_dtype, transforms=kv_tiles)
+        if st.kv_fp8 and tn.fp8_qk
+        else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free

@@ -64,6 +64,12 @@ class TuningConfig:
                    x D more SMEM per compute warpgroup) and the next block's K while they run
                    P V, instead of each just before the matmul that reads it. default_tuning
                    turns it on for fp8 decode buckets (RULES).
+    fp8_qk:        fp8 pages only: Q K^T as an fp8 x fp8 wgmma on the K stage itself (K-major, as
+                   fp8 wgmma needs), Q quantized per row (absmax scale, in the pages' fp8 dtype)
+                   into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
+                   scale. K is then never converted, only V (into one dequantized tile, early
+                   under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q.
+                   Off by default; not measured on the GPU.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -79,6 +85,7 @@ class TuningConfig:
     mma_row_sums: bool = False
     prefill_kv_splits: int = 1
     fp8_convert_early: bool = False
+    fp8_qk: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -106,13 +113,15 @@ class TuningConfig:
             raise ValueError(f"{self.prefill_kv_splits=} must be an int in [1, 8]")
         if not isinstance(self.fp8_convert_early, bool):
             raise ValueError(f"{self.fp8_convert_early=} must be a bool")
+        if not isinstance(self.fp8_qk, bool):
+            raise ValueError(f"{self.fp8_qk=} must be a bool")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
         `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
         staging of split prefill tiles, and with fp8 pages each compute warpgroup's dequantized
-        block)."""
+        block and, with fp8_qk, its 8-bit Q tile)."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1
@@ -124,13 +133,14 @@ class TuningConfig:
         ones = self.compute_wgs * ROWS * self.block_kv * mma_item if self.mma_row_sums else 0
         lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
         dq = self.dq_tiles * self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 else 0
-        return kv + q + split + a_ops + ones + lse + dq
+        q8 = self.compute_wgs * ROWS * head_dim * kv_item if fp8 and self.fp8_qk else 0
+        return kv + q + split + a_ops + ones + lse + dq + q8
 
     @property
     def dq_tiles(self) -> int:
         """Dequantized [block_kv, D] tiles per compute warpgroup with fp8 pages: K then V in one,
-        or (fp8_convert_early) one each."""
-        return 2 if self.fp8_convert_early else 1
+        or (fp8_convert_early) one each; with fp8_qk V's only."""
+        return 2 if self.fp8_convert_early and not self.fp8_qk else 1
 
     @property
     def compute_registers(self) -> int:

@@ -114,6 +114,32 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
             128,
             "e5m2",
         ),
+        # Q K^T on the 8-bit K stage (fp8_qk): an fp8 Q tile, fp8 x fp8 wgmma
+        (
+            TuningConfig(
+                *(128, 6, 1, 132),
+                decode_wgs=2,
+                pingpong=True,
+                producer_warps=4,
+                fp8_convert_early=True,
+                fp8_qk=True,
+            ),
+            64,
+            "e4m3",
+        ),
+        (
+            TuningConfig(
+                *(128, 2, 1, 132),
+                compute_wgs=3,
+                decode_wgs=2,
+                producer_warps=4,
+                mma_row_sums=True,
+                fp8_convert_early=True,
+                fp8_qk=True,
+            ),
+            64,
+            "e5m2",
+        ),
     ],
     ids=[
         "default-form-e4m3",
@@ -124,6 +150,8 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
         "convert-early-compute-wgs-3-e4m3",
         "fp8-decode-default-head-dim-64",
         "fp8-decode-default-head-dim-128",
+        "fp8-qk-e4m3",
+        "fp8-qk-early-compute-wgs-3-e5m2",
     ],
 )
 def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):

@@ -264,6 +264,66 @@ def test_fp8_converted_early_matches_reference(case):
     )
 
 
+# Q K^T on the 8-bit K stage itself (tuning.fp8_qk): Q quantized per row (a (token, q head)
+# vector of D values) to the pages' fp8 dtype. Against the reference run on that quantized Q the
+# kernel matches as closely as the other fp8 forms do; the quantization itself costs more.
+# (q dtype, pages, head_dim, page size, q heads, kv heads, soft cap, tuning)
+FP8_QK_CASES = [
+    (
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 8, 2, None),
+        TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_qk=True),
+    ),
+    (
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, 4, 2, 30.0),
+        TuningConfig(64, 3, 1, 3, decode_wgs=2, fp8_convert_early=True, fp8_qk=True),
+    ),
+    (
+        *(jnp.float16, jnp.float8_e5m2, 32, 32, 3, 3, None),
+        TuningConfig(
+            64, 3, 1, 2, compute_wgs=3, mma_row_sums=True, fp8_convert_early=True, fp8_qk=True
+        ),
+    ),
+]
+
+
+def quantized_q_rows(q, dtype):
+    """q [T, Hq, D] as the kernel's fp8_qk reads it: each (token, head) row over its absmax
+    scale, rounded to `dtype`, and back."""
+    q32 = q.astype(jnp.float32)
+    top = float(jnp.finfo(dtype).max)
+    scale = jnp.maximum(jnp.abs(q32).max(axis=-1, keepdims=True), 1e-30) / top
+    return ((q32 / scale).astype(dtype).astype(jnp.float32) * scale).astype(q.dtype)
+
+
+@pytest.mark.parametrize(
+    "case", FP8_QK_CASES, ids=["e4m3-split-pingpong", "e4m3-d128-cap-early", "e5m2-cw3-mrs"]
+)
+def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
+    dtype, pages, d, ps, hq, hkv, cap, tuning = case
+    step = make_step(
+        17,
+        decode_kv_lens=[1, ps + 1, 3 * ps + 5],
+        prefill=[(70, 70), (17, 2 * ps + 17)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
+    args, scales = fp8_pages(step, pages)
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales, soft_cap=cap)
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
+    q8_args = (quantized_q_rows(args[0], pages), *args[1:])
+    _check(out, ragged_paged_attention_reference(*q8_args, **kw), dtype)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+    # what quantizing Q costs, against the reference on Q as given: more than the kernel's own
+    # error above, bounded
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)
+    n = step.num_valid_tokens
+    err = np.abs(np.asarray(out, np.float32)[:n] - ref[:n]).max() / np.abs(ref[:n]).max()
+    assert err < {jnp.float8_e4m3fn: 0.1, jnp.float8_e5m2: 0.2}[pages], err
+
+
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_attention_step_writes_kv_exactly_and_attends(pages):
     """backend="pallas": the written pages equal write_kv_reference bit for bit (fp8 pages:
@@ -451,6 +511,17 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(prefill_kv_splits=9)
     with pytest.raises(ValueError, match="fp8_convert_early"):
         TuningConfig(fp8_convert_early=1)
+    with pytest.raises(ValueError, match="fp8_qk"):
+        TuningConfig(fp8_qk=1)
+    # fp8_qk: an 8-bit Q tile per compute warpgroup, and no K tile (early conversion keeps one)
+    base, qk = TuningConfig(128, 2, fp8_convert_early=True), TuningConfig(128, 2, fp8_qk=True)
+    qk_early = dataclasses.replace(qk, fp8_convert_early=True)
+    fp8 = dict(kv_dtype=jnp.float8_e4m3fn)
+    assert qk.smem_bytes(64, jnp.bfloat16, **fp8) == qk_early.smem_bytes(64, jnp.bfloat16, **fp8)
+    assert base.smem_bytes(64, jnp.bfloat16, **fp8) - qk.smem_bytes(64, jnp.bfloat16, **fp8) == (
+        2 * 128 * 64 * 2 - 2 * 64 * 64
+    )
+    assert qk.smem_bytes(64, jnp.bfloat16) == TuningConfig(128, 2).smem_bytes(64, jnp.bfloat16)
     # V's own dequantized tile: block_kv x head_dim float16 more per compute warpgroup
     one, two = (
         TuningConfig(128, compute_wgs=3),
