@@ -61,6 +61,10 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+# the fields default_tuning gives an fp8 decode bucket besides its block (tuning.RULES)
+FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_early=True)
+
+
 @pytest.mark.parametrize(
     "tuning, head_dim, kv_dtype",
     [
@@ -92,41 +96,10 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
             "e4m3",
         ),
         # default_tuning's fp8 decode schedules (tuning.BLOCKS "fp8 decode, ...")
-        (
-            TuningConfig(
-                *(128, 6, 1, 132),
-                decode_wgs=2,
-                pingpong=True,
-                producer_warps=4,
-                fp8_convert_early=True,
-            ),
-            64,
-            "e4m3",
-        ),
-        (
-            TuningConfig(
-                *(64, 5, 1, 132),
-                decode_wgs=2,
-                pingpong=True,
-                producer_warps=4,
-                fp8_convert_early=True,
-            ),
-            128,
-            "e5m2",
-        ),
+        (TuningConfig(128, 6, 1, 132, **FP8_DECODE), 64, "e4m3"),
+        (TuningConfig(64, 5, 1, 132, **FP8_DECODE), 128, "e5m2"),
         # Q K^T on the 8-bit K stage (fp8_qk): an fp8 Q tile, fp8 x fp8 wgmma
-        (
-            TuningConfig(
-                *(128, 6, 1, 132),
-                decode_wgs=2,
-                pingpong=True,
-                producer_warps=4,
-                fp8_convert_early=True,
-                fp8_qk=True,
-            ),
-            64,
-            "e4m3",
-        ),
+        (TuningConfig(128, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 64, "e4m3"),
         (
             TuningConfig(
                 *(128, 2, 1, 132),

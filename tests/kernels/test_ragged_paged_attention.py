@@ -221,6 +221,23 @@ def test_split_prefill_tiles_match_reference(case):
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
+def mixed_fp8_step(seed, dtype, pages, d, ps, hq, hkv):
+    """A mixed step (decode rows, a chunk from position 0, a chunk after a cached prefix) on fp8
+    pages: (step, its arguments with the pages quantized, their scales)."""
+    step = make_step(
+        seed,
+        decode_kv_lens=[1, ps + 1, 3 * ps + 5],
+        prefill=[(70, 70), (17, 2 * ps + 17)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
+    args, scales = fp8_pages(step, pages)
+    return step, args, scales
+
+
 # fp8 pages converted off the critical path (tuning.fp8_convert_early: V under Q K^T, the next
 # block's K under P V): a mixed step (decode rows, a chunk from position 0, a chunk after a cached
 # prefix), once with split decode on two decode warpgroups and ping-pong prefill tiles, once with
@@ -241,17 +258,7 @@ EARLY_CASES = [
 @pytest.mark.parametrize("case", EARLY_CASES, ids=["e4m3-split-pingpong", "e5m2-cw3-mrs"])
 def test_fp8_converted_early_matches_reference(case):
     dtype, pages, d, ps, hq, hkv, tuning = case
-    step = make_step(
-        13,
-        decode_kv_lens=[1, ps + 1, 3 * ps + 5],
-        prefill=[(70, 70), (17, 2 * ps + 17)],
-        page_size=ps,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        dtype=dtype,
-    )
-    args, scales = fp8_pages(step, pages)
+    step, args, scales = mixed_fp8_step(13, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
     ref = ragged_paged_attention_reference(*args, **kw)
@@ -300,17 +307,7 @@ def quantized_q_rows(q, dtype):
 )
 def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
     dtype, pages, d, ps, hq, hkv, cap, tuning = case
-    step = make_step(
-        17,
-        decode_kv_lens=[1, ps + 1, 3 * ps + 5],
-        prefill=[(70, 70), (17, 2 * ps + 17)],
-        page_size=ps,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        dtype=dtype,
-    )
-    args, scales = fp8_pages(step, pages)
+    step, args, scales = mixed_fp8_step(17, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales, soft_cap=cap)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
     q8_args = (quantized_q_rows(args[0], pages), *args[1:])
