@@ -7,7 +7,11 @@ Correctness: mixed steps (decode rows and prefill chunks after cached prefixes) 
 and a prefill-only bucket, for e4m3 and e5m2 pages with calibrated scales; the kernel against the
 reference on the same fp8 pages (relative L2 error; bf16 pages run the same check as a baseline),
 and the fp8 reference against the bf16 reference on the unquantized values (what quantization
-costs). Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
+costs). A bucket whose schedule reads Q rows in fp8 (tuning.fp8_qk, fp8 decode buckets by
+default) is checked against the reference on that Q (reference.quantize_query_rows), and the
+table adds its distance from the reference on Q as given.
+
+Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
 default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
 at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
@@ -33,8 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_kv
-from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.pallas_attention import (
+    bucket_tuning,
+    ragged_paged_attention_pallas,
+)
+from pallas_kernels.ragged_paged_attention.reference import (
+    quantize_query_rows,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.ragged_paged_attention.tuning import SMEM_BYTES, SMEM_SLACK, default_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -112,10 +122,14 @@ def run_checks(rng) -> None:
                 ref = ragged_paged_attention_reference(*a, **kw, **extra)
                 n = int(np.asarray(p["cu"])[int(np.asarray(p["dist"])[1])])
                 row.update(
-                    err_vs_ref=rel_err(out[:n], ref[:n]),
                     quant_err_vs_bf16=rel_err(ref[:n], ref16[:n]),
                     pad_rows_zero=bool(jnp.all(out[n:] == 0)),
                 )
+                if bucket_tuning(a[0], a[1], a[3]).fp8_qk:  # checked on the Q it reads
+                    q8 = quantize_query_rows(a[0], FP8[name])
+                    row.update(q_rows_fp8=True, q_err_vs_ref=rel_err(out[:n], ref[:n]))
+                    ref = ragged_paged_attention_reference(q8, *a[1:], **kw, **extra)
+                row.update(err_vs_ref=rel_err(out[:n], ref[:n]))
             except Exception as e:  # noqa: BLE001 - report and go on
                 row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
                 traceback.print_exc()
@@ -155,9 +169,12 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     n = min(8, batch)
     for name, fn in fns.items():  # compile, check the first n sequences' rows
         out = jax.block_until_ready(fn(p["tables"][0]))
-        pages, sc, _ = forms[name]
+        pages, sc, tuning = forms[name]
+        q = p["q"][:n]
+        if (tuning or bucket_tuning(p["q"], pages, p["tables"][0])).fp8_qk:
+            q = quantize_query_rows(q, pages.dtype)  # checked on the Q it reads
         ref = ragged_paged_attention_reference(
-            p["q"][:n],
+            q,
             pages,
             p["kv_lens"][:n],
             p["tables"][0][:n],
@@ -232,9 +249,10 @@ def print_table(ceil) -> None:
         if "error" in r:
             print(f"{case:44s} {r['pages']:9s} ERROR {r['error'][:70]}")
         else:
+            q8 = f"  Q rows fp8: {r['q_err_vs_ref']:.1e} from Q" if r.get("q_rows_fp8") else ""
             print(
                 f"{case:44s} {r['pages']:9s} {r['err_vs_ref']:11.1e} "
-                f"{r['quant_err_vs_bf16']:12.1e}  {r['pad_rows_zero']}"
+                f"{r['quant_err_vs_bf16']:12.1e}  {r['pad_rows_zero']}{q8}"
             )
     print(f"\n{'decode':32s} {'pages':28s} {'ms':>8s} {'TB/s':>6s} {'%copy':>6s} {'speedup':>8s}")
     for r in ROWS:

@@ -68,6 +68,26 @@ def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpre
         raise ValueError(f"{soft_cap=} must be None or > 0")
 
 
+def bucket_tuning(q, kv_pages, page_table, *, interpret: bool = False) -> TuningConfig:
+    """The schedule a call with these shapes runs when it names none: default_tuning of its
+    bucket on this machine's SMs (a few CTAs in interpret mode)."""
+    num_tokens, hq, d = q.shape
+    _, hkv, _, page_size, _ = kv_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    return default_tuning(
+        num_seqs=num_seqs,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        dtype=q.dtype,
+        num_tokens=num_tokens,
+        num_q_heads=hq,
+        num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
+        kv_dtype=kv_pages.dtype,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "tuning", "interpret", "a_operands", "profile_dir"),
@@ -117,18 +137,7 @@ def ragged_paged_attention_pallas(
     if kv_fp8 and kv_scales is None:
         kv_scales = default_kv_scales()
     if tuning is None:
-        tuning = default_tuning(
-            num_seqs=num_seqs,
-            num_kv_heads=hkv,
-            head_dim=d,
-            page_size=page_size,
-            pages_per_seq=pages_per_seq,
-            dtype=q.dtype,
-            num_tokens=num_tokens,
-            num_q_heads=hq,
-            num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
-            kv_dtype=kv_pages.dtype,
-        )
+        tuning = bucket_tuning(q, kv_pages, page_table, interpret=interpret)
     if a_operands not in ("regs", "smem"):
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
     a_in_smem = a_operands == "smem"

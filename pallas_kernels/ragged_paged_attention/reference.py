@@ -50,6 +50,16 @@ def token_metadata(
     return seq_ids, jnp.where(valid, q_pos, -1), valid
 
 
+def quantize_query_rows(q: jax.Array, dtype) -> jax.Array:
+    """q [T, Hq, D] as the kernel reads it with tuning.fp8_qk (fp8 pages' decode buckets by
+    default): each (token, head) row over its absmax scale, rounded to the fp8 `dtype`, and back
+    in q's dtype. Run the reference on it to check such a kernel call."""
+    q32 = q.astype(jnp.float32)
+    top = float(jnp.finfo(dtype).max)
+    scale = jnp.maximum(jnp.abs(q32).max(axis=-1, keepdims=True), 1e-30) / top
+    return ((q32 / scale).astype(dtype).astype(jnp.float32) * scale).astype(q.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jax.Array,

@@ -68,8 +68,9 @@ class TuningConfig:
                    fp8 wgmma needs), Q quantized per row (absmax scale, in the pages' fp8 dtype)
                    into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
                    scale. K is then never converted, only V (into one dequantized tile, early
-                   under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q.
-                   Off by default; not measured on the GPU.
+                   under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q
+                   (reference.quantize_query_rows). default_tuning turns it on for fp8 decode
+                   buckets (RULES), and api.py's reference path then quantizes Q the same way.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -175,6 +176,16 @@ class TuningConfig:
             raise ValueError(f"{self} needs {need} bytes of SMEM for {head_dim=}, {dtype=}")
 
 
+PREFILL_BUCKET_TOKENS = 2048
+
+
+def reads_fp8_query(num_tokens: int, kv_fp8: bool) -> bool:
+    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): fp8 pages in a
+    decode bucket. api.py's reference path quantizes Q where this holds, so the engine has the
+    GPU kernel's numerics on every backend."""
+    return kv_fp8 and num_tokens < PREFILL_BUCKET_TOKENS
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """The static shapes of one compiled call, all that default_tuning sees."""
@@ -191,7 +202,11 @@ class Bucket:
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
-        return self.num_tokens >= 2048
+        return self.num_tokens >= PREFILL_BUCKET_TOKENS
+
+    @property
+    def fp8_decode(self) -> bool:  # fp8 pages in a decode bucket: blocks and rules of their own
+        return reads_fp8_query(self.num_tokens, self.kv_fp8)
 
     def tiles_pages(self, block_kv: int) -> bool:
         return not (self.page_size % block_kv and block_kv % self.page_size)
@@ -230,6 +245,8 @@ BLOCKS: dict[str, tuple[tuple[int, int, str], ...]] = {
     # the SMEM that bf16 stages would, and deeper pipelines pay (the producer's copies are half
     # the bytes; the kernel is bound by latency and the conversion, not by bandwidth).
     "fp8 decode, head_dim 128": (
+        (64, 6, "run 12 call N1: 32q/8kv/128, B=1024 x ctx 1024, 64-token pages, with fp8_qk 0.809 "
+                "ms against 0.846 for 64 x 5 (bf16 pages 1.060)"),
         (64, 5, "run 11 call R5: 32q/8kv/128, B=1024 x ctx 1024, 64-token pages, 1.055 ms (bf16 "
                 "pages 1.062) against 1.082 for 64 x 4 and 1.095 for 64 x 3"),
         (64, 4, "run 11 call R2: the same at 16-token pages, 1.076 ms against 1.210 for 128 x 2 "
@@ -308,11 +325,18 @@ RULES: tuple[Rule, ...] = (
          "against 0.103-0.104 ms; where tiles are plenty (32q/8kv/64 at 4,096 and 8,192 "
          "tokens) the merge only added time",
          {**_PREFILL_64, "num_kv_heads": 3, "num_q_heads": 9, "num_tokens": 2048}),
-    Rule("fp8 pages, decode bucket", lambda b, k: b.kv_fp8 and not b.prefill,
+    Rule("fp8 pages, decode bucket", lambda b, k: b.fp8_decode,
          dict(fp8_convert_early=True),
          "run 11 calls R1, R2: decode at B=1024 x ctx 1024 with bf16's blocks, 9q/3kv/64 0.299-"
          "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
          "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
+         _FP8_DECODE_64),
+    Rule("fp8 pages, decode bucket: Q K^T in fp8", lambda b, k: b.fp8_decode,
+         dict(fp8_qk=True),
+         "run 12 call N1 (64-token pages, against the same schedule converting K): B=1024 x ctx "
+         "1024 9q/3kv/64 0.240 against 0.270 ms (bf16 pages 0.260), 32q/8kv/128 0.846 against "
+         "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166). Costs "
+         "Q's precision: docs/benchmarks.md, \"Quantization accuracy\"",
          _FP8_DECODE_64),
 )
 # fmt: on
@@ -331,7 +355,7 @@ def _candidates(b: Bucket) -> list[tuple[int, int, int]]:
     so prefill buckets give up the splits before the big blocks, decode buckets the big blocks
     before the splits."""
     table = "head_dim 128" if b.head_dim >= 128 else "head_dim <= 64"
-    if b.kv_fp8 and not b.prefill:
+    if b.fp8_decode:
         table = f"fp8 decode, {table}"
     blocks = [(bk, s) for bk, s, _ in BLOCKS[table] if b.tiles_pages(bk)]
     blocks = blocks or [(max(64, min(256, b.page_size)), 2)]

@@ -65,7 +65,7 @@ def test_each_rule_takes_effect_where_it_was_measured(rule):
 
 
 @pytest.mark.parametrize(
-    "head_dim, block_kv, stages", [(64, 128, 6), (128, 64, 5)], ids=["hd64", "hd128"]
+    "head_dim, block_kv, stages", [(64, 128, 6), (128, 64, 6)], ids=["hd64", "hd128"]
 )
 def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     head_dim, block_kv, stages
@@ -73,10 +73,13 @@ def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     shape = dict(num_seqs=1024, num_kv_heads=8, head_dim=head_dim, page_size=16)
     shape.update(pages_per_seq=64, dtype=jnp.bfloat16, num_q_heads=32)
     fp8 = default_tuning(**shape, num_tokens=1024, kv_dtype=jnp.float8_e4m3fn)
-    assert (fp8.block_kv, fp8.num_stages, fp8.fp8_convert_early) == (block_kv, stages, True)
+    assert (fp8.block_kv, fp8.num_stages) == (block_kv, stages)
+    assert fp8.fp8_convert_early and fp8.fp8_qk
     bf16 = default_tuning(**shape, num_tokens=1024)
-    assert not bf16.fp8_convert_early and (bf16.block_kv, bf16.num_stages) != (block_kv, stages)
-    # a prefill bucket with fp8 pages keeps bf16's schedule (early conversion unmeasured there)
+    assert not (bf16.fp8_convert_early or bf16.fp8_qk)
+    assert (bf16.block_kv, bf16.num_stages) != (block_kv, stages)
+    # a prefill bucket with fp8 pages keeps bf16's schedule (early conversion and fp8 Q K^T
+    # unmeasured there)
     prefill = dict(shape, num_seqs=8, num_tokens=8192)
     assert default_tuning(**prefill, kv_dtype=jnp.float8_e4m3fn) == default_tuning(**prefill)
 

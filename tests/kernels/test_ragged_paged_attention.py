@@ -28,8 +28,14 @@ from pallas_kernels.kv_layout import (
     write_kv_reference,
 )
 from pallas_kernels.ragged_paged_attention import api, schedule
-from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.pallas_attention import (
+    bucket_tuning,
+    ragged_paged_attention_pallas,
+)
+from pallas_kernels.ragged_paged_attention.reference import (
+    quantize_query_rows,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
 
 pytestmark = pytest.mark.timeout(300)  # interpret mode: fail fast rather than hang a CI job
@@ -293,15 +299,6 @@ FP8_QK_CASES = [
 ]
 
 
-def quantized_q_rows(q, dtype):
-    """q [T, Hq, D] as the kernel's fp8_qk reads it: each (token, head) row over its absmax
-    scale, rounded to `dtype`, and back."""
-    q32 = q.astype(jnp.float32)
-    top = float(jnp.finfo(dtype).max)
-    scale = jnp.maximum(jnp.abs(q32).max(axis=-1, keepdims=True), 1e-30) / top
-    return ((q32 / scale).astype(dtype).astype(jnp.float32) * scale).astype(q.dtype)
-
-
 @pytest.mark.parametrize(
     "case", FP8_QK_CASES, ids=["e4m3-split-pingpong", "e4m3-d128-cap-early", "e5m2-cw3-mrs"]
 )
@@ -310,7 +307,7 @@ def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
     step, args, scales = mixed_fp8_step(17, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales, soft_cap=cap)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
-    q8_args = (quantized_q_rows(args[0], pages), *args[1:])
+    q8_args = (quantize_query_rows(args[0], pages), *args[1:])
     _check(out, ragged_paged_attention_reference(*q8_args, **kw), dtype)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
     # what quantizing Q costs, against the reference on Q as given: more than the kernel's own
@@ -369,8 +366,59 @@ def test_attention_step_writes_kv_exactly_and_attends(pages):
     np.testing.assert_array_equal(
         np.asarray(written.astype(jnp.float32)), np.asarray(expected_pages.astype(jnp.float32))
     )
-    ref = ragged_paged_attention_reference(step.q, expected_pages, *step.args[2:], **kw)
+    # the reference backend on the same call: fp8 pages in this decode bucket read Q in fp8 on
+    # both (the kernel's default schedule, tuning.reads_fp8_query)
+    ref = api.ragged_paged_attention(step.q, expected_pages, *step.args[2:], **kw)
     _check(out, ref, jnp.bfloat16)
+
+
+def test_quantize_query_rows_rounds_each_row_on_its_own_scale():
+    q = jnp.asarray([[[0.5, -1.0, 2.0, 0.3]], [[4.0, 0.0, 0.0, 0.0]]], jnp.float32)  # [2, 1, 4]
+    got = np.asarray(quantize_query_rows(q, jnp.float8_e4m3fn))
+    # row 0: absmax 2, scale 2 / 448 (e4m3's largest): 0.5, -1 and 2 land on 112, -224 and 448,
+    # on the grid; 0.3 lands on 67.2, between 64 and 72, and rounds to 64
+    np.testing.assert_allclose(got[0, 0], [0.5, -1.0, 2.0, 64 * 2 / 448], rtol=1e-6)
+    np.testing.assert_array_equal(got[1, 0], [4.0, 0.0, 0.0, 0.0])  # its own scale, not row 0's
+
+
+def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages():
+    """The engine's two backends compute one function with fp8 pages in a decode bucket: the
+    kernel on its default schedule (Q K^T in fp8) and the reference path (Q rows quantized)."""
+    d = 64
+    step, args, scales = mixed_fp8_step(23, jnp.float16, jnp.float8_e4m3fn, d, 16, 8, 2)
+    assert bucket_tuning(args[0], args[1], args[3], interpret=True).fp8_qk
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = api.ragged_paged_attention(*args, **kw, backend="pallas")
+    _check(out, api.ragged_paged_attention(*args, **kw, backend="reference"), jnp.float16)
+
+
+@pytest.mark.parametrize("num_tokens", [64, 2048], ids=["decode-bucket", "prefill-bucket"])
+@pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tokens, pages):
+    """fp8 pages in a decode bucket (fewer than 2,048 tokens): the engine's reference path
+    quantizes Q per row, as the kernel's default schedule does there (fp8_qk); in a prefill
+    bucket, and with bf16 pages, it reads Q as given."""
+    d = 32
+    step = make_step(
+        5, decode_kv_lens=[3, 40], prefill=[(9, 30)], page_size=16, num_q_heads=4,
+        num_kv_heads=2, head_dim=d, dtype=jnp.bfloat16, extra_tokens=num_tokens - 11,
+    )  # fmt: skip
+    assert step.q.shape[0] == num_tokens
+    if pages == jnp.bfloat16:
+        args, kw = step.args, dict(sm_scale=d**-0.5)
+    else:
+        args, scales = fp8_pages(step, pages)
+        kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    n = step.num_valid_tokens
+    out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
+    as_given = np.asarray(ragged_paged_attention_reference(*args, **kw))[:n]
+    if pages == jnp.bfloat16 or num_tokens >= 2048:
+        np.testing.assert_array_equal(out, as_given)
+    else:
+        q8 = quantize_query_rows(args[0], pages)
+        q8_ref = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw))[:n]
+        np.testing.assert_array_equal(out, q8_ref)
+        assert not np.array_equal(q8_ref, as_given)  # the two differ: the check above bites
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
