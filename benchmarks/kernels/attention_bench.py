@@ -614,7 +614,9 @@ TUNING_FLAGS = {
     "nomrs": {"mma_row_sums": False},
     **{f"ks{k}": {"prefill_kv_splits": k} for k in (1, 2, 3, 4, 8)},
     "early": {"fp8_convert_early": True},  # fp8 pages only
+    "noearly": {"fp8_convert_early": False},
     "qk": {"fp8_qk": True},  # fp8 pages only
+    "noqk": {"fp8_qk": False},  # fp8 decode buckets: back to converting K
 }
 
 

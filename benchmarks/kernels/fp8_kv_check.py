@@ -15,6 +15,7 @@ Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64
 default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
 at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
+`--prefill-list` times prefill chunks (after a cached prefix) the same way, in TFLOP/s.
 `--convert-early` adds a third form: fp8 pages converted off the critical path (V under Q K^T,
 the next K under P V: tuning.fp8_convert_early), on the default schedule, its KV block halved
 where SMEM needs it. `--fp8-tunings` adds fp8 forms on other schedules (attention_bench's
@@ -54,6 +55,7 @@ from attention_bench import (  # noqa: E402
     build_step,
     measure_ceilings,
     parse_tuning,
+    prefill_case,
     rel_err,
 )
 
@@ -137,8 +139,23 @@ def run_checks(rng) -> None:
 
 
 def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
-    hq, hkv, d = LAYOUTS[layout]
     p = step_of(rng, layout, [(1, ctx)] * batch, args.page_size, extra_seqs=0)
+    time_forms(ceil, args, p, layout, dict(kind="decode", batch=batch, ctx=ctx))
+
+
+def run_prefill(rng, ceil, args, layout, chunk, prefix) -> None:
+    """One chunk of `chunk` tokens after `prefix` cached ones: a prefill bucket from 2,048 tokens
+    on (bf16's schedule, Q as given), a decode bucket below (tuning.reads_fp8_query)."""
+    p = prefill_case(rng, layout, chunk, prefix, args.page_size, rotations=1)
+    time_forms(ceil, args, p, layout, dict(kind="prefill", chunk=chunk, prefix=prefix))
+
+
+def time_forms(ceil, args, p, layout, case: dict) -> None:
+    """bf16 pages, e4m3 pages on the default schedule, and the --fp8-tunings forms on one step,
+    alternating; each form's error on its first rows against the reference (on the per-row fp8 Q
+    where the form reads Q in fp8)."""
+    hq, hkv, d = LAYOUTS[layout]
+    shape = {k: v for k, v in case.items() if k != "kind"}  # batch, ctx or chunk, prefix
     pages8, scales = to_fp8(p["kv"], jnp.float8_e4m3fn)
     forms = {"bf16": (p["kv"], None, None), "fp8_e4m3": (pages8, scales, None)}
     if args.convert_early:  # tuning.fp8_convert_early on the default schedule
@@ -147,7 +164,7 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
         cfg = resolve(default_of(p, hq, hkv, d, args))
         need = cfg.smem_bytes(d, p["q"].dtype, kv_dtype=jnp.dtype(jnp.float8_e4m3fn))
         if need > SMEM_BYTES - SMEM_SLACK:
-            log(kind="tuning_skipped", layout=layout, batch=batch, spec=spec, smem=need)
+            log(kind="tuning_skipped", layout=layout, **shape, spec=spec, smem=need)
             continue
         forms[f"fp8 {spec}"] = (pages8, scales, cfg)
     fns = {}
@@ -155,7 +172,7 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
         extra = {} if sc is None else {"kv_scales": sc}
         if tuning is not None:
             extra["tuning"] = tuning
-            log(kind="tuning", form=name, layout=layout, batch=batch, tuning=str(tuning))
+            log(kind="tuning", form=name, layout=layout, **shape, tuning=str(tuning))
 
         def call(pt, pages=pages, extra=extra):
             return ragged_paged_attention_pallas(
@@ -166,44 +183,57 @@ def run_decode(rng, ceil, args, layout, batch, ctx) -> None:
     tables = [p["tables"][0]] * args.reps
     times = {name: [] for name in forms}
     errs = {}
-    n = min(8, batch)
-    for name, fn in fns.items():  # compile, check the first n sequences' rows
+    # rows checked: the first 8 decode sequences, or the chunk's first 256 tokens
+    n = min(8, case["batch"]) if case["kind"] == "decode" else min(256, case["chunk"])
+    for name, fn in fns.items():  # compile, check the first n rows
         out = jax.block_until_ready(fn(p["tables"][0]))
         pages, sc, tuning = forms[name]
-        q = p["q"][:n]
+        q = p["q"]
         if (tuning or bucket_tuning(p["q"], pages, p["tables"][0])).fp8_qk:
             q = quantize_query_rows(q, pages.dtype)  # checked on the Q it reads
-        ref = ragged_paged_attention_reference(
-            q,
-            pages,
-            p["kv_lens"][:n],
-            p["tables"][0][:n],
-            jnp.arange(n + 1, dtype=jnp.int32),
-            jnp.asarray([n, n], jnp.int32),
-            sm_scale=d**-0.5,
-            kv_scales=sc,
-        )
+        if case["kind"] == "decode":  # n one-token sequences
+            ref = ragged_paged_attention_reference(
+                q[:n],
+                pages,
+                p["kv_lens"][:n],
+                p["tables"][0][:n],
+                jnp.arange(n + 1, dtype=jnp.int32),
+                jnp.asarray([n, n], jnp.int32),
+                sm_scale=d**-0.5,
+                kv_scales=sc,
+            )
+        else:  # the whole step (one sequence)
+            args_ = (q, pages, p["kv_lens"], p["tables"][0], p["cu"], p["dist"])
+            ref = ragged_paged_attention_reference(*args_, sm_scale=d**-0.5, kv_scales=sc)[:n]
         errs[name] = rel_err(out[:n], ref)
     for _ in range(args.alternations):  # A B A B
         for name, fn in fns.items():
             times[name].append(back_to_back(fn, tables, args.trials))
+    if case["kind"] == "decode":
+        kv_tokens = case["batch"] * case["ctx"]
+    else:
+        kv_tokens = case["chunk"] + case["prefix"]
+        pairs = case["chunk"] * case["prefix"] + case["chunk"] * (case["chunk"] + 1) / 2
     for name in forms:
         t = float(np.median(times[name]))
         itemsize = 1 if name != "bf16" else 2
-        kv_bytes = batch * ctx * hkv * 2 * d * itemsize
-        log(
-            kind="decode",
+        kv_bytes = kv_tokens * hkv * 2 * d * itemsize
+        row = dict(
+            kind=case["kind"],
             layout=layout,
-            batch=batch,
-            ctx=ctx,
+            **shape,
             pages=name,
             ms=t * 1e3,
             ms_each=[x * 1e3 for x in times[name]],
             tbs=kv_bytes / t / 1e12,
             pct_copy=100 * kv_bytes / t / 1e12 / ceil["copy_bw_tbs"],
-            tokens_per_s=batch / t,
             err=errs[name],
         )
+        if case["kind"] == "decode":
+            row["tokens_per_s"] = case["batch"] / t
+        else:
+            row["tflops"] = 4 * d * hq * pairs / t / 1e12
+        log(**row)
     rows = ROWS[-len(forms) :]
     for r in rows[1:]:
         r["speedup"] = rows[0]["ms"] / r["ms"]  # bf16 time / this form's
@@ -264,9 +294,20 @@ def print_table(ceil) -> None:
                 f" {speed:>8s}  err {r['err']:.1e}"
             )
         elif r["kind"] == "tuning_skipped":
-            print(f"B={r['batch']} {r['layout']} {r['spec']}: skipped, {r['smem']} bytes of SMEM")
-        elif r["kind"] == "decode_error":
-            print(f"B={r['batch']} ctx={r['ctx']} {r['layout']}: ERROR {r['error'][:80]}")
+            where = f"B={r['batch']}" if "batch" in r else f"chunk={r['chunk']}+{r['prefix']}"
+            print(f"{where} {r['layout']} {r['spec']}: skipped, {r['smem']} bytes of SMEM")
+        elif r["kind"] in ("decode_error", "prefill_error"):
+            print(f"{r['kind']} {r['layout']} {r['case']}: ERROR {r['error'][:80]}")
+    if any(r["kind"] == "prefill" for r in ROWS):
+        print(f"\n{'prefill':32s} {'pages':28s} {'ms':>8s} {'TFLOP/s':>8s} {'speedup':>8s}")
+    for r in ROWS:
+        if r["kind"] == "prefill":
+            case = f"chunk={r['chunk']} after {r['prefix']} {r['layout']}"
+            speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+            print(
+                f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {r['tflops']:8.1f} {speed:>8s}"
+                f"  err {r['err']:.1e}"
+            )
 
 
 def main() -> None:
@@ -284,6 +325,12 @@ def main() -> None:
             for b in (256, 512, 1024)
         ),
         help='"layout,batch,ctx;..."',
+    )
+    ap.add_argument(
+        "--prefill-list",
+        default="",
+        help='prefill chunks timed like the decode cases: "layout,chunk,prefix;...", e.g. '
+        '"9q/3kv/64,2048,0;32q/8kv/128,1024,3072"',
     )
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument(
@@ -308,6 +355,7 @@ def main() -> None:
         global CHECKS
         CHECKS = [("mixed", "9q/3kv/64", 16, [(1, 40), (1, 17), (30, 50), (0, 0)])]
         args.decode_list, args.reps, args.trials, args.alternations = "9q/3kv/64,4,64", 2, 1, 1
+        args.prefill_list = "9q/3kv/64,40,24" if args.prefill_list else ""
     os.makedirs(args.out, exist_ok=True)
     log(kind="env", device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
     rng = np.random.default_rng(0)
@@ -315,13 +363,17 @@ def main() -> None:
     if not args.skip_checks:
         run_checks(rng)
     ceil = measure_ceilings(args.trials, dry=args.dry)
-    for case in filter(None, args.decode_list.split(";")):
-        layout, batch, ctx = case.split(",")
-        try:
-            run_decode(rng, ceil, args, layout, int(batch), int(ctx))
-        except Exception as e:  # noqa: BLE001
-            log(kind="decode_error", layout=layout, batch=batch, ctx=ctx, error=str(e)[:400])
-            traceback.print_exc()
+    for kind, cases, run in (
+        ("decode", args.decode_list, run_decode),
+        ("prefill", args.prefill_list, run_prefill),
+    ):
+        for case in filter(None, cases.split(";")):
+            layout, a, b = case.split(",")
+            try:
+                run(rng, ceil, args, layout, int(a), int(b))
+            except Exception as e:  # noqa: BLE001
+                log(kind=f"{kind}_error", layout=layout, case=case, error=str(e)[:400])
+                traceback.print_exc()
     log(kind="wall", seconds=time.perf_counter() - t0)
     with open(os.path.join(args.out, "fp8_kv_check.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
