@@ -2,7 +2,7 @@
 
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
 
-    "reference"  pure jnp (XLA), any device. With fp8 pages in a decode bucket it reads Q rows
+    "reference"  pure jnp (XLA), any device. With e4m3 pages in a decode bucket it reads Q rows
                  in fp8, as the kernel's default schedule there does (tuning.reads_fp8_query).
     "pallas"     the Mosaic GPU kernel (pallas_attention.py): compiled on a GPU (Hopper), run in
                  Mosaic GPU interpret mode on CPU. float32 on a GPU takes the reference path: wgmma
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import is_fp8, write_kv_packed
+from pallas_kernels.kv_layout import write_kv_packed
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import (
     quantize_query_rows,
@@ -53,7 +53,7 @@ def ragged_paged_attention(
     on_gpu = jax.default_backend() == "gpu"
     if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
         return ragged_paged_attention_pallas(*args, **kw)
-    if reads_fp8_query(q.shape[0], is_fp8(kv_pages.dtype)):  # as the kernel's schedule does
+    if reads_fp8_query(q.shape[0], kv_pages.dtype):  # as the kernel's default schedule does
         args = (quantize_query_rows(q, kv_pages.dtype), *args[1:])
     return ragged_paged_attention_reference(*args, **kw)
 

@@ -69,8 +69,9 @@ class TuningConfig:
                    into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
                    scale. K is then never converted, only V (into one dequantized tile, early
                    under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q
-                   (reference.quantize_query_rows). default_tuning turns it on for fp8 decode
-                   buckets (RULES), and api.py's reference path then quantizes Q the same way.
+                   (reference.quantize_query_rows). default_tuning turns it on for e4m3
+                   decode buckets (RULES, reads_fp8_query), and api.py's reference path then
+                   quantizes Q the same way.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -179,11 +180,13 @@ class TuningConfig:
 PREFILL_BUCKET_TOKENS = 2048
 
 
-def reads_fp8_query(num_tokens: int, kv_fp8: bool) -> bool:
-    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): fp8 pages in a
-    decode bucket. api.py's reference path quantizes Q where this holds, so the engine has the
-    GPU kernel's numerics on every backend."""
-    return kv_fp8 and num_tokens < PREFILL_BUCKET_TOKENS
+def reads_fp8_query(num_tokens: int, kv_dtype) -> bool:
+    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): e4m3 pages in a
+    decode bucket. Not e5m2 pages: Q rounded to e5m2's two mantissa bits cost the embedded model
+    6% perplexity (docs/benchmarks.md, "FP8 KV pages"). api.py's reference path quantizes Q
+    where this holds, so the engine has the GPU kernel's numerics on every backend."""
+    e4m3 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    return e4m3 and num_tokens < PREFILL_BUCKET_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +202,7 @@ class Bucket:
     num_q_heads: int | None
     num_ctas: int
     kv_fp8: bool = False  # 8-bit pages, converted to float16 in the kernel
+    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (e4m3 pages, decode bucket)
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
@@ -206,7 +210,7 @@ class Bucket:
 
     @property
     def fp8_decode(self) -> bool:  # fp8 pages in a decode bucket: blocks and rules of their own
-        return reads_fp8_query(self.num_tokens, self.kv_fp8)
+        return self.kv_fp8 and not self.prefill
 
     def tiles_pages(self, block_kv: int) -> bool:
         return not (self.page_size % block_kv and block_kv % self.page_size)
@@ -331,12 +335,12 @@ RULES: tuple[Rule, ...] = (
          "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
          "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
          _FP8_DECODE_64),
-    Rule("fp8 pages, decode bucket: Q K^T in fp8", lambda b, k: b.fp8_decode,
+    Rule("e4m3 pages, decode bucket: Q K^T in fp8", lambda b, k: b.fp8_query,
          dict(fp8_qk=True),
          "run 12 call N1 (64-token pages, against the same schedule converting K): B=1024 x ctx "
          "1024 9q/3kv/64 0.240 against 0.270 ms (bf16 pages 0.260), 32q/8kv/128 0.846 against "
          "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166). Costs "
-         "Q's precision: docs/benchmarks.md, \"Quantization accuracy\"",
+         "Q's precision: e4m3 little, e5m2 6% perplexity (docs/benchmarks.md, \"FP8 KV pages\")",
          _FP8_DECODE_64),
 )
 # fmt: on
@@ -384,7 +388,7 @@ def default_tuning(
     their own, prefill buckets take bf16's, measured with bf16)."""
     kv_fp8 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     b = Bucket(num_seqs, num_kv_heads, head_dim, page_size, pages_per_seq, num_tokens,
-               num_q_heads, num_ctas, kv_fp8)  # fmt: skip
+               num_q_heads, num_ctas, kv_fp8, reads_fp8_query(num_tokens, kv_dtype))  # fmt: skip
     budget = SMEM_BYTES - SMEM_SLACK
     for block_kv, stages, splits in _candidates(b):
         fields = dict(block_kv=block_kv, num_stages=stages, decode_splits=splits)

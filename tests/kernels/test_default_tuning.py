@@ -75,6 +75,10 @@ def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     fp8 = default_tuning(**shape, num_tokens=1024, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8.block_kv, fp8.num_stages) == (block_kv, stages)
     assert fp8.fp8_convert_early and fp8.fp8_qk
+    # e5m2 pages convert K too (Q in e5m2 costs accuracy): the next block that fits without fp8_qk
+    e5m2 = default_tuning(**shape, num_tokens=1024, kv_dtype=jnp.float8_e5m2)
+    assert e5m2.fp8_convert_early and not e5m2.fp8_qk
+    e5m2.check_fits(head_dim, 16, jnp.bfloat16, kv_dtype=jnp.float8_e5m2)
     bf16 = default_tuning(**shape, num_tokens=1024)
     assert not (bf16.fp8_convert_early or bf16.fp8_qk)
     assert (bf16.block_kv, bf16.num_stages) != (block_kv, stages)

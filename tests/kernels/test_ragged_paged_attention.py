@@ -381,23 +381,26 @@ def test_quantize_query_rows_rounds_each_row_on_its_own_scale():
     np.testing.assert_array_equal(got[1, 0], [4.0, 0.0, 0.0, 0.0])  # its own scale, not row 0's
 
 
-def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages():
+@pytest.mark.parametrize("pages", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages(pages):
     """The engine's two backends compute one function with fp8 pages in a decode bucket: the
-    kernel on its default schedule (Q K^T in fp8) and the reference path (Q rows quantized)."""
+    kernel on its default schedule (e4m3: Q K^T in fp8; e5m2: K converted) and the reference
+    path (e4m3: Q rows quantized)."""
     d = 64
-    step, args, scales = mixed_fp8_step(23, jnp.float16, jnp.float8_e4m3fn, d, 16, 8, 2)
-    assert bucket_tuning(args[0], args[1], args[3], interpret=True).fp8_qk
+    step, args, scales = mixed_fp8_step(23, jnp.float16, pages, d, 16, 8, 2)
+    tuning = bucket_tuning(args[0], args[1], args[3], interpret=True)
+    assert tuning.fp8_qk == (pages == jnp.float8_e4m3fn) and tuning.fp8_convert_early
     kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     out = api.ragged_paged_attention(*args, **kw, backend="pallas")
     _check(out, api.ragged_paged_attention(*args, **kw, backend="reference"), jnp.float16)
 
 
 @pytest.mark.parametrize("num_tokens", [64, 2048], ids=["decode-bucket", "prefill-bucket"])
-@pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tokens, pages):
-    """fp8 pages in a decode bucket (fewer than 2,048 tokens): the engine's reference path
+    """e4m3 pages in a decode bucket (fewer than 2,048 tokens): the engine's reference path
     quantizes Q per row, as the kernel's default schedule does there (fp8_qk); in a prefill
-    bucket, and with bf16 pages, it reads Q as given."""
+    bucket, with e5m2 pages and with bf16 pages, it reads Q as given."""
     d = 32
     step = make_step(
         5, decode_kv_lens=[3, 40], prefill=[(9, 30)], page_size=16, num_q_heads=4,
@@ -412,7 +415,7 @@ def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tok
     n = step.num_valid_tokens
     out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
     as_given = np.asarray(ragged_paged_attention_reference(*args, **kw))[:n]
-    if pages == jnp.bfloat16 or num_tokens >= 2048:
+    if pages != jnp.float8_e4m3fn or num_tokens >= 2048:
         np.testing.assert_array_equal(out, as_given)
     else:
         q8 = quantize_query_rows(args[0], pages)
