@@ -288,11 +288,7 @@ def print_table(ceil) -> None:
     for r in ROWS:
         if r["kind"] == "decode":
             case = f"B={r['batch']} ctx={r['ctx']} {r['layout']}"
-            speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
-            print(
-                f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {r['tbs']:6.2f} {r['pct_copy']:6.1f}"
-                f" {speed:>8s}  err {r['err']:.1e}"
-            )
+            print(_timed_line(case, r, f"{r['tbs']:6.2f} {r['pct_copy']:6.1f}"))
         elif r["kind"] == "tuning_skipped":
             where = f"B={r['batch']}" if "batch" in r else f"chunk={r['chunk']}+{r['prefix']}"
             print(f"{where} {r['layout']} {r['spec']}: skipped, {r['smem']} bytes of SMEM")
@@ -303,11 +299,12 @@ def print_table(ceil) -> None:
     for r in ROWS:
         if r["kind"] == "prefill":
             case = f"chunk={r['chunk']} after {r['prefix']} {r['layout']}"
-            speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
-            print(
-                f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {r['tflops']:8.1f} {speed:>8s}"
-                f"  err {r['err']:.1e}"
-            )
+            print(_timed_line(case, r, f"{r['tflops']:8.1f}"))
+
+
+def _timed_line(case: str, r: dict, rate: str) -> str:
+    speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+    return f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {rate} {speed:>8s}  err {r['err']:.1e}"
 
 
 def main() -> None:
