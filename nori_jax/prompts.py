@@ -22,6 +22,16 @@ def max_prompt_bytes(tokenizer: Tokenizer, max_model_len: int) -> int:
     return max_model_len * tokenizer.longest_token_bytes * _NORMALIZATION_SLACK
 
 
+def lone_surrogate(text: str) -> str | None:
+    """Why `text` is not Unicode text, or None. JSON's escapes can spell a lone surrogate
+    ("\\ud800"), which a Python str holds but UTF-8 cannot encode and tokenizers refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"has a lone surrogate {text[e.start]!r} at character {e.start}: not Unicode text"
+    return None
+
+
 def encode_prompt(
     tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int, max_model_len: int
 ) -> tuple[list[int], str | None]:
@@ -33,6 +43,8 @@ def encode_prompt(
             raise ParameterError(
                 "prompt", "this model has no tokenizer: pass prompts as lists of token ids"
             )
+        if (why := lone_surrogate(prompt)) is not None:
+            raise ParameterError("prompt", f"the prompt {why}")
         check_text_length(tokenizer, prompt, max_model_len)
         token_ids, text = tokenizer.encode(prompt), prompt
     else:

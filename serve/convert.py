@@ -20,6 +20,7 @@ from serve.protocol import (
     CompletionRequest,
     GenerateRequest,
     SamplingFields,
+    unicode_text,
 )
 
 
@@ -97,6 +98,10 @@ def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
         # The template's own checks (roles, alternation) and bad chat_template_kwargs: the
         # request's fault, not the server's.
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    try:  # the messages are checked (protocol.Text); a template's own strings are not
+        unicode_text(text)
+    except ValueError as e:
+        raise bad_request(f"the rendered chat prompt {e}", "chat_template_kwargs") from None
     check_text_length(tok, text, ctx.max_model_len)
     return tok.encode(text, add_special_tokens=False)
 

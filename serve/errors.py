@@ -115,10 +115,14 @@ def _is_union_tag(part: str | int) -> bool:
     )
 
 
+_NO_TYPE_MATCHES = "no accepted type matches this value"
+
+
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """One 400 for all of pydantic's complaints (`ValidationError.errors()`, FastAPI's or
     pydantic's own), `param` naming the first field at fault."""
     by_field: dict[str, list[str]] = {}
+    checks: dict[str, str] = {}  # per field, the first complaint of a check on a value's content
     for e in errors:
         if e.get("type") == "json_invalid":
             detail = e.get("ctx", {}).get("error", e.get("msg"))
@@ -133,11 +137,15 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         msg = str(e.get("msg"))
         if e.get("type") == "extra_forbidden":
             msg = "this field is not supported by this server"
+        if e.get("type") == "value_error":  # a validator's ValueError (protocol.unicode_text)
+            msg = msg.removeprefix("Value error, ")
+            checks.setdefault(field, msg)
         by_field.setdefault(field, []).append(msg)
     parts = []
     for field, msgs in by_field.items():
-        # A union field reports each member's complaint; one line says it better.
-        msg = msgs[0] if len(msgs) == 1 else "no accepted type matches this value"
+        # A union field reports each member's complaint; one line says it better: the member
+        # whose type matched and whose content a check refused, else that no type matched.
+        msg = msgs[0] if len(msgs) == 1 else checks.get(field, _NO_TYPE_MATCHES)
         parts.append(f"{field}: {msg}" if field else msg)
     param = next(iter(by_field), None) or None
     return bad_request("; ".join(parts[:5]) or "invalid request body", param)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from nori_jax.prompts import lone_surrogate
 from nori_jax.sampling_params import (
     INT32_MAX,
     MAX_LOGPROBS,
@@ -23,8 +24,17 @@ from nori_jax.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 
+
+def unicode_text(s: str) -> str:
+    """s, if it is Unicode text (prompts.lone_surrogate); else a ValueError saying why."""
+    if (why := lone_surrogate(s)) is not None:
+        raise ValueError(why)
+    return s
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]  # every string that reaches the tokenizer
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0.0)]
@@ -67,25 +77,25 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     best_of: One | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class ContentPart(BaseModel):
     # Other part types (images, audio) parse, so the answer can say they are not supported.
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -103,7 +113,7 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(_Body):
     """/generate: the simple shape, with the sampling extras of the OpenAI routes."""
 
-    prompt: str | list[TokenId]
+    prompt: Text | list[TokenId]
     max_tokens: MaxTokens = 16
     stream: bool = False
     temperature: Temperature | None = None

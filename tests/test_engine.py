@@ -226,6 +226,7 @@ def test_outputs_in_input_order_text_and_ids(text_llm):
         ([], SamplingParams(), "prompt is empty"),
         ([5] * 300, SamplingParams(), "max_model_len=256"),
         ([5, 100000], SamplingParams(), "outside the vocabulary"),
+        ("ab\ud800", SamplingParams(), "lone surrogate '\\\\ud800' at character 2"),
     ],
 )
 def test_bad_prompts_raise_value_error(text_llm, prompt, params, match):

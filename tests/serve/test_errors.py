@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -237,6 +238,33 @@ def test_chat_without_a_template(server: Server, c: httpx.Client, monkeypatch) -
 def test_no_coercion(c: httpx.Client, path: str, raw: bytes, param: str | None) -> None:
     err = assert_error(post_raw(c, path, raw), 400, param)
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [  # JSON's escapes spell lone surrogates, which a str holds but a tokenizer refuses
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "a\ud800"}]}',
+         "messages.0.content"),
+        ("/v1/chat/completions",
+         rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+         "messages.0.content"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user\udc00", "content": "hi"}]}',
+         "messages.0.role"),
+        ("/v1/chat/completions",
+         rb'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud83d"]}', "stop"),
+        ("/v1/completions", rb'{"prompt": "\ud800"}', "prompt"),
+        ("/v1/completions", rb'{"prompt": ["x\ud800"]}', "prompt"),
+        ("/generate", rb'{"prompt": "x", "stop": "\ud800"}', "stop"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_unicode_is_refused(c: httpx.Client, path, raw, param) -> None:
+    err = assert_error(post_raw(c, path, raw), 400, param)
+    assert "lone surrogate" in err["message"], err
+    # the same body with a real character in each surrogate's place is served
+    ok = re.sub(rb"\\ud[89a-f][0-9a-f]{2}", rb"\\u00e9", raw)
+    body = json.loads(ok)
+    body["max_tokens"] = 2
+    assert c.post(path, json=body).status_code == 200
 
 
 @pytest.mark.parametrize(
