@@ -12,10 +12,15 @@ import re
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from serve_harness import MODEL_NAME, Server, client, running_server
+
+from serve.convert import chat_prompt
+from serve.errors import ApiError
+from serve.protocol import ChatCompletionRequest
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -265,6 +270,30 @@ def test_text_that_is_not_unicode_is_refused(c: httpx.Client, path, raw, param) 
     body = json.loads(ok)
     body["max_tokens"] = 2
     assert c.post(path, json=body).status_code == 200
+
+
+def test_a_rendered_chat_prompt_that_is_not_unicode_is_refused() -> None:
+    """A template may put a chat_template_kwargs value (which no field type checks) into the
+    prompt: the rendered text is checked before it reaches the tokenizer."""
+
+    class Template:  # renders one kwarg into the prompt; never tokenizes
+        chat_template = "{{ extra }}"
+        longest_token_bytes = 16
+
+        def apply_chat_template(self, messages, add_generation_prompt, **kwargs):
+            return "<s>" + kwargs["extra"]
+
+        def encode(self, text, add_special_tokens=False):
+            raise AssertionError("the tokenizer must not see it")
+
+    ctx = SimpleNamespace(tokenizer=Template(), max_model_len=64)
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"extra": "\ud800"}
+    )
+    with pytest.raises(ApiError) as e:
+        chat_prompt(ctx, req)
+    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+    assert "lone surrogate '\\ud800' at character 3" in e.value.message
 
 
 @pytest.mark.parametrize(
