@@ -51,7 +51,7 @@ def token_metadata(
 
 
 def quantize_query_rows(q: jax.Array, dtype) -> jax.Array:
-    """q [T, Hq, D] as the kernel reads it with tuning.fp8_qk (fp8 pages' decode buckets by
+    """q [T, Hq, D] as the kernel reads it with tuning.fp8_qk (e4m3 pages' decode buckets by
     default): each (token, head) row over its absmax scale, rounded to the fp8 `dtype`, and back
     in q's dtype. Run the reference on it to check such a kernel call."""
     q32 = q.astype(jnp.float32)
