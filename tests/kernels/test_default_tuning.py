@@ -65,10 +65,12 @@ def test_each_rule_takes_effect_where_it_was_measured(rule):
 
 
 @pytest.mark.parametrize(
-    "head_dim, block_kv, stages", [(64, 128, 6), (128, 64, 6)], ids=["hd64", "hd128"]
+    "head_dim, block_kv, stages, e5m2_block",
+    [(64, 128, 6, (128, 6)), (128, 64, 6, (64, 5))],
+    ids=["hd64", "hd128"],
 )
 def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
-    head_dim, block_kv, stages
+    head_dim, block_kv, stages, e5m2_block
 ):
     shape = dict(num_seqs=1024, num_kv_heads=8, head_dim=head_dim, page_size=16)
     shape.update(pages_per_seq=64, dtype=jnp.bfloat16, num_q_heads=32)
@@ -78,6 +80,7 @@ def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     # e5m2 pages convert K too (Q in e5m2 costs accuracy): the next block that fits without fp8_qk
     e5m2 = default_tuning(**shape, num_tokens=1024, kv_dtype=jnp.float8_e5m2)
     assert e5m2.fp8_convert_early and not e5m2.fp8_qk
+    assert (e5m2.block_kv, e5m2.num_stages) == e5m2_block  # the eleventh session's measured form
     e5m2.check_fits(head_dim, 16, jnp.bfloat16, kv_dtype=jnp.float8_e5m2)
     bf16 = default_tuning(**shape, num_tokens=1024)
     assert not (bf16.fp8_convert_early or bf16.fp8_qk)
