@@ -47,6 +47,7 @@ from nori_jax.core.sampling_modes import (
 )
 from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
 from nori_jax.core.step_plan import StepPlan
+from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
@@ -219,6 +220,7 @@ class ModelRunner:
         # samples, "multi-step" for a multi-step launch's).
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
+        self.compiler_options: dict = {}  # compile_all: program_options.for_weights
         self.launch_times = LaunchTimes()
         self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
         # Start each step's device-to-host copy as soon as the next launch has made the host's
@@ -286,16 +288,18 @@ class ModelRunner:
             }
         )
 
+        options = self.compiler_options = program_options.for_weights(self.model.quantization)
         logger.info(
-            "compiling %d token buckets %s and %d sampler programs",
+            "compiling %d token buckets %s and %d sampler programs%s",
             len(self.buckets),
             self.buckets,
             len(self.sampler_keys),
+            f" with XLA options {options}" if options else "",
         )
 
         def compile_one(key):
             t0 = time.perf_counter()
-            exe = lowered[key].compile()
+            exe = lowered[key].compile(compiler_options=options)
             name = _program_name(*key)
             seconds = time.perf_counter() - t0
             logger.info("%s compiled in %.1fs", name, seconds)

@@ -2,8 +2,8 @@
 
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
 
-    "reference"  pure jnp (XLA), any device. With e4m3 pages in a decode bucket it reads Q rows
-                 in fp8, as the kernel's default schedule there does (tuning.reads_fp8_query).
+    "reference"  pure jnp (XLA), any device. With e4m3 pages it reads Q rows in fp8, as the
+                 kernel's default schedule does (tuning.reads_fp8_query).
     "pallas"     the Mosaic GPU kernel (pallas_attention.py): compiled on a GPU (Hopper), run in
                  Mosaic GPU interpret mode on CPU. float32 on a GPU takes the reference path: wgmma
                  multiplies float32 only as tf32 and cannot transpose it (docs/kernels.md).
@@ -53,7 +53,7 @@ def ragged_paged_attention(
     on_gpu = jax.default_backend() == "gpu"
     if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
         return ragged_paged_attention_pallas(*args, **kw)
-    if reads_fp8_query(q.shape[0], kv_pages.dtype):  # as the kernel's default schedule does
+    if reads_fp8_query(kv_pages.dtype):  # as the kernel's default schedule does
         args = (quantize_query_rows(q, kv_pages.dtype), *args[1:])
     return ragged_paged_attention_reference(*args, **kw)
 

@@ -70,8 +70,8 @@ class TuningConfig:
                    scale. K is then never converted, only V (into one dequantized tile, early
                    under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q
                    (reference.quantize_query_rows). default_tuning turns it on for e4m3
-                   decode buckets (RULES, reads_fp8_query), and api.py's reference path then
-                   quantizes Q the same way.
+                   pages in every bucket (RULES, reads_fp8_query), and api.py's reference path
+                   then quantizes Q the same way.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -180,13 +180,13 @@ class TuningConfig:
 PREFILL_BUCKET_TOKENS = 2048
 
 
-def reads_fp8_query(num_tokens: int, kv_dtype) -> bool:
-    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): e4m3 pages in a
-    decode bucket. Not e5m2 pages: Q rounded to e5m2's two mantissa bits cost the embedded model
+def reads_fp8_query(kv_dtype) -> bool:
+    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): e4m3 pages, in
+    every bucket. Not e5m2 pages: Q rounded to e5m2's two mantissa bits cost the embedded model
     6% perplexity (docs/benchmarks.md, "FP8 KV pages"). api.py's reference path quantizes Q
-    where this holds, so the engine has the GPU kernel's numerics on every backend."""
-    e4m3 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    return e4m3 and num_tokens < PREFILL_BUCKET_TOKENS
+    where this holds, so the engine has the GPU kernel's numerics on every backend, and a
+    chunk's tokens do not depend on the size of the step it was batched into."""
+    return kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ class Bucket:
     num_q_heads: int | None
     num_ctas: int
     kv_fp8: bool = False  # 8-bit pages, converted to float16 in the kernel
-    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (e4m3 pages, decode bucket)
+    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (e4m3 pages)
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
@@ -298,6 +298,8 @@ _PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512
 _PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
 _FP8_DECODE_64 = _h200(num_seqs=1024, num_kv_heads=3, head_dim=64, pages_per_seq=64,
                        num_tokens=1024, num_q_heads=9, kv_dtype="float8_e4m3fn")  # fmt: skip
+_PREFILL_FP8_64 = {**_FP8_DECODE_64, "num_seqs": 1, "page_size": 64, "pages_per_seq": 32,
+                   "num_tokens": 2048}  # fmt: skip
 
 # fmt: off
 RULES: tuple[Rule, ...] = (
@@ -335,13 +337,22 @@ RULES: tuple[Rule, ...] = (
          "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
          "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
          _FP8_DECODE_64),
-    Rule("e4m3 pages, decode bucket: Q K^T in fp8", lambda b, k: b.fp8_query,
+    Rule("e4m3 pages: Q K^T in fp8", lambda b, k: b.fp8_query,
          dict(fp8_qk=True),
          "run 12 call N1 (64-token pages, against the same schedule converting K): B=1024 x ctx "
          "1024 9q/3kv/64 0.240 against 0.270 ms (bf16 pages 0.260), 32q/8kv/128 0.846 against "
-         "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166). Costs "
-         "Q's precision: e4m3 little, e5m2 6% perplexity (docs/benchmarks.md, \"FP8 KV pages\")",
+         "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166); run "
+         "13 call N1, prefill chunks (with V converted early, the next row): 32q/8kv/128 at "
+         "8,192 tokens 1.205 against 1.805 ms (bf16 0.963). Costs Q's precision: e4m3 little, "
+         "e5m2 6% perplexity (docs/benchmarks.md, \"FP8 KV pages\")",
          _FP8_DECODE_64),
+    Rule("e4m3 pages, prefill bucket: V converted early", lambda b, k: b.fp8_query and b.prefill,
+         dict(fp8_convert_early=True),
+         "run 13 call N1 (64-token pages, with Q K^T in fp8 both ways): 9q/3kv/64 at 2,048 "
+         "tokens 0.109 against 0.113 ms, at 2,048 after 6,144 cached 0.169 against 0.181, at "
+         "8,192 0.260 both; 32q/8kv/128 at 2,048 0.143 against 0.142, at 8,192 1.205 against "
+         "1.220",
+         _PREFILL_FP8_64),
 )
 # fmt: on
 
@@ -384,11 +395,11 @@ def default_tuning(
 ) -> TuningConfig:
     """The schedule of a bucket from its static shapes: the first candidate KV block (BLOCKS,
     _candidates) that, with the RULES applied, fits a Hopper CTA's shared memory. kv_dtype: the
-    pages' dtype when it is not `dtype` (fp8 pages: decode buckets have blocks and a rule of
-    their own, prefill buckets take bf16's, measured with bf16)."""
+    pages' dtype when it is not `dtype` (fp8 pages: decode buckets have blocks of their own,
+    prefill buckets take bf16's; e4m3 pages read Q in fp8 in both, RULES)."""
     kv_fp8 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     b = Bucket(num_seqs, num_kv_heads, head_dim, page_size, pages_per_seq, num_tokens,
-               num_q_heads, num_ctas, kv_fp8, reads_fp8_query(num_tokens, kv_dtype))  # fmt: skip
+               num_q_heads, num_ctas, kv_fp8, reads_fp8_query(kv_dtype))  # fmt: skip
     budget = SMEM_BYTES - SMEM_SLACK
     for block_kv, stages, splits in _candidates(b):
         fields = dict(block_kv=block_kv, num_stages=stages, decode_splits=splits)

@@ -85,10 +85,14 @@ def test_fp8_decode_buckets_take_their_own_blocks_and_prefill_buckets_bf16s(
     bf16 = default_tuning(**shape, num_tokens=1024)
     assert not (bf16.fp8_convert_early or bf16.fp8_qk)
     assert (bf16.block_kv, bf16.num_stages) != (block_kv, stages)
-    # a prefill bucket with fp8 pages keeps bf16's schedule (early conversion and fp8 Q K^T
-    # unmeasured there)
+    # a prefill bucket with fp8 pages keeps bf16's blocks; e4m3 pages read Q in fp8 there too
+    # and convert V early (run 13 call N1), e5m2 pages keep bf16's whole schedule
     prefill = dict(shape, num_seqs=8, num_tokens=8192)
-    assert default_tuning(**prefill, kv_dtype=jnp.float8_e4m3fn) == default_tuning(**prefill)
+    bf16_prefill = default_tuning(**prefill)
+    e4m3_prefill = default_tuning(**prefill, kv_dtype=jnp.float8_e4m3fn)
+    assert e4m3_prefill == dataclasses.replace(bf16_prefill, fp8_qk=True, fp8_convert_early=True)
+    e4m3_prefill.check_fits(head_dim, 16, jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    assert default_tuning(**prefill, kv_dtype=jnp.float8_e5m2) == bf16_prefill
 
 
 def test_rules_set_only_tuning_fields():

@@ -184,19 +184,40 @@ def test_kernel_matches_reference(case):
 # tiles. With one q head per kv head a warpgroup holds 64 tokens, and the chunk at position 32
 # puts a part's first key (position 128) inside a warpgroup's rows (96-159): rows 96-127 see no
 # key of that part (the -inf row max the kernel must not turn into NaN).
-# (page, q heads, kv heads, dtype, soft cap, tuning)
+# The third case is the form default_tuning gives a head_dim-64 prefill bucket with e4m3 pages
+# (Q K^T in fp8, V converted early), against the reference on the same per-row fp8 Q.
+# (page, q heads, kv heads, dtype, soft cap, pages, tuning)
 SPLIT_CASES = [
     (
-        *(16, 3, 3, jnp.float32, None),
+        *(16, 3, 3, jnp.float32, None, None),
         TuningConfig(64, 2, 1, 12, compute_wgs=3, mma_row_sums=True, prefill_kv_splits=4),
     ),
-    (32, 8, 2, jnp.bfloat16, 20.0, TuningConfig(64, 2, 1, 12, pingpong=True, prefill_kv_splits=2)),
+    (
+        *(32, 8, 2, jnp.bfloat16, 20.0, None),
+        TuningConfig(64, 2, 1, 12, pingpong=True, prefill_kv_splits=2),
+    ),
+    (
+        *(16, 3, 3, jnp.bfloat16, None, jnp.float8_e4m3fn),
+        TuningConfig(
+            64,
+            2,
+            1,
+            12,
+            compute_wgs=3,
+            mma_row_sums=True,
+            prefill_kv_splits=4,
+            fp8_convert_early=True,
+            fp8_qk=True,
+        ),
+    ),  # fmt: skip
 ]
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=["f32-g1-cw3-k4", "bf16-pingpong-cap-k2"])
+@pytest.mark.parametrize(
+    "case", SPLIT_CASES, ids=["f32-g1-cw3-k4", "bf16-pingpong-cap-k2", "e4m3-qk-early-cw3-k4"]
+)
 def test_split_prefill_tiles_match_reference(case):
-    ps, hq, hkv, dtype, soft_cap, tuning = case
+    ps, hq, hkv, dtype, soft_cap, pages, tuning = case
     step = make_step(
         11,
         decode_kv_lens=[5, 300],
@@ -221,8 +242,12 @@ def test_split_prefill_tiles_match_reference(case):
     )
     assert int(jnp.max(plan.tile_parts)) == tuning.prefill_kv_splits  # tiles were cut
     kw = dict(sm_scale=0.125, soft_cap=soft_cap)
-    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
-    ref = ragged_paged_attention_reference(*step.args, **kw)
+    args, ref_args = step.args, step.args
+    if pages is not None:
+        args, kw["kv_scales"] = fp8_pages(step, pages)
+        ref_args = (quantize_query_rows(args[0], pages), *args[1:])
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*ref_args, **kw)
     _check(out, ref, dtype)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
@@ -366,8 +391,8 @@ def test_attention_step_writes_kv_exactly_and_attends(pages):
     np.testing.assert_array_equal(
         np.asarray(written.astype(jnp.float32)), np.asarray(expected_pages.astype(jnp.float32))
     )
-    # the reference backend on the same call: fp8 pages in this decode bucket read Q in fp8 on
-    # both (the kernel's default schedule, tuning.reads_fp8_query)
+    # the reference backend on the same call: e4m3 pages read Q in fp8 on both (the kernel's
+    # default schedule, tuning.reads_fp8_query)
     ref = api.ragged_paged_attention(step.q, expected_pages, *step.args[2:], **kw)
     _check(out, ref, jnp.bfloat16)
 
@@ -398,9 +423,9 @@ def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages(pages)
 @pytest.mark.parametrize("num_tokens", [64, 2048], ids=["decode-bucket", "prefill-bucket"])
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tokens, pages):
-    """e4m3 pages in a decode bucket (fewer than 2,048 tokens): the engine's reference path
-    quantizes Q per row, as the kernel's default schedule does there (fp8_qk); in a prefill
-    bucket, with e5m2 pages and with bf16 pages, it reads Q as given."""
+    """e4m3 pages, in a decode bucket and in a prefill bucket (2,048 tokens and more): the
+    engine's reference path quantizes Q per row, as the kernel's default schedule does (fp8_qk);
+    with e5m2 pages and with bf16 pages it reads Q as given."""
     d = 32
     step = make_step(
         5, decode_kv_lens=[3, 40], prefill=[(9, 30)], page_size=16, num_q_heads=4,
@@ -415,7 +440,7 @@ def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tok
     n = step.num_valid_tokens
     out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
     as_given = np.asarray(ragged_paged_attention_reference(*args, **kw))[:n]
-    if pages != jnp.float8_e4m3fn or num_tokens >= 2048:
+    if pages != jnp.float8_e4m3fn:
         np.testing.assert_array_equal(out, as_given)
     else:
         q8 = quantize_query_rows(args[0], pages)

@@ -92,6 +92,9 @@ def test_float32_tokens_follow_the_quantized_lookup(lookup, greedy):
 def test_greedy_tokens_equal_float32_with_zero_recompiles(mode, engines, greedy):
     assert greedy[mode] == greedy[None]
     assert engines[mode].engine.num_recompiles == 0
+    # fp8 weights' programs compile with XLA's Triton GEMMs off (program_options.py)
+    off = {"xla_gpu_enable_triton_gemm": False} if mode == "fp8" else {}
+    assert engines[mode].engine.runner.compiler_options == off
 
 
 @pytest.mark.parametrize("mode", MODES)

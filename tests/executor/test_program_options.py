@@ -1,0 +1,36 @@
+"""Per-program XLA options (program_options.py): fp8 weights compile with Triton GEMM off, the
+other modes with XLA's defaults, and a user's own XLA_FLAGS setting stands."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nori_jax.executor import program_options
+from nori_jax.quantization import default_scheme
+
+OFF = {program_options.TRITON_GEMM: False}
+
+
+@pytest.mark.parametrize("mode, options", [(None, {}), ("int8", {}), ("int4", {}), ("fp8", OFF)])
+def test_options_by_weight_mode(mode, options):
+    scheme = None if mode is None else default_scheme(mode)
+    assert program_options.for_weights(scheme, xla_flags="") == options
+
+
+@pytest.mark.parametrize(
+    "flags", ["--xla_gpu_enable_triton_gemm=true", "--foo=1 --xla_gpu_enable_triton_gemm=false"]
+)
+def test_a_users_xla_flags_setting_stands(flags):
+    assert program_options.for_weights(default_scheme("fp8"), xla_flags=flags) == {}
+    assert program_options.user_sets(program_options.TRITON_GEMM, flags)
+    # a flag whose name only starts with the option's is another flag
+    assert not program_options.user_sets("xla_gpu_enable_triton", flags)
+
+
+def test_xla_accepts_the_options():
+    """XLA refuses an option it does not know (INVALID_ARGUMENT), so a renamed flag fails here."""
+    lowered = jax.jit(lambda x: x @ x).lower(jnp.ones((4, 4)))
+    out = lowered.compile(compiler_options=OFF)(jnp.ones((4, 4)))
+    assert float(out[0, 0]) == 4.0
