@@ -14,6 +14,10 @@ matmul is device time with the launch amortized. Variants:
     int4 g128       QuantizedLinear int4, groups of 128
     int4 g32+off    the GGUF Q4_1 layout: groups of 32 and a float offset
 
+Each variant compiles with the XLA options the engine gives its weights' mode
+(executor/program_options.py: Triton's GEMM fusions off for fp8); `--default-xla-options`
+compiles every variant with XLA's defaults instead (the engine's fp8 programs before 45f5b4d).
+
 `lowering` names what XLA made of the dot (cuBLASLt fp8 gemm, a Triton gemm fusion that reads
 the quantized weight, or a cuBLAS gemm fed by a separate dequantizing fusion, which writes the
 bf16 weight to memory every call: where a Pallas kernel would pay). Prints one table; weight
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nori_jax.executor import program_options
 from nori_jax.models.linear import COLUMN, QuantizedLinear
 from nori_jax.quantization.quantize import quantize_array, stored_bytes
 from nori_jax.quantization.scheme import WeightQuantization, default_scheme
@@ -62,8 +67,9 @@ def _layers(scheme: WeightQuantization, k: int, n: int, count: int, key) -> list
 
 
 def variants(k: int, n: int, count: int):
-    """name -> (fn(x, weights) -> the outputs, weights, stored bytes of one weight). Outputs are
-    returned, not summed: a sum would add a pass over every [T, N] output."""
+    """name -> (fn(x, weights) -> the outputs, weights, stored bytes of one weight, the weights'
+    scheme or None). Outputs are returned, not summed: a sum would add a pass over every [T, N]
+    output."""
     key = jax.random.key(0)
     bf16 = [
         (0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32)).astype(
@@ -71,7 +77,7 @@ def variants(k: int, n: int, count: int):
         )
         for i in range(count)
     ]
-    out = {"bf16": (lambda x, ws: [x @ w for w in ws], bf16, k * n * 2)}
+    out = {"bf16": (lambda x, ws: [x @ w for w in ws], bf16, k * n * 2, None)}
     for name, scheme in (
         ("fp8", default_scheme("fp8")),
         ("int8", default_scheme("int8")),
@@ -82,11 +88,11 @@ def variants(k: int, n: int, count: int):
         nbytes = stored_bytes([layers[0].qvalue.get_value(), layers[0].scale.get_value()])
         if scheme.offset:
             nbytes += stored_bytes([layers[0].offset.get_value()])
-        out[name] = (lambda x, ws: [layer(x) for layer in ws], layers, nbytes)
+        out[name] = (lambda x, ws: [layer(x) for layer in ws], layers, nbytes, scheme)
         if name == "int8":
-            out["int8 epilogue"] = (_int8_epilogue, layers, nbytes)
+            out["int8 epilogue"] = (_int8_epilogue, layers, nbytes, scheme)
         if name == "fp8":
-            out["fp8 (x given)"] = (_fp8_given, layers, nbytes)
+            out["fp8 (x given)"] = (_fp8_given, layers, nbytes, scheme)
     return out
 
 
@@ -129,6 +135,12 @@ def lowering(hlo: str) -> str:
     return ",".join(kinds)
 
 
+def compiled(fn, x, ws, scheme, default_options: bool):
+    """`fn` compiled for (x, ws) with the engine's XLA options for `scheme` (or XLA's defaults)."""
+    options = {} if default_options else program_options.for_weights(scheme)
+    return jax.jit(fn).lower(x, ws).compile(compiler_options=options)
+
+
 def time_call(fn, *args, iters: int = 20) -> float:
     jax.block_until_ready(fn(*args))
     times = []
@@ -144,6 +156,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,256,1024,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES, comma-separated")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--default-xla-options",
+        action="store_true",
+        help="compile every variant with XLA's defaults, not the engine's options for its mode",
+    )
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     rows = []
@@ -154,10 +171,10 @@ def main() -> None:
         for t in (int(s) for s in args.tokens.split(",")):
             x = (jax.random.normal(jax.random.key(t), (t, k), jnp.float32)).astype(jnp.bfloat16)
             base = None
-            for name, (fn, ws, nbytes) in vs.items():
-                jitted = jax.jit(fn)
-                hlo = jitted.lower(x, ws[:1]).compile().as_text()
-                sec = time_call(jitted, x, ws) / count
+            for name, (fn, ws, nbytes, scheme) in vs.items():
+                exe = compiled(fn, x, ws, scheme, args.default_xla_options)
+                hlo = exe.as_text()
+                sec = time_call(exe, x, ws) / count
                 base = sec if name == "bf16" else base
                 rows.append(
                     dict(

@@ -247,8 +247,10 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
     def compile_all(self, on_compiled: Callable[[str, float], None] | None = None) -> None:
-        """Lower every bucket and sampler program, then compile them in parallel (XLA releases
-        the GIL). `on_compiled(name, seconds)` is called as each program is ready."""
+        """Lower every bucket, sampler and multi-step program on this thread and compile each on
+        a pool as soon as it is lowered (XLA releases the GIL), so that compiles use the cores
+        the lowering, one Python thread, leaves idle. `on_compiled(name, seconds)` is called as
+        each program is ready."""
         start = time.perf_counter()
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_abs = [as_abstract(x) for x in self._params]
@@ -258,48 +260,45 @@ class ModelRunner:
         step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
-        lowered = {
-            ("forward", t): self._forward_fn.lower(
-                t, params_abs, kv_abs, prev_abs, logits_abs, step_abs
-            )
-            for t in self.buckets
-        }
-        lowered.update(
-            {
-                ("sampler", (p, r)): self._sample_fns[p].lower(r, prev_abs, logits_abs, step_abs)
-                for p, r in self.sampler_keys
-            }
-        )
-        lowered["stage", None] = self._stage_fn.lower(step_abs, step_abs)
-        lowered["peek", None] = self._peek_fn.lower(prev_abs)
-        lowered["stage+peek", None] = self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)
         all_abs = self._abstract((self.num_scheduler_steps, 2, s), i32)
+        # (key, how to lower it), the model's programs first: they take longest to compile.
+        to_lower = [
+            (("forward", t), lambda t=t: self._forward_fn.lower(
+                t, params_abs, kv_abs, prev_abs, logits_abs, step_abs))
+            for t in self.buckets
+        ] + [
+            (("multi", (t, p)), lambda t=t, p=p: self._multi_fns[p].lower(
+                t, params_abs, kv_abs, prev_abs, all_abs, step_abs))
+            for t, p in self.multi_step_keys
+        ] + [
+            (("sampler", (p, r)), lambda p=p, r=r: self._sample_fns[p].lower(
+                r, prev_abs, logits_abs, step_abs))
+            for p, r in self.sampler_keys
+        ] + [
+            (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
+            (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
+            (("stage+peek", None), lambda: self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)),
+        ]  # fmt: skip
         if self.multi_step_keys:
-            lowered["peek", "multi-step"] = self._peek_fn.lower(all_abs)
-            lowered["stage+peek", "multi-step"] = self._stage_peek_fn.lower(
-                step_abs, step_abs, all_abs
-            )
-        lowered.update(
-            {
-                ("multi", (t, p)): self._multi_fns[p].lower(
-                    t, params_abs, kv_abs, prev_abs, all_abs, step_abs
-                )
-                for t, p in self.multi_step_keys
-            }
-        )
+            to_lower += [
+                (("peek", "multi-step"), lambda: self._peek_fn.lower(all_abs)),
+                (("stage+peek", "multi-step"),
+                 lambda: self._stage_peek_fn.lower(step_abs, step_abs, all_abs)),
+            ]  # fmt: skip
 
         options = self.compiler_options = program_options.for_weights(self.model.quantization)
         logger.info(
-            "compiling %d token buckets %s and %d sampler programs%s",
+            "compiling %d token buckets %s, %d sampler and %d multi-step programs%s",
             len(self.buckets),
             self.buckets,
             len(self.sampler_keys),
+            len(self.multi_step_keys),
             f" with XLA options {options}" if options else "",
         )
 
-        def compile_one(key):
+        def compile_one(key, lowered):
             t0 = time.perf_counter()
-            exe = lowered[key].compile(compiler_options=options)
+            exe = lowered.compile(compiler_options=options)
             name = _program_name(*key)
             seconds = time.perf_counter() - t0
             logger.info("%s compiled in %.1fs", name, seconds)
@@ -310,7 +309,11 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(16, os.cpu_count() or 4)
         ) as pool:
-            compiled = dict(zip(lowered, pool.map(compile_one, lowered), strict=True))
+            futures = {key: pool.submit(compile_one, key, lower()) for key, lower in to_lower}
+            # Lowering (tracing the model, lowering its kernels) is Python on this thread, one
+            # program after another; the compiles ran beside it.
+            logger.info("lowered %d programs in %.1fs", len(futures), time.perf_counter() - start)
+            compiled = {key: f.result() for key, f in futures.items()}
         tables = {"forward": self._forwards, "sampler": self._samplers, "multi": self._multis}
         for (kind, key), exe in compiled.items():
             if kind in tables:
