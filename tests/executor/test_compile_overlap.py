@@ -8,6 +8,7 @@ import threading
 import time
 
 import jax
+from tiny_multi_step import TINY_MULTI_STEP
 
 from nori_jax import LLM
 
@@ -30,19 +31,7 @@ def test_compiling_starts_before_the_last_program_is_lowered(monkeypatch):
 
     monkeypatch.setattr(jax.stages.Traced, "lower", timed_lower)
     monkeypatch.setattr(jax.stages.Lowered, "compile", timed_compile)
-    llm = LLM(
-        "tiny-llama",
-        load_format="dummy",
-        dtype="float32",
-        page_size=16,
-        num_pages=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        max_model_len=128,
-        num_scheduler_steps=2,
-        multi_step_max_seqs=8,
-        param_cache=False,
-    )
+    llm = LLM("tiny-llama", **TINY_MULTI_STEP, param_cache=False)
     programs = llm.engine.runner.compiled_programs()
     assert len(compile_started_at) >= len(programs) > 10
     # the first compile began while later programs were still being lowered

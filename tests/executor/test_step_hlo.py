@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from tiny_multi_step import TINY_MULTI_STEP
 
 from nori_jax import LLM
 from nori_jax.models.llama import ATTENTION_SCOPE
@@ -23,18 +24,7 @@ _CONTROL = re.compile(r"=\s.*?\b(conditional|while)\(")
 
 @pytest.fixture(scope="module")
 def programs():
-    llm = LLM(
-        "tiny-llama",
-        load_format="dummy",
-        dtype="float32",
-        page_size=16,
-        num_pages=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        max_model_len=128,
-        num_scheduler_steps=2,
-        multi_step_max_seqs=8,
-    )
+    llm = LLM("tiny-llama", **TINY_MULTI_STEP)
     return {name: exe.as_text() for name, exe in llm.engine.runner.compiled_programs().items()}
 
 
