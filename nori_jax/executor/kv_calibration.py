@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from nori_jax.executor import program_options
 from nori_jax.executor.kv_cache import allocate_kv_pages
 from nori_jax.models.llama import AttentionInputs
 from nori_jax.weights.loader import LoadedModel
@@ -85,4 +86,7 @@ def measure_kv_scales(
             ]
         )
 
-    return np.asarray(prefill(loaded.state, kv, jnp.asarray(token_ids, jnp.int32)), np.float32)
+    args = (loaded.state, kv, jnp.asarray(token_ids, jnp.int32))
+    # the engine's XLA options for these weights (fp8: Triton's GEMMs off, program_options.py)
+    options = program_options.for_weights(loaded.quantization)
+    return np.asarray(prefill.lower(*args).compile(compiler_options=options)(*args), np.float32)

@@ -9,7 +9,9 @@ XLA's autotuning switched off instead (`--xla_gpu_autotune_level=0`) was ready i
 at 1,138, its untuned GEMMs ten times slower. The weight-only modes keep the Triton fusions: they
 are what dequantizes int8 / int4 weights inside the GEMM.
 
-A user's own `--xla_gpu_enable_triton_gemm` in XLA_FLAGS stands: the engine then adds nothing.
+The runner's programs and the KV-scale calibration's prefill (kv_calibration.py) compile with
+these options. A user's own `--xla_gpu_enable_triton_gemm` in XLA_FLAGS stands: the engine then
+adds nothing.
 """
 
 from __future__ import annotations

@@ -34,3 +34,28 @@ def test_xla_accepts_the_options():
     lowered = jax.jit(lambda x: x @ x).lower(jnp.ones((4, 4)))
     out = lowered.compile(compiler_options=OFF)(jnp.ones((4, 4)))
     assert float(out[0, 0]) == 4.0
+
+
+@pytest.mark.parametrize("mode", [None, "fp8"])
+def test_kv_scale_calibration_compiles_with_the_engines_options(mode, monkeypatch):
+    """The calibration prefill runs the model outside the runner: it takes the same options."""
+    from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
+    from nori_jax.executor.mesh import make_mesh
+    from nori_jax.mesh_config import MeshConfig
+    from nori_jax.weights.loader import load_model
+
+    seen = []
+    compile_ = jax.stages.Lowered.compile
+
+    def spy(self, *args, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return compile_(self, *args, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    mesh = make_mesh(MeshConfig())
+    loaded = load_model(
+        "tiny-llama", load_format="dummy", mesh=mesh, param_cache=False, quantization=mode
+    )
+    scales = measure_kv_scales(loaded, mesh, jnp.float8_e4m3fn, calibration_token_ids(loaded, 32))
+    assert scales.shape == (loaded.config.num_layers, 2)
+    assert seen == [OFF if mode == "fp8" else {}]
