@@ -113,6 +113,26 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
             64,
             "e5m2",
         ),
+        # default_tuning's e4m3 prefill schedules (bf16's blocks, fp8 Q K^T, V converted early)
+        (
+            TuningConfig(128, 2, 1, 132, **FP8_DECODE, fp8_qk=True),
+            128,
+            "e4m3",
+        ),
+        (
+            TuningConfig(
+                *(128, 2, 1, 132),
+                compute_wgs=3,
+                decode_wgs=2,
+                producer_warps=4,
+                mma_row_sums=True,
+                prefill_kv_splits=4,
+                fp8_convert_early=True,
+                fp8_qk=True,
+            ),
+            64,
+            "e4m3",
+        ),
     ],
     ids=[
         "default-form-e4m3",
@@ -125,6 +145,8 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
         "fp8-decode-default-head-dim-128",
         "fp8-qk-e4m3",
         "fp8-qk-early-compute-wgs-3-e5m2",
+        "fp8-prefill-default-head-dim-128",
+        "fp8-prefill-default-head-dim-64-splits",
     ],
 )
 def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):
