@@ -9,8 +9,10 @@ matmul is device time with the launch amortized. Variants:
     bf16            x @ w[K, N], the float engine's kernel layout
     fp8             QuantizedLinear fp8: per-token quantization of x + fp8 x fp8 dot (f32 out)
     fp8 (x given)   the fp8 dot alone, x already fp8: what the per-token quantization costs
-    int8            QuantizedLinear int8: dequantize (convert * scale) into the dot's operand
-    int8 epilogue   (x @ convert(q)) * scale: the per-channel scale after the dot instead
+    int8            QuantizedLinear int8 as the engine runs it: the scale after the dot at up to
+                    64 tokens (linear.SCALE_AFTER_DOT_MAX_TOKENS), else int8 fused
+    int8 fused      dequantize (convert * scale) into the dot's operand, at every size
+    int8 epilogue   (x @ convert(q)) * scale: the per-channel scale after the dot, at every size
     int4 g128       QuantizedLinear int4, groups of 128
     int4 g32+off    the GGUF Q4_1 layout: groups of 32 and a float offset
 
@@ -90,10 +92,15 @@ def variants(k: int, n: int, count: int):
             nbytes += stored_bytes([layers[0].offset.get_value()])
         out[name] = (lambda x, ws: [layer(x) for layer in ws], layers, nbytes, scheme)
         if name == "int8":
+            out["int8 fused"] = (_int8_fused, layers, nbytes, scheme)
             out["int8 epilogue"] = (_int8_epilogue, layers, nbytes, scheme)
         if name == "fp8":
             out["fp8 (x given)"] = (_fp8_given, layers, nbytes, scheme)
     return out
+
+
+def _int8_fused(x, layers):
+    return [jax.lax.dot_general(x, layer.weight().astype(x.dtype), CONTRACT_IN) for layer in layers]
 
 
 def _int8_epilogue(x, layers):

@@ -19,6 +19,10 @@ from nori_jax.quantization.scheme import WeightQuantization
 MODEL = "model"  # mesh axis for tensor parallelism
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
+# Per-channel int8 calls of at most this many tokens apply the scale after the dot
+# (QuantizedLinear._scale_after_dot): measured at 16 tokens, where reading the weight bounds the
+# GEMM; 64 tokens is still far below the H200's ridge point for these shapes.
+SCALE_AFTER_DOT_MAX_TOKENS = 64
 
 
 def param(
@@ -85,7 +89,22 @@ class QuantizedLinear(nnx.Module):
                 xq, self._qarray(), _CONTRACT_IN, preferred_element_type=jnp.float32
             )
             return y.astype(x.dtype)
+        if self._scale_after_dot(x.shape[0]):
+            q = self.qvalue[...].astype(x.dtype)
+            return jax.lax.dot_general(x, q, _CONTRACT_IN) * self.scale[...][:, 0].astype(x.dtype)
         return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
+
+    def _scale_after_dot(self, num_tokens: int) -> bool:
+        """Per-channel int8 in a call of few tokens: `(x @ convert(q)) * scale`, the scale on the
+        output instead of on every weight element inside XLA's GEMM fusion. On the H200 at 16
+        tokens that ran at 0.80-0.96x bf16's speed against 0.40-0.48x (docs/benchmarks.md,
+        "Which matmuls lose"); at 1,024 tokens it was slower (0.63-0.69x against 0.70-0.74x),
+        so larger calls keep the fused form. Group-wise scales cannot move past the sum."""
+        return (
+            self.scheme.mode == "int8"
+            and self.scheme.group_size is None
+            and num_tokens <= SCALE_AFTER_DOT_MAX_TOKENS
+        )
 
 
 def linear_weight(
