@@ -13,6 +13,9 @@ matmul is device time with the launch amortized. Variants:
                     64 tokens (linear.SCALE_AFTER_DOT_MAX_TOKENS), else int8 fused
     int8 fused      dequantize (convert * scale) into the dot's operand, at every size
     int8 epilogue   (x @ convert(q)) * scale: the per-channel scale after the dot, at every size
+    int8 mosaic     GPU only: JAX's own Hopper int8 x bf16 kernel (pallas.ops.gpu.
+                    hopper_mixed_type_matmul_mgpu) on q[N, K] @ x^T, the scale after it: what a
+                    Pallas kernel that dequantizes in registers gives before any tuning of ours
     int4 g128       QuantizedLinear int4, groups of 128
     int4 g32+off    the GGUF Q4_1 layout: groups of 32 and a float offset
 
@@ -94,6 +97,8 @@ def variants(k: int, n: int, count: int):
         if name == "int8":
             out["int8 fused"] = (_int8_fused, layers, nbytes, scheme)
             out["int8 epilogue"] = (_int8_epilogue, layers, nbytes, scheme)
+            if jax.default_backend() == "gpu":
+                out["int8 mosaic"] = (_int8_mosaic, layers, nbytes, scheme)
         if name == "fp8":
             out["fp8 (x given)"] = (_fp8_given, layers, nbytes, scheme)
     return out
@@ -101,6 +106,27 @@ def variants(k: int, n: int, count: int):
 
 def _int8_fused(x, layers):
     return [jax.lax.dot_general(x, layer.weight().astype(x.dtype), CONTRACT_IN) for layer in layers]
+
+
+def _int8_mosaic(x, layers):
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+    t = x.shape[0]
+    # wgmma's N is the token count here: one warpgroup per 64 output rows for a few tokens, the
+    # two warpgroups side by side along the tokens for many
+    if t < 128:
+        cfg = mixed.TuningConfig(64, t, 128, 4, epi_tile_n=t, epi_tile_m=64,
+                                 wg_dimension=mixed.MatmulDimension.M)  # fmt: skip
+    else:
+        cfg = mixed.TuningConfig(128, 64, 128, 4, wg_dimension=mixed.MatmulDimension.N)
+    xt = x.T
+    return [
+        (
+            mixed.mixed_matmul_kernel(layer.qvalue[...], xt, out_dtype=jnp.float32, config=cfg)
+            * layer.scale[...]
+        ).T.astype(x.dtype)
+        for layer in layers
+    ]
 
 
 def _int8_epilogue(x, layers):
@@ -179,7 +205,11 @@ def main() -> None:
             x = (jax.random.normal(jax.random.key(t), (t, k), jnp.float32)).astype(jnp.bfloat16)
             base = None
             for name, (fn, ws, nbytes, scheme) in vs.items():
-                exe = compiled(fn, x, ws, scheme, args.default_xla_options)
+                try:
+                    exe = compiled(fn, x, ws, scheme, args.default_xla_options)
+                except Exception as e:  # noqa: BLE001 - a variant that cannot run is a row too
+                    print(f"{shape:20s} T={t:5d} {name:14s} failed: {str(e)[:200]}", flush=True)
+                    continue
                 hlo = exe.as_text()
                 sec = time_call(exe, x, ws) / count
                 base = sec if name == "bf16" else base
