@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from nori_jax.executor.xla_flags import setting as flag_setting
 from nori_jax.quantization import WeightQuantization
 
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
@@ -26,7 +27,7 @@ TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 def user_sets(option: str, xla_flags: str | None = None) -> bool:
     """Whether XLA_FLAGS (`xla_flags`, default the environment's) names `option`."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    return any(w.lstrip("-").split("=", 1)[0] == option for w in flags.split())
+    return flag_setting(flags, option) is not None
 
 
 def for_weights(

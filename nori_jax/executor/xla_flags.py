@@ -32,13 +32,20 @@ _MODE_VALUE = {"always": "ALWAYS_UPDATE", "skip_temp": "SKIP_TEMP"}
 DEFAULT_MEM_FRACTION = 0.75
 
 
-def flag_in(xla_flags: str) -> str | None:
-    """The command-buffer update mode named in an XLA_FLAGS string (its last setting), or None."""
+def setting(xla_flags: str, name: str) -> str | None:
+    """The value an XLA_FLAGS string gives the flag `name` (without dashes; its last setting;
+    "true" for a bare boolean flag), or None where it does not name it."""
     value = None
     for word in xla_flags.split():
-        if word.startswith(_UPDATE_FLAG + "="):
-            value = word.split("=", 1)[1]
+        flag, eq, given = word.lstrip("-").partition("=")
+        if flag == name:
+            value = given if eq else "true"
     return value
+
+
+def flag_in(xla_flags: str) -> str | None:
+    """The command-buffer update mode named in an XLA_FLAGS string (its last setting), or None."""
+    return setting(xla_flags, _UPDATE_FLAG.lstrip("-"))
 
 
 def with_update_mode(xla_flags: str, mode: str) -> str:

@@ -134,3 +134,11 @@ def test_kv_budget_under_the_vmm_allocator_comes_from_the_device_memory(monkeypa
     # Under the default allocator its own statistics decide, as before.
     monkeypatch.setenv("XLA_FLAGS", "")
     assert pages(_gpu_mesh(stats)) == int((1_500_000_000 * 0.9) // per_page)
+
+
+def test_setting_reads_a_flags_last_value():
+    flags = "--a=1 --xla_b=x -xla_b=y --xla_bool --xla_bc=2"
+    assert xla_flags.setting(flags, "xla_b") == "y"  # the last setting, one dash or two
+    assert xla_flags.setting(flags, "xla_bool") == "true"  # a bare boolean flag
+    assert xla_flags.setting(flags, "xla") is None  # a prefix of a name is another flag
+    assert xla_flags.setting("", "xla_b") is None

@@ -12,6 +12,11 @@ from kernel_cases import abstract_args
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
 
+# default_tuning's head_dim-64 prefill schedule where a bucket has fewer tiles than SMs
+PREFILL_64_SPLIT = dict(
+    compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True, prefill_kv_splits=4
+)
+
 
 @pytest.mark.parametrize(
     "tuning, head_dim",
@@ -28,17 +33,7 @@ from pallas_kernels.ragged_paged_attention.tuning import TuningConfig
             ),
             64,
         ),
-        (
-            TuningConfig(
-                *(128, 2, 1, 132),
-                compute_wgs=3,
-                decode_wgs=2,
-                producer_warps=4,
-                mma_row_sums=True,
-                prefill_kv_splits=4,
-            ),
-            64,
-        ),
+        (TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT), 64),
     ],
     ids=[
         "default-form",
@@ -120,16 +115,7 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
             "e4m3",
         ),
         (
-            TuningConfig(
-                *(128, 2, 1, 132),
-                compute_wgs=3,
-                decode_wgs=2,
-                producer_warps=4,
-                mma_row_sums=True,
-                prefill_kv_splits=4,
-                fp8_convert_early=True,
-                fp8_qk=True,
-            ),
+            TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT, fp8_convert_early=True, fp8_qk=True),
             64,
             "e4m3",
         ),
