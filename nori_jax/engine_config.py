@@ -27,6 +27,7 @@ from pallas_kernels.page_constants import KV_CACHE_DTYPES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+FP8_MATMULS = ("xla", "pallas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 _NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
@@ -52,6 +53,13 @@ class EngineConfig:
         help="store the decoder's linear weights quantized: fp8 (fp8 matmuls), int8 / int4 "
         "(weight-only); a GGUF file's own Q8_0/Q4_0/Q4_1 blocks are kept (none: the dtype)",
         choices=QUANTIZATION_MODES,
+    )
+    fp8_matmul: str = option(
+        "xla",
+        help="fp8 weights in calls of up to 128 tokens: xla (cuBLASLt's fp8 GEMM) or pallas (the "
+        "skinny-matmul kernel: 1.2-2.5x cuBLASLt per matmul on the H200, engine unmeasured; "
+        "needs the Pallas attention backend and one device per replica)",
+        choices=FP8_MATMULS,
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -122,6 +130,7 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("command_buffer_update", COMMAND_BUFFER_UPDATES),
+            ("fp8_matmul", FP8_MATMULS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
@@ -135,6 +144,11 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
+            )
+        if self.fp8_matmul == "pallas" and self.mesh.model > 1:
+            raise ValueError(
+                f"fp8_matmul='pallas' runs on one device per replica: the mesh splits the model "
+                f"over {self.mesh.model} (tensor parallelism partitions XLA's dots, not a kernel's)"
             )
 
     @classmethod

@@ -15,6 +15,7 @@ import qwix
 from flax import nnx
 
 from nori_jax.quantization.scheme import WeightQuantization
+from pallas_kernels.skinny_matmul import skinny_matmul, skinny_matmul_fits
 
 MODEL = "model"  # mesh axis for tensor parallelism
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
@@ -23,6 +24,11 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
 # (QuantizedLinear._scale_after_dot): measured at 16 tokens, where reading the weight bounds the
 # GEMM; 64 tokens is still far below the H200's ridge point for these shapes.
 SCALE_AFTER_DOT_MAX_TOKENS = 64
+# fp8 calls of at most this many tokens run the skinny-matmul kernel (pallas_kernels/skinny_matmul)
+# when the model asks for Pallas matmuls (fp8_matmul="pallas"): on the H200, cuBLASLt's fp8 GEMM
+# read the weight at 0.5-0.8 TB/s at 16-128 tokens, slower than bf16; the kernel at 1.2-1.8 TB/s
+# (docs/benchmarks.md, "The skinny matmul").
+SKINNY_MAX_TOKENS = 128
 
 
 def param(
@@ -67,6 +73,8 @@ class QuantizedLinear(nnx.Module):
         self.scheme = scheme
         self.parallel = parallel
         self.layer_name = name
+        # Set by the model when it runs Pallas matmul kernels (use_pallas_matmuls)
+        self.pallas = False
 
     def weight(self) -> jax.Array:
         """The dequantized weight [out, in] in the compute dtype (what the weight-only matmul
@@ -85,6 +93,9 @@ class QuantizedLinear(nnx.Module):
         if self.scheme.quantizes_activations:
             # Dynamic per-token scales: each row of x gets its own absmax scale.
             xq = qwix.quantize(x.astype(jnp.float32), self.scheme.qtype, channelwise_axes=(0,))
+            if self._skinny(x.shape[0]):
+                y = skinny_matmul(xq.qvalue, self.qvalue[...], w_layout="out_in")
+                return (y * xq.scale * self.scale[...][:, 0]).astype(x.dtype)
             y = qwix.dot_general(
                 xq, self._qarray(), _CONTRACT_IN, preferred_element_type=jnp.float32
             )
@@ -93,6 +104,17 @@ class QuantizedLinear(nnx.Module):
             q = self.qvalue[...].astype(x.dtype)
             return jax.lax.dot_general(x, q, _CONTRACT_IN) * self.scale[...][:, 0].astype(x.dtype)
         return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
+
+    def _skinny(self, num_tokens: int) -> bool:
+        """fp8 in a call of few tokens, on a model that runs Pallas matmuls: the skinny matmul
+        (fp8 x fp8 wgmma, the weight streamed once) instead of XLA's cuBLASLt fp8 GEMM."""
+        out_features, in_features = self.qvalue.shape
+        return (
+            self.pallas
+            and self.scheme.mode == "fp8"
+            and num_tokens <= SKINNY_MAX_TOKENS
+            and skinny_matmul_fits(num_tokens, in_features, out_features, itemsize=1)
+        )
 
     def _scale_after_dot(self, num_tokens: int) -> bool:
         """Per-channel int8 in a call of few tokens: `(x @ convert(q)) * scale`, the scale on the
@@ -121,6 +143,15 @@ def linear_weight(
         return QuantizedLinear(in_features, out_features, dtype, parallel, quantization, name)
     spec = {COLUMN: (None, MODEL), ROW: (MODEL, None), REPLICATED: (None, None)}[parallel]
     return param(rngs, (in_features, out_features), dtype, spec)
+
+
+def use_pallas_matmuls(model: nnx.Module) -> None:
+    """Let the model's quantized layers run Pallas matmul kernels where one exists for their mode
+    (fp8: the skinny matmul in calls of few tokens). One device only: under tensor parallelism
+    XLA partitions the dots, which it cannot do to a kernel call."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, QuantizedLinear):
+            node.pallas = True
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -28,7 +28,16 @@ from jax.sharding import Mesh
 
 from nori_jax.model_config import ModelConfig
 from nori_jax.models.fused_layout import split_gate_up, split_qkv
-from nori_jax.models.linear import COLUMN, MODEL, REPLICATED, ROW, linear, linear_weight, param
+from nori_jax.models.linear import (
+    COLUMN,
+    MODEL,
+    REPLICATED,
+    ROW,
+    linear,
+    linear_weight,
+    param,
+    use_pallas_matmuls,
+)
 from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nori_jax.quantization.scheme import WeightQuantization
 from pallas_kernels import attention_step, attention_step_sharded
@@ -173,10 +182,16 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: str = "reference",
         quantization: WeightQuantization | None = None,
         mesh: Mesh | None = None,
+        pallas_matmuls: bool = False,
     ):
         """`quantization`: how the decoder's linear layers store their weights (None: float
         kernels in `dtype`); embeddings, LM head and norms stay in `dtype`. `mesh`: the mesh the
-        parameters will live on (None: one device); its `model` axis splits the attention step."""
+        parameters will live on (None: one device); its `model` axis splits the attention step.
+        `pallas_matmuls`: quantized layers run Pallas matmul kernels where one exists for their
+        mode (on one device only: XLA partitions a dot over the mesh, not a kernel call)."""
+        if pallas_matmuls and mesh is not None and mesh.shape[MODEL] > 1:
+            tp = mesh.shape[MODEL]
+            raise ValueError(f"pallas_matmuls on a mesh of {tp=}: one device only")
         self.config = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
         self.layers = nnx.List(
@@ -188,6 +203,12 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL))
+        if pallas_matmuls:
+            if mesh is not None and mesh.shape[MODEL] > 1:
+                raise ValueError(
+                    f"pallas_matmuls on a mesh of tp={mesh.shape[MODEL]}: one device only"
+                )
+            use_pallas_matmuls(self)
 
     def __call__(
         self,

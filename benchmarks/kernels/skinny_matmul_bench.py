@@ -1,0 +1,120 @@
+"""The skinny matmul (pallas_kernels/skinny_matmul) against XLA's dot on the Llama-3.1-8B shapes.
+
+For each weight shape and token count: XLA's bf16 dot (what the engine runs), the kernel on the
+same bf16 weight stored [in, out], XLA's fp8 dot (cuBLASLt, the engine's fp8 mode with x already
+quantized) and the kernel on the fp8 weight stored [out, in]; with `--sweep`, the kernel also
+under other stage and split counts. Each row gives microseconds per weight, the weight's bytes
+per second (the bound at these token counts: the H200 copies about 4.0-4.4 TB/s) and the largest
+error against a float32 product relative to the output's largest magnitude.
+
+    python benchmarks/kernels/skinny_matmul_bench.py --tokens 16,64,128,256 --sweep --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from stream_timing import time_stream
+
+from nori_jax.executor import program_options
+from nori_jax.quantization.scheme import default_scheme
+from pallas_kernels.skinny_matmul import SkinnyTuning, default_tuning, skinny_matmul
+
+SHAPES = {  # name: (K = in, N = out)
+    "qkv 4096x6144": (4096, 6144),
+    "o 4096x4096": (4096, 4096),
+    "gate/up 4096x14336": (4096, 14336),
+    "down 14336x4096": (14336, 4096),
+}
+CONTRACT_IN = (((1,), (1,)), ((), ()))
+FP8 = jnp.float8_e4m3fn
+
+
+def sweep(base: SkinnyTuning) -> list[SkinnyTuning]:
+    out = [base]
+    for stages in (2, 4, 6):
+        for splits in (base.splits, base.splits * 2):
+            tn = dataclasses.replace(base, stages=stages, splits=splits)
+            if tn not in out:
+                out.append(tn)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="16,64,128,256")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="also other stage / split counts")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    fp8_options = program_options.for_weights(default_scheme("fp8"))
+    rows = []
+
+    def row(shape, t, variant, sec, nbytes, err, tuning=None):
+        rows.append(dict(shape=shape, tokens=t, variant=variant, us=sec * 1e6,
+                         weight_tbps=nbytes / sec / 1e12, rel_err=err,
+                         tuning=dataclasses.asdict(tuning) if tuning else None))  # fmt: skip
+        tn = f"bk={tuning.block_k} stages={tuning.stages} splits={tuning.splits}" if tuning else ""
+        print(f"{shape:20s} T={t:4d} {variant:12s} {sec * 1e6:8.1f} us {nbytes / sec / 1e12:5.2f} "
+              f"TB/s err {err:.1e}  {tn}", flush=True)  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        count = max(2, int(np.ceil(200e6 / (k * n * 2))))  # > 200 MB of bf16 weights per call
+        key = jax.random.key(0)
+        w32 = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n)) for i in range(count)]
+        w16 = [w.astype(jnp.bfloat16) for w in w32]  # [in, out], as the engine stores a kernel
+        w8 = [(w.T / 0.002).astype(FP8) for w in w32]  # [out, in], as the engine stores fp8
+        for t in (int(s) for s in args.tokens.split(",")):
+            x16 = jax.random.normal(jax.random.key(t), (t, k)).astype(jnp.bfloat16)
+            x8 = x16.astype(FP8)
+            exact16 = x16[None].astype(jnp.float32) @ w16[0].astype(jnp.float32)
+            exact8 = x8.astype(jnp.float32) @ w8[0].astype(jnp.float32).T
+
+            def err(y, exact):
+                return float(jnp.abs(y[0].astype(jnp.float32) - exact).max() / jnp.abs(exact).max())
+
+            xla16 = jax.jit(lambda x, ws: [x @ w for w in ws]).lower(x16, w16).compile()
+            row(shape, t, "xla bf16", time_stream(xla16, x16, w16) / count, k * n * 2,
+                err(xla16(x16, w16), exact16))  # fmt: skip
+            xla8 = (
+                jax.jit(
+                    lambda x, ws: [
+                        jax.lax.dot_general(x, w, CONTRACT_IN, preferred_element_type=jnp.float32)
+                        for w in ws
+                    ]
+                )
+                .lower(x8, w8)
+                .compile(compiler_options=fp8_options)
+            )
+            row(shape, t, "xla fp8", time_stream(xla8, x8, w8) / count, k * n,
+                err(xla8(x8, w8), exact8))  # fmt: skip
+            for x, ws, layout, nbytes, exact, name in (
+                (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
+                (x8, w8, "out_in", k * n, exact8, "kernel fp8"),
+            ):
+                base = default_tuning(t, k, n, x.dtype.itemsize, jax.devices()[0].core_count)
+                for tn in sweep(base) if args.sweep and t <= 64 else [base]:
+                    try:
+                        fn = jax.jit(
+                            lambda x, ws, tn=tn, layout=layout: [
+                                skinny_matmul(x, w, w_layout=layout, tuning=tn) for w in ws
+                            ]
+                        )
+                        sec = time_stream(fn, x, ws) / count
+                        row(shape, t, name, sec, nbytes, err(fn(x, ws), exact), tn)
+                    except Exception as e:  # noqa: BLE001 - a tuning that cannot run is a row
+                        print(f"{shape:20s} T={t:4d} {name:12s} {tn} failed: {str(e)[:300]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Block sizes of the skinny matmul, chosen per shape (JAX-free)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ROWS = 128  # weight rows (output features) per CTA: two compute warpgroups of wgmma's 64 rows
+ROW_BYTES = 128  # a block's contracted extent in bytes: one 128-byte swizzled row per operand row
+SMEM_BUDGET = 96 * 1024  # per CTA: two CTAs fit on an SM (227 KiB), so one's pipeline fill hides
+MAX_STAGES = 8
+EPILOGUE_TOKENS = 32  # at most this many token columns per partial-sum store (kernel.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyTuning:
+    block_k: int  # contracted elements per pipeline step
+    stages: int  # pipeline steps in flight
+    splits: int  # the contracted axis split over this many CTAs (partial sums added after)
+
+
+def default_tuning(
+    num_tokens: int, in_features: int, out_features: int, itemsize: int, num_sms: int = 132
+) -> SkinnyTuning:
+    """Enough CTAs for two per SM, each streaming at least four blocks; stages to fill its share
+    of shared memory."""
+    block_k = ROW_BYTES // itemsize
+    steps = in_features // block_k
+    tiles = out_features // ROWS
+    splits = 1
+    while (
+        tiles * splits < 2 * num_sms
+        and steps % (splits * 2) == 0
+        and steps // (splits * 2) >= 4
+        # the partial sums (written and read back as float32) stay under an eighth of the weight
+        and splits * 2 * num_tokens * 4 * 8 <= in_features * itemsize
+    ):
+        splits *= 2
+    stage_bytes = (ROWS + num_tokens) * ROW_BYTES
+    out_bytes = ROWS * 2 * epilogue_tokens(num_tokens) * 4
+    stages = max(2, min(MAX_STAGES, (SMEM_BUDGET - out_bytes) // stage_bytes, steps // splits))
+    return SkinnyTuning(block_k, stages, splits)
+
+
+def epilogue_tokens(num_tokens: int) -> int:
+    """Token columns per partial-sum store: the largest multiple of 8 up to EPILOGUE_TOKENS that
+    divides the token count (a multiple of 8)."""
+    return next(c for c in range(EPILOGUE_TOKENS, 0, -8) if num_tokens % c == 0)

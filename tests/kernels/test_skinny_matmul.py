@@ -1,0 +1,118 @@
+"""The skinny matmul (pallas_kernels/skinny_matmul) in Mosaic GPU interpret mode against its
+float32 reference, its input errors, its tuning, and its CUDA lowering at the 8B shapes.
+
+The cases cover each weight layout and operand type, one and several splits of the contracted
+axis, two and three pipeline stages, and token counts of one and of two epilogue chunks (more
+than 32 tokens store their partial sums in two passes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels.skinny_matmul.api as api
+from pallas_kernels.skinny_matmul import (
+    SkinnyTuning,
+    default_tuning,
+    skinny_matmul,
+    skinny_matmul_fits,
+    skinny_matmul_reference,
+)
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _operands(layout, dtype, t, k, n, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
+    w_shape = (n, k) if layout == "out_in" else (k, n)
+    return x, jax.random.normal(kw, w_shape, jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "layout, dtype, t, k, n, tuning",
+    [
+        ("in_out", jnp.bfloat16, 16, 256, 256, SkinnyTuning(64, 2, 2)),  # a float kernel [in, out]
+        ("out_in", jnp.bfloat16, 8, 128, 128, SkinnyTuning(64, 2, 1)),
+        ("out_in", jnp.float16, 24, 384, 128, SkinnyTuning(64, 3, 3)),
+        ("out_in", FP8, 64, 512, 256, SkinnyTuning(128, 2, 2)),  # two epilogue chunks
+        ("out_in", jnp.float8_e5m2, 40, 256, 128, SkinnyTuning(128, 2, 1)),
+    ],
+    ids=["bf16-in_out-splits2", "bf16-out_in-8tok", "f16-3stages-3splits", "e4m3-64tok", "e5m2"],
+)
+def test_kernel_matches_reference(layout, dtype, t, k, n, tuning):
+    x, w = _operands(layout, dtype, t, k, n)
+    got = skinny_matmul(x, w, w_layout=layout, tuning=tuning, interpret=True)
+    want = skinny_matmul_reference(x, w, w_layout=layout)
+    assert got.shape == (t, n) and got.dtype == jnp.float32
+    # products of 16- and 8-bit values are exact in float32; only the order of the sums differs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_default_tuning_runs_in_interpret_mode():
+    """The tuning the API picks by itself (few SMs in interpret mode: splits still > 1)."""
+    x, w = _operands("out_in", FP8, 16, 1024, 128, seed=1)
+    tn = default_tuning(16, 1024, 128, 1, num_sms=2)
+    assert tn.splits > 1
+    got = skinny_matmul(x, w, w_layout="out_in")
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(skinny_matmul_reference(x, w, w_layout="out_in")), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, layout, dtype, w_dtype, tuning, match",
+    [
+        ((12, 128), (128, 128), "out_in", jnp.bfloat16, None, None, "num_tokens=12"),
+        ((264, 128), (128, 128), "out_in", jnp.bfloat16, None, None, "num_tokens=264"),
+        ((16, 128), (192, 128), "out_in", jnp.bfloat16, None, None, "n=192"),
+        ((16, 128), (128, 256), "out_in", jnp.bfloat16, None, None, "contract different"),
+        ((16, 128), (128, 128), "in_out", FP8, None, None, "stored out_in"),
+        ((16, 128), (128, 128), "out_in", FP8, jnp.bfloat16, None, "both be fp8"),
+        ((16, 128), (128, 128), "out_in", jnp.float32, None, None, "x.dtype"),
+        ((16, 128), (128, 128), "rows", jnp.bfloat16, None, None, "w_layout='rows'"),
+        ((16, 384), (128, 384), "out_in", jnp.bfloat16, None, SkinnyTuning(64, 2, 4), "k=384"),
+    ],
+)
+def test_input_errors(x_shape, w_shape, layout, dtype, w_dtype, tuning, match):
+    x = jnp.zeros(x_shape, dtype)
+    w = jnp.zeros(w_shape, w_dtype or dtype)
+    with pytest.raises(ValueError, match=match):
+        skinny_matmul(x, w, w_layout=layout, tuning=tuning)
+
+
+@pytest.mark.parametrize(
+    "t, k, n, itemsize",
+    [(16, 4096, 28672, 1), (16, 14336, 4096, 1), (128, 4096, 6144, 2), (256, 14336, 4096, 2)],
+)
+def test_default_tuning(t, k, n, itemsize):
+    """Splits divide the contracted blocks and keep the partial sums under an eighth of the
+    weight's bytes; stages fit two CTAs' shared memory on an SM."""
+    tn = default_tuning(t, k, n, itemsize, num_sms=132)
+    assert tn.block_k * itemsize == 128
+    assert k % (tn.block_k * tn.splits) == 0
+    assert tn.splits * t * 4 * 8 <= k * itemsize or tn.splits == 1
+    assert 2 <= tn.stages <= 8
+    assert skinny_matmul_fits(t, k, n, itemsize)
+    assert not skinny_matmul_fits(t + 4, k, n, itemsize)
+
+
+@pytest.mark.parametrize(
+    "layout, dtype, t, k, n",
+    [
+        ("out_in", FP8, 16, 4096, 28672),
+        ("out_in", FP8, 128, 14336, 4096),
+        ("in_out", jnp.bfloat16, 64, 4096, 6144),
+    ],  # fmt: skip
+)
+def test_lowers_for_cuda(monkeypatch, layout, dtype, t, k, n):
+    """The 8B layer shapes under the default tuning lower for CUDA on this CPU machine (Mosaic
+    GPU's lowering runs in Python; only the PTX compile needs the GPU)."""
+    monkeypatch.setattr(api, "_on_cpu", lambda: False)
+    w_shape = (n, k) if layout == "out_in" else (k, n)
+    traced = jax.jit(lambda x, w: skinny_matmul(x, w, w_layout=layout)).trace(
+        jax.ShapeDtypeStruct((t, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype)
+    )
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -1,0 +1,79 @@
+"""fp8 layers on the skinny-matmul kernel (fp8_matmul="pallas"): the same output as XLA's fp8
+dot, chosen only where the kernel applies, and refused where XLA must partition the dot."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nori_jax.engine_config import EngineConfig
+from nori_jax.mesh_config import MeshConfig
+from nori_jax.model_config import ModelConfig, load_preset
+from nori_jax.models.linear import COLUMN, QuantizedLinear, use_pallas_matmuls
+from nori_jax.models.llama import LlamaForCausalLM
+from nori_jax.quantization.quantize import quantize_array
+from nori_jax.quantization.scheme import default_scheme
+
+
+def _layer(mode: str, k: int = 256, n: int = 384) -> QuantizedLinear:
+    scheme = default_scheme(mode)
+    layer = QuantizedLinear(k, n, jnp.bfloat16, COLUMN, scheme, "test")
+    w = 0.05 * jax.random.normal(jax.random.key(1), (n, k))
+    for name, value in quantize_array(w, scheme, scheme.scale_dtype(jnp.bfloat16)).items():
+        getattr(layer, name).set_value(value)
+    return layer
+
+
+def test_kernel_gives_xla_fp8_output():
+    layer = _layer("fp8")
+    x = jax.random.normal(jax.random.key(2), (16, 256)).astype(jnp.bfloat16)
+    x = x.at[3].set(0.0)  # a padding row: scale 1, output 0
+    want = layer(x)
+    use_pallas_matmuls(layer)
+    assert layer.pallas and layer._skinny(16)
+    got = layer(x)  # interpret mode on this CPU machine
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
+
+
+def test_kernel_is_chosen_by_mode_tokens_and_shape():
+    fp8, int8 = _layer("fp8"), _layer("int8")
+    use_pallas_matmuls(fp8)
+    use_pallas_matmuls(int8)
+    assert [fp8._skinny(t) for t in (8, 16, 64, 128, 136, 256, 12)] == [True] * 4 + [False] * 3
+    assert not int8._skinny(16)  # weight-only modes keep XLA's fusion
+    odd = _layer("fp8", n=192)  # output features not a multiple of the kernel's 128 rows
+    use_pallas_matmuls(odd)
+    assert not odd._skinny(16)
+    assert not _layer("fp8")._skinny(16)  # not asked for
+
+
+def _pallas_layers(pallas: bool, mesh=None) -> int:
+    cfg = ModelConfig.from_hf_dict(load_preset("tiny-llama"))
+    model = nnx.eval_shape(
+        lambda: LlamaForCausalLM(
+            cfg, jnp.float32, nnx.Rngs(0), "reference", default_scheme("fp8"), mesh, pallas
+        )
+    )
+    return sum(isinstance(n, QuantizedLinear) and n.pallas for _, n in nnx.iter_graph(model))
+
+
+def test_model_marks_its_quantized_layers():
+    assert (
+        _pallas_layers(True) == 4 * ModelConfig.from_hf_dict(load_preset("tiny-llama")).num_layers
+    )
+    assert _pallas_layers(False) == 0
+
+
+def test_refused_under_tensor_parallelism():
+    with pytest.raises(ValueError, match=r"fp8_matmul='pallas' runs on one device per replica"):
+        EngineConfig(fp8_matmul="pallas", mesh=MeshConfig(model=2))
+    with pytest.raises(ValueError, match=r"fp8_matmul='cublas' must be one of"):
+        EngineConfig(fp8_matmul="cublas")
+    with pytest.raises(ValueError, match=r"pallas_matmuls on a mesh of tp=2"):
+        _pallas_layers(True, types.SimpleNamespace(shape={"model": 2}))
