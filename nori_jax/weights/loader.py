@@ -52,6 +52,7 @@ class LoadedModel:
     # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
     generation_config: dict = dataclasses.field(default_factory=dict)
     quantization: WeightQuantization | None = None  # how the linear layers' weights are stored
+    pallas_matmuls: bool = False  # fp8 layers' calls of few tokens on the skinny matmul
 
     @property
     def weight_bytes(self) -> int:
@@ -65,13 +66,22 @@ class LoadedModel:
             "dtype": jnp.dtype(self.dtype).name,
             "quantization": q.mode if q else "none",
             "weights": q.describe() if q else jnp.dtype(self.dtype).name,
+            # which matmul fp8 layers run in calls of few tokens (models/linear.py)
+            "fp8_matmul": self._fp8_matmul(),
         }
+
+    def _fp8_matmul(self) -> str:
+        if self.quantization is None or self.quantization.mode != "fp8":
+            return "none"
+        return "pallas" if self.pallas_matmuls else "xla"
 
     def describe_weights(self) -> str:
         info = self.model_config_info
         if self.quantization is None:
             return f"{info['dtype']} weights"
-        return f"linear weights {info['weights']}, {info['dtype']} compute"
+        skinny = info["fp8_matmul"] == "pallas"
+        small = ", calls of few tokens on the skinny matmul" if skinny else ""
+        return f"linear weights {info['weights']}{small}, {info['dtype']} compute"
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -436,7 +446,16 @@ def load_model(
     if tokenizer is not None:
         tok = Tokenizer.from_hf_dir(tokenizer)
     return LoadedModel(
-        cfg, jdtype, graphdef, state, tok, source, from_cache, gen_config, quantization=scheme
+        cfg,
+        jdtype,
+        graphdef,
+        state,
+        tok,
+        source,
+        from_cache,
+        gen_config,
+        quantization=scheme,
+        pallas_matmuls=pallas_matmuls and scheme is not None and scheme.mode == "fp8",
     )
 
 

@@ -6,8 +6,11 @@ import dataclasses
 
 ROWS = 128  # weight rows (output features) per CTA: two compute warpgroups of wgmma's 64 rows
 ROW_BYTES = 128  # a block's contracted extent in bytes: one 128-byte swizzled row per operand row
-SMEM_BUDGET = 96 * 1024  # per CTA: two CTAs fit on an SM (227 KiB), so one's pipeline fill hides
-MAX_STAGES = 8
+# Per CTA: one CTA per SM with a deep pipeline. The H200 sweep (docs/benchmarks.md, "The skinny
+# matmul") ran fp8 at 16 and 64 tokens fastest with 4-6 stages, where a 96 KiB budget (two CTAs
+# per SM) allowed 2-4 and ran up to 1.4x slower.
+SMEM_BUDGET = 200 * 1024
+MAX_STAGES = 6
 EPILOGUE_TOKENS = 32  # at most this many token columns per partial-sum store (kernel.py)
 
 
@@ -21,8 +24,8 @@ class SkinnyTuning:
 def default_tuning(
     num_tokens: int, in_features: int, out_features: int, itemsize: int, num_sms: int = 132
 ) -> SkinnyTuning:
-    """Enough CTAs for two per SM, each streaming at least four blocks; stages to fill its share
-    of shared memory."""
+    """Enough CTAs for two per SM (two waves), each streaming at least four blocks; stages to
+    fill the CTA's shared memory."""
     block_k = ROW_BYTES // itemsize
     steps = in_features // block_k
     tiles = out_features // ROWS
@@ -31,8 +34,9 @@ def default_tuning(
         tiles * splits < 2 * num_sms
         and steps % (splits * 2) == 0
         and steps // (splits * 2) >= 4
-        # the partial sums (written and read back as float32) stay under an eighth of the weight
-        and splits * 2 * num_tokens * 4 * 8 <= in_features * itemsize
+        # the partial sums (written and read back as float32) stay under a quarter of the weight
+        # (the sweep's fastest 64-token down projection wrote a seventh)
+        and splits * 2 * num_tokens * 4 * 4 <= in_features * itemsize
     ):
         splits *= 2
     stage_bytes = (ROWS + num_tokens) * ROW_BYTES

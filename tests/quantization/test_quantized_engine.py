@@ -110,6 +110,7 @@ def test_fp8_on_the_skinny_matmul_kernel(lookup, greedy):
     p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
     assert llm.engine.num_recompiles == 0
+    assert llm.get_metrics()["nori:model_config_info"]["fp8_matmul"] == "pallas"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -169,10 +170,12 @@ def test_metrics_and_log_name_the_weights(lookup, engines, caplog):
         "dtype": "float32",
         "quantization": "int4",
         "weights": "int4 (int4, groups of 128; quantized at load)",
+        "fp8_matmul": "none",
         "kv_cache_dtype": "float32",
         "kv_scales": "none",
     }
     assert engines[None].get_metrics()["nori:model_config_info"]["quantization"] == "none"
+    assert engines["fp8"].get_metrics()["nori:model_config_info"]["fp8_matmul"] == "xla"
     text = engines["fp8"].engine.metrics.registry
     from prometheus_client import generate_latest
 
