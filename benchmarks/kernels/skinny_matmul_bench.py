@@ -19,7 +19,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from stream_timing import time_stream
+from stream_timing import time_each_call, time_stream
 
 from nori_jax.executor import program_options
 from nori_jax.quantization.scheme import default_scheme
@@ -51,7 +51,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also other stage / split counts")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--per-call",
+        action="store_true",
+        help="time each call with a wait after it, not a stream (the GPU idles: its clock drops)",
+    )
     args = ap.parse_args()
+    timer = time_each_call if args.per_call else time_stream
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     fp8_options = program_options.for_weights(default_scheme("fp8"))
     rows = []
@@ -84,7 +90,7 @@ def main() -> None:
                 return float(jnp.abs(y[0].astype(jnp.float32) - exact).max() / jnp.abs(exact).max())
 
             xla16 = jax.jit(lambda x, ws: [x @ w for w in ws]).lower(x16, w16).compile()
-            row(shape, t, "xla bf16", time_stream(xla16, x16, w16) / count, k * n * 2,
+            row(shape, t, "xla bf16", timer(xla16, x16, w16) / count, k * n * 2,
                 err(xla16(x16, w16), exact16))  # fmt: skip
             xla8 = (
                 jax.jit(
@@ -96,7 +102,7 @@ def main() -> None:
                 .lower(x8, w8)
                 .compile(compiler_options=fp8_options)
             )
-            row(shape, t, "xla fp8", time_stream(xla8, x8, w8) / count, k * n,
+            row(shape, t, "xla fp8", timer(xla8, x8, w8) / count, k * n,
                 err(xla8(x8, w8), exact8))  # fmt: skip
             for x, ws, layout, nbytes, exact, name in (
                 (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
@@ -110,7 +116,7 @@ def main() -> None:
                                 skinny_matmul(x, w, w_layout=layout, tuning=tn) for w in ws
                             ]
                         )
-                        sec = time_stream(fn, x, ws) / count
+                        sec = timer(fn, x, ws) / count
                         row(shape, t, name, sec, nbytes, err(fn(x, ws), exact), tn)
                     except Exception as e:  # noqa: BLE001 - a tuning that cannot run is a row
                         print(f"{shape:20s} T={t:4d} {name:12s} {tn} failed: {str(e)[:300]}")
