@@ -23,6 +23,7 @@ from stream_timing import time_each_call, time_stream
 
 from nori_jax.executor import program_options
 from nori_jax.quantization.scheme import default_scheme
+from pallas_kernels import device_info
 from pallas_kernels.skinny_matmul import SkinnyTuning, default_tuning, skinny_matmul
 
 SHAPES = {  # name: (K = in, N = out)
@@ -108,7 +109,7 @@ def main() -> None:
                 (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
                 (x8, w8, "out_in", k * n, exact8, "kernel fp8"),
             ):
-                base = default_tuning(t, k, n, x.dtype.itemsize, jax.devices()[0].core_count)
+                base = default_tuning(t, k, n, x.dtype.itemsize, device_info.num_sms())
                 for tn in sweep(base) if args.sweep and t <= 64 else [base]:
                     try:
                         fn = jax.jit(
