@@ -64,14 +64,7 @@ class Completion(generation.GenerationRoute):
             logprobs = None
             if out.logprobs is not None:
                 logprobs = completion_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs, 0)
-            choices.append(
-                {
-                    "index": index,
-                    "text": self._echo + out.text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                }
-            )
+            choices.append(_choice(index, self._echo + out.text, logprobs, out.finish_reason))
         return whole_answer(head, "text_completion", choices, outs)
 
     def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
@@ -92,13 +85,8 @@ class Completion(generation.GenerationRoute):
                     ctx.tokenizer, out.new_token_ids, new_logprobs(out), text_offsets[index]
                 )
             text_offsets[index] += len(out.new_text)
-            choice = {
-                "index": index,
-                "text": out.new_text,
-                "logprobs": logprobs,
-                "finish_reason": out.finish_reason if out.finished else None,
-            }
-            chunk = head | {"choices": [choice]} | extra
+            finish = out.finish_reason if out.finished else None
+            chunk = head | {"choices": [_choice(index, out.new_text, logprobs, finish)]} | extra
             if out.finished:
                 final.append(out)
                 chunk["metrics"] = stage_metrics(out)
@@ -111,7 +99,7 @@ class Completion(generation.GenerationRoute):
 
         # `echo`: each choice's first chunk is the prompt
         echoed = [
-            sse(head | {"choices": [_chunk_choice(i, self._echo)]} | extra)
+            sse(head | {"choices": [_choice(i, self._echo)]} | extra)
             for i in range(len(choices))
             if self._echo
         ]
@@ -120,5 +108,8 @@ class Completion(generation.GenerationRoute):
         )
 
 
-def _chunk_choice(index: int, text: str) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+def _choice(
+    index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None
+) -> dict[str, Any]:
+    """A choice of a completion, or of one of its streamed chunks."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
