@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_kv
+from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_pages
 from pallas_kernels.ragged_paged_attention.pallas_attention import (
     bucket_tuning,
     ragged_paged_attention_pallas,
@@ -71,8 +71,7 @@ def log(**row):
 def to_fp8(kv: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """bf16 pages [P, Hkv, 2, PS, D] as fp8 pages with calibrated (k, v) scales."""
     scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
-    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
-    return pages, scales
+    return quantize_pages(kv, scales, dtype), scales
 
 
 def step_of(rng, layout, seqs, page_size, extra_seqs=2):

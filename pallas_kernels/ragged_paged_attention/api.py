@@ -3,7 +3,8 @@
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
 
     "reference"  pure jnp (XLA), any device. With e4m3 pages it reads Q rows in fp8, as the
-                 kernel's default schedule does (tuning.reads_fp8_query).
+                 kernel's default schedule does (tuning.reads_fp8_query), and with fp8 pages P
+                 in fp8, as the kernel always does (reference.quantize_probs).
     "pallas"     the Mosaic GPU kernel (pallas_attention.py): compiled on a GPU (Hopper), run in
                  Mosaic GPU interpret mode on CPU. float32 on a GPU takes the reference path: wgmma
                  multiplies float32 only as tf32 and cannot transpose it (docs/kernels.md).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import write_kv_packed
+from pallas_kernels.kv_layout import is_fp8, write_kv_packed
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import (
     quantize_query_rows,
@@ -55,7 +56,7 @@ def ragged_paged_attention(
         return ragged_paged_attention_pallas(*args, **kw)
     if reads_fp8_query(kv_pages.dtype):  # as the kernel's default schedule does
         args = (quantize_query_rows(q, kv_pages.dtype), *args[1:])
-    return ragged_paged_attention_reference(*args, **kw)
+    return ragged_paged_attention_reference(*args, **kw, fp8_probs=is_fp8(kv_pages.dtype))
 
 
 def attention_step(

@@ -59,16 +59,15 @@ class TuningConfig:
                    too few tiles to keep every SM busy to the end). Parts write partial outputs
                    and their log-sum-exp; partial_merge.py combines them, which reads
                    prefill_kv_splits - 1 more output-sized buffers after the kernel.
-    fp8_convert_early: fp8 pages only: each compute warpgroup converts a block's V while the
-                   tensor cores run that block's Q K^T (into a second dequantized tile, block_kv
-                   x D more SMEM per compute warpgroup) and the next block's K while they run
-                   P V, instead of each just before the matmul that reads it. default_tuning
-                   turns it on for fp8 decode buckets (RULES).
+    fp8_convert_early: fp8 pages without fp8_qk (their K converted to float16): each compute
+                   warpgroup converts the next block's K while the tensor cores run this block's
+                   P V, instead of just before the Q K^T that reads it. (V is never converted:
+                   P V multiplies an e4m3 P with the 8-bit V^T stage, mgpu_consumer.py.)
+                   default_tuning turns it on for fp8 decode buckets (RULES).
     fp8_qk:        fp8 pages only: Q K^T as an fp8 x fp8 wgmma on the K stage itself (K-major, as
                    fp8 wgmma needs), Q quantized per row (absmax scale, in the pages' fp8 dtype)
                    into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
-                   scale. K is then never converted, only V (into one dequantized tile, early
-                   under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q
+                   scale. Neither K nor V is then converted. Costs Q's precision: a per-row fp8 Q
                    (reference.quantize_query_rows). default_tuning turns it on for e4m3
                    pages in every bucket (RULES, reads_fp8_query), and api.py's reference path
                    then quantizes Q the same way.
@@ -122,27 +121,25 @@ class TuningConfig:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
         `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
-        staging of split prefill tiles, and with fp8 pages each compute warpgroup's dequantized
-        block and, with fp8_qk, its 8-bit Q tile)."""
+        staging of split prefill tiles, and with fp8 pages each compute warpgroup's 8-bit P
+        tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it))."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1
         mma_item = 2 if fp8 and item < 4 else item  # fp8 pages: float16 operands
+        p_item = 1 if fp8 else mma_item  # fp8 pages: an e4m3 P
         kv = 2 * self.num_stages * self.block_kv * head_dim * kv_item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
-        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * mma_item if a_in_smem else 0
-        ones = self.compute_wgs * ROWS * self.block_kv * mma_item if self.mma_row_sums else 0
+        qa = self.compute_wgs * ROWS * head_dim * mma_item if a_in_smem else 0
+        pa = self.compute_wgs * ROWS * self.block_kv * p_item if a_in_smem or fp8 else 0
+        ones = self.compute_wgs * ROWS * self.block_kv * p_item if self.mma_row_sums else 0
         lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
-        dq = self.dq_tiles * self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 else 0
+        dq = (
+            self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 and not self.fp8_qk else 0
+        )
         q8 = self.compute_wgs * ROWS * head_dim * kv_item if fp8 and self.fp8_qk else 0
-        return kv + q + split + a_ops + ones + lse + dq + q8
-
-    @property
-    def dq_tiles(self) -> int:
-        """Dequantized [block_kv, D] tiles per compute warpgroup with fp8 pages: K then V in one,
-        or (fp8_convert_early) one each; with fp8_qk V's only."""
-        return 2 if self.fp8_convert_early and not self.fp8_qk else 1
+        return kv + q + split + qa + pa + ones + lse + dq + q8
 
     @property
     def compute_registers(self) -> int:
@@ -167,6 +164,9 @@ class TuningConfig:
         head_dim, and (on_chip: a real GPU) SMEM suffices."""
         if page_size % self.block_kv and self.block_kv % page_size:
             raise ValueError(f"{page_size=} and {self.block_kv=}: one must divide the other")
+        if kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and self.block_kv > 128:
+            # a chunk of a V^T stage (Statics.v_chunk) is one swizzled tile wide: 128 bytes
+            raise ValueError(f"{self.block_kv=} must be <= 128 with fp8 pages")
         if self.compute_wgs == 3 and (head_dim > 64 or self.block_kv > 128):
             raise ValueError(
                 f"compute_wgs=3 holds head_dim <= 64 and block_kv <= 128 in its registers, not "
