@@ -5,9 +5,10 @@ pages. P V is an fp8 x fp8 wgmma on the V stage itself: the pages store V transp
 (kv_layout.py), so the stage is [D, block_kv] with tokens contiguous, the K-major form fp8 wgmma
 takes, and P is rounded to float8_e4m3fn (scaled by 2^PROBS_LOG2_SCALE so its small values stay
 normal: the exponent of exp2 is shifted, and the shift cancels in O / denominator) and staged in
-SMEM. V is never converted. For Q K^T, with tuning.fp8_qk the wgmma reads the 8-bit K stage
-itself (K-major as stored): each warpgroup quantizes its Q rows (one absmax scale per row, which
-joins the softmax scale per row) into an 8-bit tile. Without it (e5m2 pages by default) each
+SMEM. V is never converted. For Q K^T, with tuning.fp8_qk (the default on fp8 pages) the wgmma
+reads the 8-bit K stage itself (K-major as stored): each warpgroup quantizes its Q rows to e4m3
+(one absmax scale per row, which joins the softmax scale per row; e4m3 on e5m2 pages too, a mixed
+pair wgmma takes) into an 8-bit tile. Without it each
 compute warpgroup converts a block of K to float16 in registers and stores it into its own
 swizzled SMEM tile (dq_smem), which wgmma reads; with tuning.fp8_convert_early the next block's K
 is converted while the tensor cores run this block's P V. float16 holds every e4m3 and e5m2

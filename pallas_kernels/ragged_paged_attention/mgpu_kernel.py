@@ -67,8 +67,8 @@ def attention_kernel(
     part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
     dq_smem,  # [WGS, bk, D] mma dtype         SMEM, swizzled: K blocks dequantized from fp8
     #                                          stages (fp8 pages without tuning.fp8_qk), or None
-    q8_smem,  # [WGS, 64, D] fp8               SMEM, swizzled: each warpgroup's Q rows quantized
-    #                                          to the pages' fp8 dtype (tuning.fp8_qk), or None
+    q8_smem,  # [WGS, 64, D] e4m3              SMEM, swizzled: each warpgroup's Q rows quantized
+    #                                          (reference.QUERY_DTYPE; tuning.fp8_qk), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)

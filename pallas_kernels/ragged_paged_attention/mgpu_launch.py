@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics, attention_kernel
+from pallas_kernels.ragged_paged_attention.reference import QUERY_DTYPE
 from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 
@@ -102,9 +103,9 @@ def launch(
         plgpu.SMEM((wgs, tn.block_kv, d), mma_dtype, transforms=mma)
         if st.kv_fp8 and not tn.fp8_qk
         else None,
-        # q8_smem: each compute warpgroup's Q rows in the pages' fp8 dtype, Q K^T's A operand
-        # (fp8_qk)
-        plgpu.SMEM((wgs, ROWS, d), kv_dtype, transforms=kv_tiles)
+        # q8_smem: each compute warpgroup's Q rows in e4m3 (reference.QUERY_DTYPE), Q K^T's A
+        # operand (fp8_qk)
+        plgpu.SMEM((wgs, ROWS, d), QUERY_DTYPE, transforms=_mma_transforms(d, QUERY_DTYPE))
         if st.kv_fp8 and tn.fp8_qk
         else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full

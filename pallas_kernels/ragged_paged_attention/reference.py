@@ -67,6 +67,10 @@ def quantize_query_rows(q: jax.Array, dtype) -> jax.Array:
     return ((q32 / scale).astype(dtype).astype(jnp.float32) * scale).astype(q.dtype)
 
 
+# Q rows in fp8 (tuning.fp8_qk, on e4m3 and e5m2 pages alike): e4m3, whose three mantissa bits cost
+# the embedded model little where e5m2's two cost 6% perplexity; wgmma multiplies it with either K.
+QUERY_DTYPE = jnp.float8_e4m3fn
+
 # P V on fp8 pages (mgpu_consumer.py): the kernel rounds P = exp(s - running max), in [0, 1], to
 # float8_e4m3fn after scaling it by 2^PROBS_LOG2_SCALE, so that its smallest values stay normal
 # numbers (e4m3's normal range starts at 2^-6); the scale cancels in O / denominator.

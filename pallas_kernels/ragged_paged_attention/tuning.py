@@ -65,12 +65,12 @@ class TuningConfig:
                    P V multiplies an e4m3 P with the 8-bit V^T stage, mgpu_consumer.py.)
                    default_tuning turns it on for fp8 decode buckets (RULES).
     fp8_qk:        fp8 pages only: Q K^T as an fp8 x fp8 wgmma on the K stage itself (K-major, as
-                   fp8 wgmma needs), Q quantized per row (absmax scale, in the pages' fp8 dtype)
-                   into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
-                   scale. Neither K nor V is then converted. Costs Q's precision: a per-row fp8 Q
-                   (reference.quantize_query_rows). default_tuning turns it on for e4m3
-                   pages in every bucket (RULES, reads_fp8_query), and api.py's reference path
-                   then quantizes Q the same way.
+                   fp8 wgmma needs), Q quantized per row (absmax scale, to e4m3 on either page
+                   dtype: reference.QUERY_DTYPE) into an 8-bit SMEM tile per compute warpgroup;
+                   the row scales join the softmax scale. Neither K nor V is then converted.
+                   Costs Q's precision: a per-row e4m3 Q (reference.quantize_query_rows).
+                   default_tuning turns it on for fp8 pages in every bucket (RULES,
+                   reads_fp8_query), and api.py's reference path then quantizes Q the same way.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -181,12 +181,13 @@ PREFILL_BUCKET_TOKENS = 2048
 
 
 def reads_fp8_query(kv_dtype) -> bool:
-    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): e4m3 pages, in
-    every bucket. Not e5m2 pages: Q rounded to e5m2's two mantissa bits cost the embedded model
-    6% perplexity (docs/benchmarks.md, "FP8 KV pages"). api.py's reference path quantizes Q
-    where this holds, so the engine has the GPU kernel's numerics on every backend, and a
-    chunk's tokens do not depend on the size of the step it was batched into."""
-    return kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): fp8 pages, in
+    every bucket, Q in e4m3 (reference.QUERY_DTYPE) on e5m2 pages too, whose K wgmma multiplies
+    with an e4m3 Q (Hopper takes the mixed pair; a Q in e5m2's two mantissa bits cost the
+    embedded model 6% perplexity, docs/benchmarks.md, "FP8 KV pages"). api.py's reference path
+    quantizes Q where this holds, so the engine has the GPU kernel's numerics on every backend,
+    and a chunk's tokens do not depend on the size of the step it was batched into."""
+    return kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Bucket:
     num_q_heads: int | None
     num_ctas: int
     kv_fp8: bool = False  # 8-bit pages, converted to float16 in the kernel
-    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (e4m3 pages)
+    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (fp8 pages)
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
@@ -298,8 +299,6 @@ _PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512
 _PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
 _FP8_DECODE_64 = _h200(num_seqs=1024, num_kv_heads=3, head_dim=64, pages_per_seq=64,
                        num_tokens=1024, num_q_heads=9, kv_dtype="float8_e4m3fn")  # fmt: skip
-_PREFILL_FP8_64 = {**_FP8_DECODE_64, "num_seqs": 1, "page_size": 64, "pages_per_seq": 32,
-                   "num_tokens": 2048}  # fmt: skip
 
 # fmt: off
 RULES: tuple[Rule, ...] = (
@@ -337,24 +336,16 @@ RULES: tuple[Rule, ...] = (
          "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
          "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
          _FP8_DECODE_64),
-    Rule("e4m3 pages: Q K^T in fp8", lambda b, k: b.fp8_query,
+    Rule("fp8 pages: Q K^T in fp8", lambda b, k: b.fp8_query,
          dict(fp8_qk=True),
          "run 12 call N1 (64-token pages, against the same schedule converting K): B=1024 x ctx "
          "1024 9q/3kv/64 0.240 against 0.270 ms (bf16 pages 0.260), 32q/8kv/128 0.846 against "
          "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166); run "
          "13 call N1, prefill chunks (with V converted early, the next row): 32q/8kv/128 at "
-         "8,192 tokens 1.205 against 1.805 ms (bf16 0.963). Costs Q's precision: e4m3 little, "
-         "e5m2 6% perplexity (docs/benchmarks.md, \"FP8 KV pages\")",
+         "8,192 tokens 1.205 against 1.805 ms (bf16 0.963). Costs Q's precision: an e4m3 Q "
+         "little, an e5m2 Q 6% perplexity, so Q is e4m3 on e5m2 pages too (docs/benchmarks.md, "
+         "\"FP8 KV pages\"). Measured when V was converted on the compute warpgroups",
          _FP8_DECODE_64),
-    Rule("e4m3 pages, prefill bucket: V converted early", lambda b, k: b.fp8_query and b.prefill,
-         dict(fp8_convert_early=True),
-         "run 13 call N1 (64-token pages, with Q K^T in fp8 both ways): 9q/3kv/64 at 2,048 "
-         "tokens 0.109 against 0.113 ms, at 2,048 after 6,144 cached 0.169 against 0.181, at "
-         "8,192 0.260 both; 32q/8kv/128 at 2,048 0.143 against 0.142, at 8,192 1.205 against "
-         "1.220: faster or equal in 4 of 5, by at most 7%, the size of the call's spread (one "
-         "schedule timed three times at 1,024 tokens: 0.124-0.142 ms); free in SMEM beside fp8 "
-         "Q K^T",
-         _PREFILL_FP8_64),
 )
 # fmt: on
 

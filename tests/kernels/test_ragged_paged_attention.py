@@ -33,6 +33,7 @@ from pallas_kernels.ragged_paged_attention.pallas_attention import (
     ragged_paged_attention_pallas,
 )
 from pallas_kernels.ragged_paged_attention.reference import (
+    QUERY_DTYPE,
     quantize_query_rows,
     ragged_paged_attention_reference,
 )
@@ -254,7 +255,7 @@ def test_split_prefill_tiles_match_reference(case):
     args, ref_args = step.args, step.args
     if pages is not None:
         args, kw["kv_scales"] = fp8_pages(step, pages)
-        ref_args = (quantize_query_rows(args[0], pages), *args[1:])
+        ref_args = (quantize_query_rows(args[0], QUERY_DTYPE), *args[1:])
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
     fp8 = pages is not None
     ref = ragged_paged_attention_reference(*ref_args, **kw, fp8_probs=fp8)
@@ -313,8 +314,9 @@ def test_fp8_converted_early_matches_reference(case):
 
 
 # Q K^T on the 8-bit K stage itself (tuning.fp8_qk): Q quantized per row (a (token, q head)
-# vector of D values) to the pages' fp8 dtype. Against the reference run on that quantized Q the
-# kernel matches as closely as the other fp8 forms do; the quantization itself costs more.
+# vector of D values) to e4m3, on e5m2 pages too (a mixed e4m3 x e5m2 wgmma). Against the
+# reference run on that quantized Q the kernel matches as closely as the other fp8 forms do; the
+# quantization itself costs more.
 # (q dtype, pages, head_dim, page size, q heads, kv heads, soft cap, tuning)
 FP8_QK_CASES = [
     (
@@ -342,7 +344,7 @@ def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
     step, args, scales = mixed_fp8_step(17, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales, soft_cap=cap)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
-    q8_args = (quantize_query_rows(args[0], pages), *args[1:])
+    q8_args = (quantize_query_rows(args[0], QUERY_DTYPE), *args[1:])
     _check(
         out, ragged_paged_attention_reference(*q8_args, **kw, fp8_probs=True), dtype, fp8_pages=True
     )
@@ -462,14 +464,14 @@ def test_quantize_query_rows_rounds_each_row_on_its_own_scale():
 @pytest.mark.parametrize("pages", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages(pages):
     """The engine's two backends compute one function with fp8 pages in a decode bucket: the
-    kernel on its default schedule (e4m3: Q K^T in fp8; e5m2: K converted) and the reference
-    path (e4m3: Q rows quantized; both: P rounded to e4m3). Within FP8_PAGES_TOLERANCE: split
+    kernel on its default schedule (Q K^T in fp8 with an e4m3 Q on both page dtypes) and the
+    reference path (Q rows and P rounded to e4m3). Within FP8_PAGES_TOLERANCE: split
     decode and the kernel's block-wise running max round P on other grids than the reference's
     page-wise one (test_fp8_pages_round_p_as_the_reference_says compares them on one grid)."""
     d = 64
     step, args, scales = mixed_fp8_step(23, jnp.float16, pages, d, 32, 8, 2)
     tuning = bucket_tuning(args[0], args[1], args[3], interpret=True)
-    assert tuning.fp8_qk == (pages == jnp.float8_e4m3fn) and tuning.fp8_convert_early
+    assert tuning.fp8_qk and tuning.fp8_convert_early
     kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     out = api.ragged_paged_attention(*args, **kw, backend="pallas")
     ref = api.ragged_paged_attention(*args, **kw, backend="reference")
@@ -479,36 +481,33 @@ def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages(pages)
 @pytest.mark.parametrize("num_tokens", [64, 2048], ids=["decode-bucket", "prefill-bucket"])
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tokens, pages):
-    """e4m3 pages, in a decode bucket and in a prefill bucket (2,048 tokens and more): the
-    engine's reference path quantizes Q per row, as the kernel's default schedule does (fp8_qk);
-    with e5m2 pages and with bf16 pages it reads Q as given. On fp8 pages it rounds P to e4m3
-    as the kernel always does (reference.quantize_probs)."""
+    """fp8 pages (e4m3 and e5m2), in a decode bucket and in a prefill bucket (2,048 tokens and
+    more): the engine's reference path quantizes Q per row to e4m3, as the kernel's default
+    schedule does (fp8_qk), and rounds P to e4m3, as the kernel always does
+    (reference.quantize_probs); with bf16 pages it reads Q as given."""
     d = 32
     step = make_step(
         5, decode_kv_lens=[3, 40], prefill=[(9, 30)], page_size=16, num_q_heads=4,
         num_kv_heads=2, head_dim=d, dtype=jnp.bfloat16, extra_tokens=num_tokens - 11,
     )  # fmt: skip
     assert step.q.shape[0] == num_tokens
-    if pages == jnp.bfloat16:
-        args, kw = step.args, dict(sm_scale=d**-0.5)
-    else:
-        args, scales = fp8_pages(step, pages)
-        kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     n = step.num_valid_tokens
-    out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
-    kw["fp8_probs"] = pages != jnp.bfloat16  # fp8 pages: P rounded as the kernel rounds it
-    as_given = np.asarray(ragged_paged_attention_reference(*args, **kw))[:n]
-    if pages == jnp.float8_e5m2:
-        kw_exact_p = {**kw, "fp8_probs": False}
-        exact_p = np.asarray(ragged_paged_attention_reference(*args, **kw_exact_p))[:n]
-        assert not np.array_equal(exact_p, as_given)  # rounding P shows: the next check bites
-    if pages != jnp.float8_e4m3fn:
+    if pages == jnp.bfloat16:
+        kw = dict(sm_scale=d**-0.5)
+        out = np.asarray(api.ragged_paged_attention(*step.args, **kw, backend="reference"))[:n]
+        as_given = np.asarray(ragged_paged_attention_reference(*step.args, **kw))[:n]
         np.testing.assert_array_equal(out, as_given)
-    else:
-        q8 = quantize_query_rows(args[0], pages)
-        q8_ref = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw))[:n]
-        np.testing.assert_array_equal(out, q8_ref)
-        assert not np.array_equal(q8_ref, as_given)  # the two differ: the check above bites
+        return
+    args, scales = fp8_pages(step, pages)
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
+    q8 = quantize_query_rows(args[0], QUERY_DTYPE)
+    both = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw, fp8_probs=True))[:n]
+    np.testing.assert_array_equal(out, both)
+    # each rounding shows, so the check above bites on both
+    exact_p = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw))[:n]
+    exact_q = np.asarray(ragged_paged_attention_reference(*args, **kw, fp8_probs=True))[:n]
+    assert not np.array_equal(exact_p, both) and not np.array_equal(exact_q, both)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
