@@ -75,7 +75,7 @@ def _online_softmax(
 ):
     """One block's scores s [64, bk] f32 into P (st.p_dtype) with the running max m (log2
     units), the denominator and the accumulator rescaled; returns (p, acc, m_new, denom), p in
-    st.p_dtype (fp8 pages: float32 scaled by 2^PROBS_LOG2_SCALE, and so are denom's new terms).
+    st.p_dtype (fp8 pages: e4m3 scaled by 2^PROBS_LOG2_SCALE, and so are denom's new terms).
     k_scale: a scalar the scores are multiplied by (fp8 pages), or None. q_scale: [64] row
     scales the scores are multiplied by (an fp8 Q, tuning.fp8_qk), or None.
 
@@ -120,9 +120,7 @@ def _online_softmax(
     else:
         denom = denom * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    # fp8 pages: P stays float32 here and is rounded to e4m3 by the caller, after the turn's
-    # optimization barrier (which carries 32-bit and 16-bit registers, not 8-bit ones)
-    return (p if st.kv_fp8 else p.astype(st.p_dtype)), acc, m_new, denom
+    return p.astype(st.p_dtype), acc, m_new, denom
 
 
 def _v_chunks(st: Statics, stage) -> list:
@@ -132,18 +130,14 @@ def _v_chunks(st: Statics, stage) -> list:
     return [stage.at[pl.ds(c * d, d)].T for c in range(st.tuning.block_kv // st.v_chunk)]
 
 
-def _pv(st: Statics, v, p, p_smem, ones, acc, denom, meanwhile=None):
+def _pv(st: Statics, v, p, ones, acc, denom, meanwhile=None):
     """O += P V for one block, and with `ones` (mma_row_sums) the row sums += P @ ones on the
-    tensor cores too; returns (acc, denom). P comes from registers (st.p_in_regs) or is staged
-    in p_smem (fp8 P; interpret mode). v: a B operand, or (fp8 pages, _v_chunks) one per chunk
+    tensor cores too; returns (acc, denom). p: registers (st.p_in_regs) or the SMEM tile it was
+    staged in (fp8 P; interpret mode). v: a B operand, or (fp8 pages, _v_chunks) one per chunk
     of P's columns. a_operands "regs" (GPU): accumulated in place; "smem" (the form interpret
     mode runs): fresh products added. `meanwhile()`, if given, runs while the tensor cores
     compute."""
     with_sums = ones is not None
-    if not st.p_in_regs:
-        p_smem[...] = p
-        plgpu.commit_smem()
-        p = p_smem
 
     def products(acc_ref, sums_ref):
         if isinstance(v, list):  # fp8 V^T chunks: each times its columns of P
@@ -245,17 +239,23 @@ def _attend(
             p, acc, m_new, denom = _online_softmax(
                 st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale, q_scale=q_scale
             )
+            if not st.p_in_regs:  # staged before V is waited for (and the turn handed over)
+                p_smem[...] = p
+                plgpu.commit_smem()
         with jax.named_scope("wait_v"):
             wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
-            acc, m_new, denom, p = turns.before_pv(wait_v, (acc, m_new, denom, p))
-        p = p.astype(st.p_dtype)  # (fp8 pages: rounded to e4m3 here)
+            if st.p_in_regs:
+                acc, m_new, denom, p = turns.before_pv(wait_v, (acc, m_new, denom, p))
+            else:  # (a turn's optimization barrier carries no 8-bit registers: P is in SMEM)
+                acc, m_new, denom = turns.before_pv(wait_v, (acc, m_new, denom))
+                p = p_smem
         # fp8 pages: the stage is V^T in chunks of [D, v_chunk] tokens; each chunk's transpose
         # is a K-major B operand of P V
         v_op = _v_chunks(st, r.v_smem.at[slot]) if st.kv_fp8 else r.v_smem.at[slot]
         # (early: the next block's K into the K tile, which this block's Q K^T is done with)
         next_k = (lambda: pl.when(b + 1 < b_end)(lambda: convert_k(b + 1))) if early_k else None
         with jax.named_scope("pv"):
-            acc, denom = _pv(st, v_op, p, p_smem, ones, acc, denom, meanwhile=next_k)
+            acc, denom = _pv(st, v_op, p, ones, acc, denom, meanwhile=next_k)
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 
