@@ -17,11 +17,11 @@ default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one proc
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
 at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
 `--prefill-list` times prefill chunks (after a cached prefix) the same way, in TFLOP/s.
-`--convert-early` adds a third form: fp8 pages converted off the critical path (V under Q K^T,
-the next K under P V: tuning.fp8_convert_early), on the default schedule, its KV block halved
-where SMEM needs it. `--fp8-tunings` adds fp8 forms on other schedules (attention_bench's
---decode-tunings syntax, plus the flag "early"); one that does not fit SMEM is reported and
-skipped.
+`--convert-early` adds a third form: fp8 pages' K converted off the critical path (the next K
+under P V: tuning.fp8_convert_early; only where Q K^T does not read K in fp8), on the default
+schedule, its KV block halved where SMEM needs it. `--fp8-tunings` adds fp8 forms on other
+schedules (attention_bench's --decode-tunings syntax, plus the flag "early"); one that does not
+fit SMEM is reported and skipped.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def default_of(p, hq, hkv, d, args):
 
 def convert_early_tuning(p, hq, hkv, d, args):
     """The default schedule of this decode bucket with fp8_convert_early, its KV block halved
-    while the second dequantized tile does not fit in SMEM."""
+    while it does not fit in SMEM."""
     kv8 = jnp.dtype(jnp.float8_e4m3fn)
     cfg = dataclasses.replace(default_of(p, hq, hkv, d, args), fp8_convert_early=True)
     while (

@@ -246,9 +246,10 @@ BLOCKS: dict[str, tuple[tuple[int, int, str], ...]] = {
         (128, 2, "next in SMEM"),
         (64, 3, "next in SMEM"),
     ),
-    # fp8 pages in a decode bucket (with fp8_convert_early, RULES): the dequantized tiles take
-    # the SMEM that bf16 stages would, and deeper pipelines pay (the producer's copies are half
-    # the bytes; the kernel is bound by latency and the conversion, not by bandwidth).
+    # fp8 pages in a decode bucket: measured on the forms that converted V (and K) to float16,
+    # whose dequantized tiles took the SMEM that bf16 stages would and which deeper pipelines
+    # paid (latency and the conversion bound them, not bandwidth). With V read as it lands these
+    # rows are to be measured again (blocks of bf16's shape may do as well).
     "fp8 decode, head_dim 128": (
         (64, 6, "run 12 call N1: 32q/8kv/128, B=1024 x ctx 1024, 64-token pages, with fp8_qk 0.809 "
                 "ms against 0.846 for 64 x 5 (bf16 pages 1.060)"),

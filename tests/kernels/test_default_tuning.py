@@ -47,7 +47,8 @@ def test_every_supported_bucket_gets_a_configuration_that_fits():
             kv_dtype=kv_dtype,
         )
         assert isinstance(tn, TuningConfig)  # validated in __post_init__
-        # ValueError: SMEM (with fp8 pages, the dequantized tiles too), registers, page tiling.
+        # ValueError: SMEM (with fp8 pages, the P tiles and any dequantized K tile too),
+        # registers, page tiling.
         tn.check_fits(hd, ps, dtype, kv_dtype=kv_dtype)
         picked.add(tn)
     assert len(picked) > 10  # the grid reaches many forms, not one fallback

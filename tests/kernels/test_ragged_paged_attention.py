@@ -194,8 +194,8 @@ def test_kernel_matches_reference(case):
 # tiles. With one q head per kv head a warpgroup holds 64 tokens, and the chunk at position 32
 # puts a part's first key (position 128) inside a warpgroup's rows (96-159): rows 96-127 see no
 # key of that part (the -inf row max the kernel must not turn into NaN).
-# The third case is the form default_tuning gives a head_dim-64 prefill bucket with e4m3 pages
-# (Q K^T in fp8, V converted early), against the reference on the same per-row fp8 Q.
+# The third case is a head_dim-64 prefill form on e4m3 pages (Q K^T and P V in fp8), against
+# the reference on the same per-row fp8 Q and rounded P.
 # (page, q heads, kv heads, dtype, soft cap, pages, tuning)
 SPLIT_CASES = [
     (
