@@ -4,8 +4,10 @@
 
 For each (rows, vocab): the sampler programs on random logits (greedy; random without filters;
 top_p=0.95 on 16, 64, ... and all rows, each in its filter bucket), plus `lax.top_k` at several k
-and a full-vocabulary sort, timed with block_until_ready (median of --iters runs after warm-up).
-This is the evidence behind sampling_modes.py's choice of sorting only the filtering rows.
+and a full-vocabulary sort, each timed in a stream of calls with one wait (stream_timing.py: a
+wait after each call lets the GPU's clock drop between calls, which overstates short programs;
+`--per-call` times them that way for comparison). This is the evidence behind
+sampling_modes.py's choice of sorting only the filtering rows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +25,17 @@ import numpy as np
 from nori_jax.core.sampling_modes import GREEDY, RANDOM, choose_program, filter_buckets
 from nori_jax.executor.sampler import sample
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from stream_timing import time_each_call, time_stream  # noqa: E402
+
+PER_CALL = False  # --per-call
+
 
 def timed(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    """ms per call: a stream of `iters` calls (median of 5), or one call at a time (--per-call)."""
+    if PER_CALL:
+        return 1e3 * time_each_call(fn, *args, calls=iters)
+    return 1e3 * time_stream(fn, *args, calls=iters)
 
 
 def main() -> None:
@@ -39,7 +44,10 @@ def main() -> None:
     p.add_argument("--vocab", default="49152,128256")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--per-call", action="store_true", help="a wait after each call (the old way)")
     args = p.parse_args()
+    global PER_CALL
+    PER_CALL = args.per_call
     results = []
     print(f"{'rows':>6}{'vocab':>8}  {'what':<28}{'ms':>9}")
     for s in map(int, args.rows.split(",")):
