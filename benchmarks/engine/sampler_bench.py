@@ -28,14 +28,11 @@ from nori_jax.executor.sampler import sample
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from stream_timing import time_each_call, time_stream  # noqa: E402
 
-PER_CALL = False  # --per-call
 
-
-def timed(fn, *args, iters: int) -> float:
+def timed(fn, *args, iters: int, per_call: bool) -> float:
     """ms per call: a stream of `iters` calls (median of 5), or one call at a time (--per-call)."""
-    if PER_CALL:
-        return 1e3 * time_each_call(fn, *args, calls=iters)
-    return 1e3 * time_stream(fn, *args, calls=iters)
+    timer = time_each_call if per_call else time_stream
+    return 1e3 * timer(fn, *args, calls=iters)
 
 
 def main() -> None:
@@ -46,8 +43,6 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--per-call", action="store_true", help="a wait after each call (the old way)")
     args = p.parse_args()
-    global PER_CALL
-    PER_CALL = args.per_call
     results = []
     print(f"{'rows':>6}{'vocab':>8}  {'what':<28}{'ms':>9}")
     for s in map(int, args.rows.split(",")):
@@ -76,6 +71,7 @@ def main() -> None:
                     idx,
                     jnp.asarray(filter_rows),
                     iters=args.iters,
+                    per_call=args.per_call,
                 )
                 results.append({"rows": s, "vocab": v, "what": what, "ms": ms})
             for k in (k for k in (16, 64, 256, 1024) if k <= v):
@@ -85,7 +81,7 @@ def main() -> None:
                         "rows": s,
                         "vocab": v,
                         "what": f"lax.top_k k={k}",
-                        "ms": timed(fn, logits, iters=args.iters),
+                        "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                     }
                 )
             fn = jax.jit(lambda x: jnp.sort(x, axis=-1))
@@ -94,7 +90,7 @@ def main() -> None:
                     "rows": s,
                     "vocab": v,
                     "what": "full sort",
-                    "ms": timed(fn, logits, iters=args.iters),
+                    "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                 }
             )
             fn = jax.jit(lambda x: jnp.argmax(x, axis=-1))
@@ -103,7 +99,7 @@ def main() -> None:
                     "rows": s,
                     "vocab": v,
                     "what": "argmax (one read)",
-                    "ms": timed(fn, logits, iters=args.iters),
+                    "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                 }
             )
             for r in results:

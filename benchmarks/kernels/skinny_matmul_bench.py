@@ -19,6 +19,8 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from llama8b_shapes import CONTRACT_IN
+from llama8b_shapes import SHAPES as LLAMA_8B
 from stream_timing import time_each_call, time_stream
 
 from nori_jax.executor import program_options
@@ -26,13 +28,10 @@ from nori_jax.quantization.scheme import default_scheme
 from pallas_kernels import device_info
 from pallas_kernels.skinny_matmul import SkinnyTuning, default_tuning, skinny_matmul
 
-SHAPES = {  # name: (K = in, N = out)
-    "qkv 4096x6144": (4096, 6144),
-    "o 4096x4096": (4096, 4096),
-    "gate/up 4096x14336": (4096, 14336),
-    "down 14336x4096": (14336, 4096),
+SHAPES = {
+    name: LLAMA_8B[name]
+    for name in ["qkv 4096x6144", "o 4096x4096", "gate/up 4096x14336", "down 14336x4096"]
 }
-CONTRACT_IN = (((1,), (1,)), ((), ()))
 FP8 = jnp.float8_e4m3fn
 
 
