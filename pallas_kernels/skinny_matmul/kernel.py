@@ -59,8 +59,8 @@ def _kernel(w_gmem, x_gmem, partials_gmem, out_smem, *, tn, w_layout, num_tokens
         # w_smem: [ROWS, bk] or [bk, ROWS]   x_smem: [T, bk]   acc: f32[64, T] (this warpgroup's)
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-        a = w_smem.at[rows] if out_in else plgpu.transpose_ref(w_smem.at[:, rows], (1, 0))
-        plgpu.wgmma(acc, a, plgpu.transpose_ref(x_smem, (1, 0)))
+        a = w_smem.at[rows] if out_in else w_smem.at[:, rows].T
+        plgpu.wgmma(acc, a, x_smem.T)
         plgpu.wgmma_wait(0)
         return acc
 
