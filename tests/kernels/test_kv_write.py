@@ -62,6 +62,31 @@ def test_packed_scatter_writes_every_slot_like_a_loop(page_size, num_kv_heads, h
         np.testing.assert_array_equal(got[1:], expected[1:])
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_v_transposed_words_hold_every_token_of_a_chunk(page_size, dtype):
+    """fp8 pages write V^T as 32-bit words of four tokens: chunks that start and end inside a
+    word and cross a page, a lone decode token, padding into the null page, in the engine's
+    order and shuffled; byte for byte the value-by-value reference."""
+    layout = KVLayout(num_pages=12, num_kv_heads=2, page_size=page_size, head_dim=16)
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal(layout.shape), dtype)
+    ps = page_size
+    slots = np.array(
+        [3 * ps + 5 + i for i in range(ps + 3)]  # from mid-word, across pages 3 -> 4
+        + [7 * ps + 2]  # a decode token
+        + [9 * ps + i for i in range(6)]  # a chunk from a page's start, a partial last word
+        + [0] * 5,  # padding
+        np.int32,
+    )
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), 2, 16)), jnp.float32) for _ in "kv")
+    for order in (np.arange(len(slots)), rng.permutation(len(slots))):
+        args = (k[order], v[order], jnp.asarray(slots[order]))
+        got = np.asarray(write_kv_packed(pages, *args)[1:]).view(np.uint8)
+        want = np.asarray(write_kv_reference(pages, *args)[1:]).view(np.uint8)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_jitted_donating_write_matches_the_reference():
     """write_kv as the engine's step would call it, with float32 K/V cast into bf16 pages."""
     layout = KVLayout(num_pages=5, num_kv_heads=2, page_size=16, head_dim=32)
