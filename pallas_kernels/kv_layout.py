@@ -239,9 +239,8 @@ def write_kv_packed(
     for an 8,192-token chunk (32q/8kv/128), and the same scatter of u32 words takes 19.5 us
     (docs/benchmarks.md, "The KV write"). The page layout, and with it the kv-head sharding of
     axis 1, is unchanged. 32-bit pages, and rows that are not a whole number of words, take the
-    reference scatter. V^T pages (fp8, v_transposed) write K's rows as words, and V's columns
-    (a token's V values lie page_size bytes apart there) as the words holding them
-    (`_write_v_columns_as_words`).
+    reference scatter. V^T pages (fp8, v_transposed) write K's rows as words and V's columns
+    value by value: a token's V values lie page_size bytes apart there.
     """
     _check_write_inputs(kv_pages, k, v, slot_mapping, kv_scales)
     itemsize = jnp.dtype(kv_pages.dtype).itemsize
@@ -266,47 +265,8 @@ def write_kv_packed(
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     words = _as_words(kv_pages, per_word).at[pages, :, K_INDEX, offsets, :]
     kv_pages = from_words(words.set(_as_words(k, per_word), mode="promise_in_bounds"))
-    return _write_v_columns_as_words(kv_pages, v, pages, offsets)
-
-
-def _write_v_columns_as_words(
-    kv_pages: jax.Array, v: jax.Array, pages: jax.Array, offsets: jax.Array
-) -> jax.Array:
-    """V's columns into V^T pages (8-bit), moving 32-bit words: a word of V^T row d holds four
-    consecutive tokens' values, so each token's byte is merged into its word (read, mask, or)
-    and the word written back. The tokens of one word in this step (a prefill chunk's
-    neighbours) have their bytes gathered first, so every one of them writes the same whole word
-    and no write loses another's byte; padding tokens sharing one slot leave the last one's
-    byte, as a scatter does (finite values: page 0 is read masked, and a NaN there would
-    survive a zero weight).
-
-    Why: a value-by-value scatter moves 8-bit elements, the kind XLA's GPU scatter wrote slowly
-    for 16-bit ones (docs/benchmarks.md, "The KV write")."""
-    p, h, two, ps, d = kv_pages.shape
-    if ps % 4:  # (page sizes are powers of two >= 16 wherever V^T pages exist)
-        raise ValueError(f"V^T pages need page_size % 4 == 0, got {ps}")
-    words = _as_words(values_view(kv_pages), 4)  # u32[P, H, 2, D, PS / 4]
-    num = pages.shape[0]
-    word, lane = offsets // 4, offsets % 4  # [T]
-    # The tokens on one word (in any order) form a segment. Of tokens on one byte (only padding
-    # shares a slot) the last one wins, as in a scatter; the winners' bytes are disjoint, so a
-    # sum over the segment is their bitwise or.
-    _, seg = jnp.unique(pages * (ps // 4) + word, return_inverse=True, size=num)
-    seg = seg.reshape(num)
-    index = jnp.arange(num)
-    last = jax.ops.segment_max(index, seg * 4 + lane, num_segments=4 * num)
-    wins = last[seg * 4 + lane] == index  # [T]
-    shift = lane.astype(jnp.uint32) * 8
-    byte = lax.bitcast_convert_type(v, jnp.uint8).astype(jnp.uint32)  # [T, H, D]
-    value = jnp.where(wins[:, None, None], byte << shift[:, None, None], 0)
-    mask = jnp.where(wins, jnp.uint32(0xFF) << shift, 0)  # [T]
-    values = jax.ops.segment_sum(value, seg, num_segments=num)[seg]  # [T, H, D]
-    masks = jax.ops.segment_sum(mask, seg, num_segments=num)[seg]  # [T]
-    old = words[pages, :, V_INDEX, :, word]  # [T, H, D]
-    new = (old & ~masks[:, None, None]) | values
-    words = words.at[pages, :, V_INDEX, :, word].set(new, mode="promise_in_bounds")
-    stored = lax.bitcast_convert_type(words, kv_pages.dtype)  # [P, H, 2, D, PS / 4, 4]
-    return stored.reshape(p, h, two, ps, d)
+    view = values_view(kv_pages).at[pages, :, V_INDEX, :, offsets]
+    return view.set(v, mode="promise_in_bounds").reshape(kv_pages.shape)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -12,8 +12,9 @@ kv_layout.write_kv_packed (the same scatter on each pair of bf16 values bitcast 
 what the engine runs); "rows" and "rows_u32": the pages viewed as [P * Hkv * 2 * PS, D] rows, one
 contiguous row per (token, kv head, K or V), in bf16 or in words (measured no faster; not in the
 library, since merging the kv-head axis into the rows would defeat its tensor-parallel sharding).
-`--fp8`: e4m3 pages of 64 tokens, whose V is stored transposed (kv_layout.py): "5d" writes V's
-columns value by value, "5d_u32" as the 32-bit words holding them (what the engine runs).
+`--fp8`: e4m3 pages of 64 tokens, whose V is stored transposed (kv_layout.py): "5d" writes K's
+rows and V's columns value by value, "5d_u32" K's rows as 32-bit words and V's columns value by
+value (what the engine runs).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main() -> None:
     ap.add_argument(
         "--fp8",
         action="store_true",
-        help="e4m3 pages of 64 tokens (K rows as words, V^T: value by value in 5d, as words in "
+        help="e4m3 pages of 64 tokens (V^T value by value; K rows by value in 5d, as words in "
         "5d_u32); only the 5d forms",
     )
     args = ap.parse_args()

@@ -64,10 +64,10 @@ def test_packed_scatter_writes_every_slot_like_a_loop(page_size, num_kv_heads, h
 
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-def test_v_transposed_words_hold_every_token_of_a_chunk(page_size, dtype):
-    """fp8 pages write V^T as 32-bit words of four tokens: chunks that start and end inside a
-    word and cross a page, a lone decode token, padding into the null page, in the engine's
-    order and shuffled; byte for byte the value-by-value reference."""
+def test_v_transposed_pages_hold_every_token_of_a_chunk(page_size, dtype):
+    """fp8 pages (K rows as words, V^T columns): chunks that start and end inside a 32-bit word
+    and cross a page, a lone decode token, padding into the null page, in the engine's order and
+    shuffled; byte for byte the value-by-value reference."""
     layout = KVLayout(num_pages=12, num_kv_heads=2, page_size=page_size, head_dim=16)
     rng = np.random.default_rng(7)
     pages = jnp.asarray(rng.standard_normal(layout.shape), dtype)
