@@ -39,8 +39,9 @@ from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights.loader import LoadedModel, load_model
-from pallas_kernels.kv_layout import kv_page_dtype
+from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
+from pallas_kernels.ragged_paged_attention.pallas_attention import FP8_MIN_PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,14 @@ def build_engine(
             f"{jax.device_count()} (all devices)"
         )
     attention_backend = resolve_attention_backend(config.attention_backend)
+    page_size = config.scheduler.page_size
+    if attention_backend == "pallas" and is_fp8(kv_page_dtype(config.kv_cache_dtype, jnp.float32)):
+        if page_size < FP8_MIN_PAGE_SIZE:
+            raise ValueError(
+                f"page_size={page_size} with kv_cache_dtype={config.kv_cache_dtype!r}: the Pallas "
+                f"attention kernel reads fp8 pages of {FP8_MIN_PAGE_SIZE} tokens and more "
+                "(their V is stored transposed, pallas_kernels/kv_layout.py)"
+            )
     start = time.perf_counter()
     model = load_model(
         config.model,

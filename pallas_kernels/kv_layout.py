@@ -9,6 +9,15 @@ contiguous [2, page_size, head_dim] block holding both K and V. One bulk copy (T
 fetches it, every GMEM stride but the last is a multiple of 16 bytes for head_dim >= 8, and tensor
 parallelism shards axis 1 (kv heads) without touching the page axis.
 
+**fp8 pages store V transposed.** The page_size x head_dim bytes of `kv_pages[page, head, 1]`
+hold V^T, [head_dim, page_size] row-major (`v_transposed(dtype)`; `values_view` gives the array
+that shape, a free reshape). Hopper's fp8 wgmma takes both operands K-major only: for P V the
+contraction runs over tokens, so V must be stored token-contiguous to be read as it lands, with
+no conversion or transpose in the kernel (mgpu_consumer.py). K stays [page_size, head_dim]: for
+Q K^T head_dim is the contraction and rows are already K-major. `split_kv` and `join_kv` convert
+between the stored form and logical [page_size, head_dim] K and V for every reader and writer
+outside the kernel.
+
 Page 0 is the null page: padded tokens write into it and padded page-table entries point at it.
 It is never handed to a request, so its contents are garbage by design and never read unmasked.
 
@@ -85,6 +94,50 @@ def dequantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * scale
 
 
+def v_transposed(dtype) -> bool:
+    """Whether pages of this dtype store each page's V as V^T [head_dim, page_size] (fp8 pages;
+    module docstring)."""
+    return is_fp8(dtype)
+
+
+def values_view(kv_pages: jax.Array) -> jax.Array:
+    """[..., 2, PS, D] pages as [..., 2, D, PS]: a free reshape; for V^T pages (v_transposed)
+    index 1 of axis -3 is then V^T as stored. (Index 0, K, is meaningless in this view.)"""
+    *lead, two, ps, d = kv_pages.shape
+    return kv_pages.reshape(*lead, two, d, ps)
+
+
+def split_kv(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stored pages [..., 2, PS, D] (any leading axes) into logical (K, V), each [..., PS, D],
+    undoing the V^T of fp8 pages."""
+    k = kv[..., K_INDEX, :, :]
+    if not v_transposed(kv.dtype):
+        return k, kv[..., V_INDEX, :, :]
+    return k, jnp.swapaxes(values_view(kv)[..., V_INDEX, :, :], -1, -2)
+
+
+def join_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+    """Logical K and V [..., PS, D] (of the pages' dtype) into the stored form [..., 2, PS, D]:
+    split_kv's inverse."""
+    if v_transposed(v.dtype):
+        v = jnp.swapaxes(v, -1, -2).reshape(v.shape)  # V^T's bytes in a [PS, D]-shaped slot
+    return jnp.stack([k, v], axis=-3)
+
+
+def quantize_pages(kv: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """Logical pages [..., 2, PS, D] (K, V of any float dtype) as stored fp8 pages of `dtype`
+    (quantize_kv with scales = (k_scale, v_scale), then join_kv)."""
+    k, v = (quantize_kv(kv[..., i, :, :], scales[i], dtype) for i in (K_INDEX, V_INDEX))
+    return join_kv(k, v)
+
+
+def dequantize_pages(pages: jax.Array, scales: jax.Array) -> jax.Array:
+    """Stored fp8 pages back to logical float32 [..., 2, PS, D]: quantize_pages' inverse up to
+    rounding."""
+    k, v = split_kv(pages)
+    return jnp.stack([dequantize_kv(k, scales[K_INDEX]), dequantize_kv(v, scales[V_INDEX])], -3)
+
+
 def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
     """kv_scales: None (the default scales) or f32[2] for fp8 pages; None for any other pages."""
     if kv_scales is None:
@@ -154,7 +207,13 @@ def write_kv_reference(
     page_size = kv_pages.shape[3]
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
-    kv = jnp.stack(list(_stored(kv_pages, k, v, kv_scales)), axis=2)  # [T, Hkv, 2, D]
+    k, v = _stored(kv_pages, k, v, kv_scales)
+    if v_transposed(kv_pages.dtype):
+        # K rows as usual; V as a column of V^T (values_view), D values a page_size apart.
+        kv_pages = kv_pages.at[pages, :, K_INDEX, offsets, :].set(k, mode="promise_in_bounds")
+        view = values_view(kv_pages).at[pages, :, V_INDEX, :, offsets]
+        return view.set(v, mode="promise_in_bounds").reshape(kv_pages.shape)
+    kv = jnp.stack([k, v], axis=2)  # [T, Hkv, 2, D]
     # Advanced indices on axes 0 and 3 are separated by slices, so the indexed dims go first: the
     # update has shape [T, Hkv, 2, D], exactly `kv`.
     return kv_pages.at[pages, :, :, offsets, :].set(kv, mode="promise_in_bounds")
@@ -180,7 +239,8 @@ def write_kv_packed(
     for an 8,192-token chunk (32q/8kv/128), and the same scatter of u32 words takes 19.5 us
     (docs/benchmarks.md, "The KV write"). The page layout, and with it the kv-head sharding of
     axis 1, is unchanged. 32-bit pages, and rows that are not a whole number of words, take the
-    reference scatter.
+    reference scatter. V^T pages (fp8, v_transposed) write K's rows as words and V's columns
+    value by value: a token's V values lie page_size bytes apart there.
     """
     _check_write_inputs(kv_pages, k, v, slot_mapping, kv_scales)
     itemsize = jnp.dtype(kv_pages.dtype).itemsize
@@ -188,11 +248,25 @@ def write_kv_packed(
     if per_word == 1 or kv_pages.shape[-1] % per_word:
         return write_kv_reference(kv_pages, k, v, slot_mapping, kv_scales)
     k, v = _stored(kv_pages, k, v, kv_scales)
-    words = write_kv_reference(
-        _as_words(kv_pages, per_word), _as_words(k, per_word), _as_words(v, per_word), slot_mapping
-    )
-    out = lax.bitcast_convert_type(words, kv_pages.dtype)  # [..., D / per_word, per_word]
-    return out.reshape(kv_pages.shape)
+
+    def from_words(words):  # [..., D / per_word] u32 back to the pages' dtype and shape
+        out = lax.bitcast_convert_type(words, kv_pages.dtype)  # [..., D / per_word, per_word]
+        return out.reshape(kv_pages.shape)
+
+    if not v_transposed(kv_pages.dtype):
+        words = write_kv_reference(
+            _as_words(kv_pages, per_word),
+            _as_words(k, per_word),
+            _as_words(v, per_word),
+            slot_mapping,
+        )
+        return from_words(words)
+    page_size = kv_pages.shape[3]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    words = _as_words(kv_pages, per_word).at[pages, :, K_INDEX, offsets, :]
+    kv_pages = from_words(words.set(_as_words(k, per_word), mode="promise_in_bounds"))
+    view = values_view(kv_pages).at[pages, :, V_INDEX, :, offsets]
+    return view.set(v, mode="promise_in_bounds").reshape(kv_pages.shape)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -8,19 +8,20 @@ and a prefill-only bucket, for e4m3 and e5m2 pages with calibrated scales; the k
 reference on the same fp8 pages (relative L2 error; bf16 pages run the same check as a baseline),
 and the fp8 reference against the bf16 reference on the unquantized values (what quantization
 costs). A bucket whose schedule reads Q rows in fp8 (tuning.fp8_qk, fp8 decode buckets by
-default) is checked against the reference on that Q (reference.quantize_query_rows), and the
-table adds its distance from the reference on Q as given.
+default) is checked against the reference on that Q (reference.quantize_query_rows) and on fp8
+pages P rounded as the kernel rounds it (fp8_probs), and the table adds its distance from the
+reference on Q as given.
 
-Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 16,
+Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 64,
 default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
 of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
 at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
 `--prefill-list` times prefill chunks (after a cached prefix) the same way, in TFLOP/s.
-`--convert-early` adds a third form: fp8 pages converted off the critical path (V under Q K^T,
-the next K under P V: tuning.fp8_convert_early), on the default schedule, its KV block halved
-where SMEM needs it. `--fp8-tunings` adds fp8 forms on other schedules (attention_bench's
---decode-tunings syntax, plus the flag "early"); one that does not fit SMEM is reported and
-skipped.
+`--convert-early` adds a third form: fp8 pages' K converted off the critical path (the next K
+under P V: tuning.fp8_convert_early; only where Q K^T does not read K in fp8), on the default
+schedule, its KV block halved where SMEM needs it. `--fp8-tunings` adds fp8 forms on other
+schedules (attention_bench's --decode-tunings syntax, plus the flag "early"); one that does not
+fit SMEM is reported and skipped.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_kv
+from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_pages
 from pallas_kernels.ragged_paged_attention.pallas_attention import (
     bucket_tuning,
     ragged_paged_attention_pallas,
 )
 from pallas_kernels.ragged_paged_attention.reference import (
+    QUERY_DTYPE,
     quantize_query_rows,
     ragged_paged_attention_reference,
 )
@@ -71,8 +73,7 @@ def log(**row):
 def to_fp8(kv: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """bf16 pages [P, Hkv, 2, PS, D] as fp8 pages with calibrated (k, v) scales."""
     scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
-    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
-    return pages, scales
+    return quantize_pages(kv, scales, dtype), scales
 
 
 def step_of(rng, layout, seqs, page_size, extra_seqs=2):
@@ -97,11 +98,11 @@ def step_of(rng, layout, seqs, page_size, extra_seqs=2):
 
 
 CHECKS = [  # (name, layout, page size, (q_len, kv_len) per sequence)
-    ("mixed", "32q/8kv/128", 16, [(1, 700), (1, 33), (1, 1), (300, 300), (129, 1000), (0, 0)]),
+    ("mixed", "32q/8kv/128", 32, [(1, 700), (1, 33), (1, 1), (300, 300), (129, 1000), (0, 0)]),
     ("mixed", "9q/3kv/64", 64, [(1, 64), (1, 65), (200, 455), (17, 17)]),
-    ("mixed", "32q/8kv/64", 16, [(1, 300), (1, 17), (1900, 2500), (150, 150)]),  # 3 warpgroups
-    ("decode", "32q/8kv/128", 16, [(1, 1024 + 37 * i) for i in range(64)]),
-    ("prefill", "9q/3kv/64", 16, [(4096, 4096)]),
+    ("mixed", "32q/8kv/64", 32, [(1, 300), (1, 17), (1900, 2500), (150, 150)]),  # 3 warpgroups
+    ("decode", "32q/8kv/128", 32, [(1, 1024 + 37 * i) for i in range(64)]),
+    ("prefill", "9q/3kv/64", 64, [(4096, 4096)]),
 ]
 
 
@@ -127,10 +128,15 @@ def run_checks(rng) -> None:
                     quant_err_vs_bf16=rel_err(ref[:n], ref16[:n]),
                     pad_rows_zero=bool(jnp.all(out[n:] == 0)),
                 )
-                if bucket_tuning(a[0], a[1], a[3]).fp8_qk:  # checked on the Q it reads
-                    q8 = quantize_query_rows(a[0], FP8[name])
+                # checked on the Q and P it reads: Q rows in e4m3 where the schedule says so,
+                # P in e4m3 on fp8 pages (reference.quantize_probs)
+                q_read = a[0]
+                if bucket_tuning(a[0], a[1], a[3]).fp8_qk:
+                    q_read = quantize_query_rows(a[0], QUERY_DTYPE)
                     row.update(q_rows_fp8=True, q_err_vs_ref=rel_err(out[:n], ref[:n]))
-                    ref = ragged_paged_attention_reference(q8, *a[1:], **kw, **extra)
+                if name != "bf16":
+                    extra["fp8_probs"] = True
+                ref = ragged_paged_attention_reference(q_read, *a[1:], **kw, **extra)
                 row.update(err_vs_ref=rel_err(out[:n], ref[:n]))
             except Exception as e:  # noqa: BLE001 - report and go on
                 row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -190,7 +196,8 @@ def time_forms(ceil, args, p, layout, case: dict) -> None:
         pages, sc, tuning = forms[name]
         q = p["q"]
         if (tuning or bucket_tuning(p["q"], pages, p["tables"][0])).fp8_qk:
-            q = quantize_query_rows(q, pages.dtype)  # checked on the Q it reads
+            q = quantize_query_rows(q, QUERY_DTYPE)  # checked on the Q (and P) it reads
+        fp8_probs = sc is not None
         if case["kind"] == "decode":  # n one-token sequences
             ref = ragged_paged_attention_reference(
                 q[:n],
@@ -201,10 +208,13 @@ def time_forms(ceil, args, p, layout, case: dict) -> None:
                 jnp.asarray([n, n], jnp.int32),
                 sm_scale=d**-0.5,
                 kv_scales=sc,
+                fp8_probs=fp8_probs,
             )
         else:  # the whole step (one sequence)
             args_ = (q, pages, p["kv_lens"], p["tables"][0], p["cu"], p["dist"])
-            ref = ragged_paged_attention_reference(*args_, sm_scale=d**-0.5, kv_scales=sc)[:n]
+            ref = ragged_paged_attention_reference(
+                *args_, sm_scale=d**-0.5, kv_scales=sc, fp8_probs=fp8_probs
+            )[:n]
         errs[name] = rel_err(out[:n], ref)
     for _ in range(args.alternations):  # A B A B
         for name, fn in fns.items():
@@ -258,7 +268,7 @@ def default_of(p, hq, hkv, d, args):
 
 def convert_early_tuning(p, hq, hkv, d, args):
     """The default schedule of this decode bucket with fp8_convert_early, its KV block halved
-    while the second dequantized tile does not fit in SMEM."""
+    while it does not fit in SMEM."""
     kv8 = jnp.dtype(jnp.float8_e4m3fn)
     cfg = dataclasses.replace(default_of(p, hq, hkv, d, args), fp8_convert_early=True)
     while (
@@ -310,7 +320,7 @@ def _timed_line(case: str, r: dict, rate: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=64)  # fp8 pages: >= 32
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--alternations", type=int, default=2)
@@ -350,7 +360,7 @@ def main() -> None:
     ]
     if args.dry:
         global CHECKS
-        CHECKS = [("mixed", "9q/3kv/64", 16, [(1, 40), (1, 17), (30, 50), (0, 0)])]
+        CHECKS = [("mixed", "9q/3kv/64", 32, [(1, 40), (1, 17), (30, 50), (0, 0)])]
         args.decode_list, args.reps, args.trials, args.alternations = "9q/3kv/64,4,64", 2, 1, 1
         args.prefill_list = "9q/3kv/64,40,24" if args.prefill_list else ""
     os.makedirs(args.out, exist_ok=True)

@@ -12,6 +12,9 @@ kv_layout.write_kv_packed (the same scatter on each pair of bf16 values bitcast 
 what the engine runs); "rows" and "rows_u32": the pages viewed as [P * Hkv * 2 * PS, D] rows, one
 contiguous row per (token, kv head, K or V), in bf16 or in words (measured no faster; not in the
 library, since merging the kv-head axis into the rows would defeat its tensor-parallel sharding).
+`--fp8`: e4m3 pages of 64 tokens, whose V is stored transposed (kv_layout.py): "5d" writes K's
+rows and V's columns value by value, "5d_u32" K's rows as 32-bit words and V's columns value by
+value (what the engine runs).
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ FORMS = {
 }
 
 
-def case(rng, *, num_pages, hkv, d, page_size, num_tokens, num_valid, decode):
-    pages = jax.random.normal(jax.random.key(0), (num_pages, hkv, 2, page_size, d), jnp.bfloat16)
+def case(rng, *, num_pages, hkv, d, page_size, num_tokens, num_valid, decode, dtype):
+    shape = (num_pages, hkv, 2, page_size, d)
+    pages = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16).astype(dtype)
     k, v = (
         jax.random.normal(jax.random.key(i), (num_tokens, hkv, d), jnp.bfloat16) for i in (1, 2)
     )
@@ -85,7 +89,7 @@ def time_form(name, pages, k, v, slots, reps):
     step = jax.jit(FORMS[name], donate_argnums=0)
     expected = np.asarray(write_kv_reference(pages, k, v, slots)[1:])
     pages = step(jnp.copy(pages), k, v, slots)
-    ok = bool(np.array_equal(np.asarray(pages[1:]), expected))
+    ok = bool(np.array_equal(np.asarray(pages[1:]).view(np.uint8), expected.view(np.uint8)))
     for _ in range(2):
         pages = step(pages, k, v, slots)
     jax.block_until_ready(pages)
@@ -107,22 +111,31 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dry", action="store_true", help="tiny shapes (CPU dry runs)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="e4m3 pages of 64 tokens (V^T value by value; K rows by value in 5d, as words in "
+        "5d_u32); only the 5d forms",
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     s = 64 if args.dry else 1
+    ps = 64 if args.fp8 else 16
+    dtype = jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16
+    forms = ["5d", "5d_u32"] if args.fp8 else list(FORMS)
     cases = {  # name: (hkv, d, page_size, tokens, valid tokens, decode)
-        "decode B=256, 8 kv heads x 128": (8, 128, 16, 256 // s, 250 // s, True),
-        "prefill 8192, 8 kv heads x 128": (8, 128, 16, 8192 // s, 8190 // s, False),
-        "prefill 2048, 8 kv heads x 64": (8, 64, 16, 2048 // s, 2040 // s, False),
-        "prefill 8192, 3 kv heads x 64": (3, 64, 16, 8192 // s, 8190 // s, False),
+        "decode B=256, 8 kv heads x 128": (8, 128, ps, 256 // s, 250 // s, True),
+        "prefill 8192, 8 kv heads x 128": (8, 128, ps, 8192 // s, 8190 // s, False),
+        "prefill 2048, 8 kv heads x 64": (8, 64, ps, 2048 // s, 2040 // s, False),
+        "prefill 8192, 3 kv heads x 64": (3, 64, ps, 8192 // s, 8190 // s, False),
     }
     rows = []
     for cname, (hkv, d, ps, t, n, decode) in cases.items():
-        num_pages = 1 + 2 * 8192 * 8 // ps // s  # 537 MB (8 kv heads x 128), two chunks of 8,192
+        num_pages = 1 + 2 * 8192 * 8 // ps // s  # two chunks of 8,192 (8 kv heads x 128)
         arrays = case(rng, num_pages=num_pages, hkv=hkv, d=d, page_size=ps, num_tokens=t,
-                      num_valid=n, decode=decode)  # fmt: skip
-        mb = 2 * 2 * n * hkv * d / 1e6
-        for form in FORMS:
+                      num_valid=n, decode=decode, dtype=dtype)  # fmt: skip
+        mb = 2 * jnp.dtype(dtype).itemsize * n * hkv * d / 1e6
+        for form in forms:
             try:
                 row = dict(case=cname, mb=mb, **time_form(form, *arrays, args.reps))
             except Exception as e:  # noqa: BLE001

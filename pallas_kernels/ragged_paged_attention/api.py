@@ -2,8 +2,9 @@
 
 `backend` picks the implementation; every backend computes the function `reference.py` defines.
 
-    "reference"  pure jnp (XLA), any device. With e4m3 pages it reads Q rows in fp8, as the
-                 kernel's default schedule does (tuning.reads_fp8_query).
+    "reference"  pure jnp (XLA), any device. With fp8 pages it reads Q rows in e4m3, as the
+                 kernel's default schedule does (tuning.reads_fp8_query), and P in e4m3, as the
+                 kernel always does (reference.quantize_probs).
     "pallas"     the Mosaic GPU kernel (pallas_attention.py): compiled on a GPU (Hopper), run in
                  Mosaic GPU interpret mode on CPU. float32 on a GPU takes the reference path: wgmma
                  multiplies float32 only as tf32 and cannot transpose it (docs/kernels.md).
@@ -14,9 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import write_kv_packed
+from pallas_kernels.kv_layout import is_fp8, write_kv_packed
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import (
+    QUERY_DTYPE,
     quantize_query_rows,
     ragged_paged_attention_reference,
 )
@@ -54,8 +56,8 @@ def ragged_paged_attention(
     if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
         return ragged_paged_attention_pallas(*args, **kw)
     if reads_fp8_query(kv_pages.dtype):  # as the kernel's default schedule does
-        args = (quantize_query_rows(q, kv_pages.dtype), *args[1:])
-    return ragged_paged_attention_reference(*args, **kw)
+        args = (quantize_query_rows(q, QUERY_DTYPE), *args[1:])
+    return ragged_paged_attention_reference(*args, **kw, fp8_probs=is_fp8(kv_pages.dtype))
 
 
 def attention_step(

@@ -1,18 +1,20 @@
 """Compute warpgroups: wgmma Q K^T, online softmax in registers, wgmma P V, bulk-store of O rows.
 
 fp8 pages (st.kv_fp8): the producer copies the 8-bit pages into 8-bit stages as it copies any
-pages; each compute warpgroup converts a block of K, then of V, from its stage to float16 in
-registers and stores it into its own swizzled SMEM tile (dq_smem), which wgmma reads. With
-tuning.fp8_convert_early V has a tile of its own and is converted while the tensor cores run
-Q K^T, and the next block's K while they run P V: neither conversion sits between a stage's
-arrival and the matmul that reads it.
-wgmma on Hopper takes fp8 operands only K-major, which P V's V is not, and only with both
-operands in fp8, which would quantize Q and P too; float16 holds every e4m3 and e5m2 value
-exactly, and Q (bf16, converted once per item, |q| clamped to 65,504) as well as bf16 does or
-better. The scales are not applied to K or V: k_scale joins the softmax scale and v_scale the
-output's normalisation. With tuning.fp8_qk, Q K^T reads the 8-bit K stage itself (it is K-major,
-the one form fp8 wgmma takes): each warpgroup quantizes its Q rows (one absmax scale per row,
-which joins the softmax scale per row) into an 8-bit tile, and only V is converted.
+pages. P V is an fp8 x fp8 wgmma on the V stage itself: the pages store V transposed
+(kv_layout.py), so the stage is [D, block_kv] with tokens contiguous, the K-major form fp8 wgmma
+takes, and P is rounded to float8_e4m3fn (scaled by 2^PROBS_LOG2_SCALE so its small values stay
+normal: the exponent of exp2 is shifted, and the shift cancels in O / denominator) and staged in
+SMEM. V is never converted. For Q K^T, with tuning.fp8_qk (the default on fp8 pages) the wgmma
+reads the 8-bit K stage itself (K-major as stored): each warpgroup quantizes its Q rows to e4m3
+(one absmax scale per row, which joins the softmax scale per row; e4m3 on e5m2 pages too, a mixed
+pair wgmma takes) into an 8-bit tile. Without it each
+compute warpgroup converts a block of K to float16 in registers and stores it into its own
+swizzled SMEM tile (dq_smem), which wgmma reads; with tuning.fp8_convert_early the next block's K
+is converted while the tensor cores run this block's P V. float16 holds every e4m3 and e5m2
+value exactly, and Q (bf16, converted once per item, |q| clamped to 65,504) as well as bf16 does
+or better. The scales are not applied to K or V: k_scale joins the softmax scale and v_scale the
+output's normalisation.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pallas_kernels.ragged_paged_attention.mgpu_items import (
     tile_rows,
 )
 from pallas_kernels.ragged_paged_attention.mgpu_turns import NoTurns, make_turns
+from pallas_kernels.ragged_paged_attention.reference import PROBS_LOG2_SCALE
 from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 LOG2E = math.log2(math.e)
@@ -59,7 +62,7 @@ def _skip_blocks(st: Statics, r: Refs, kvc, n, turns: NoTurns) -> None:
 
 
 def _dequantize(st: Statics, src, dst) -> None:
-    """An fp8 block [bk, D] (a K or V stage) into dst [bk, D] (st.mma_dtype, swizzled SMEM), 64
+    """An fp8 K block [bk, D] (a K stage) into dst [bk, D] (st.mma_dtype, swizzled SMEM), 64
     rows at a time, fenced for wgmma's reads."""
     for r0 in range(0, st.tuning.block_kv, ROWS):
         x = plgpu.load(src.at[pl.ds(r0, ROWS)], layout=WGMMA, optimized=False)
@@ -70,8 +73,9 @@ def _dequantize(st: Statics, src, dst) -> None:
 def _online_softmax(
     st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale, q_scale=None
 ):
-    """One block's scores s [64, bk] f32 into P (st.mma_dtype) with the running max m (log2
-    units), the denominator and the accumulator rescaled; returns (p16, acc, m_new, denom).
+    """One block's scores s [64, bk] f32 into P (st.p_dtype) with the running max m (log2
+    units), the denominator and the accumulator rescaled; returns (p, acc, m_new, denom), p in
+    st.p_dtype (fp8 pages: e4m3 scaled by 2^PROBS_LOG2_SCALE, and so are denom's new terms).
     k_scale: a scalar the scores are multiplied by (fp8 pages), or None. q_scale: [64] row
     scales the scores are multiplied by (an fp8 Q, tuning.fp8_qk), or None.
 
@@ -108,42 +112,56 @@ def _online_softmax(
         # p are 0, and the part's log-sum-exp for the row stays -inf (partial_merge.py).
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
-    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))
+    # fp8 P: exp2 of (score - max + PROBS_LOG2_SCALE), in [0, 2^PROBS_LOG2_SCALE]; the same FMA
+    shift = m_ref - PROBS_LOG2_SCALE if st.kv_fp8 else m_ref
+    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(shift, s.shape, [0]))
     if st.tuning.mma_row_sums:
         denom = denom * lax.broadcast_in_dim(alpha, denom.shape, [0])
     else:
         denom = denom * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return p.astype(st.mma_dtype), acc, m_new, denom
+    return p.astype(st.p_dtype), acc, m_new, denom
 
 
-def _pv(st: Statics, v, p16, p_smem, ones, acc, denom, meanwhile=None):
+def _v_chunks(st: Statics, stage) -> list:
+    """An fp8 V^T stage [bk / v_chunk x D, v_chunk] as P V's B operands, one [v_chunk, D] per
+    chunk of tokens (Statics.v_chunk)."""
+    d = st.head_dim
+    return [stage.at[pl.ds(c * d, d)].T for c in range(st.tuning.block_kv // st.v_chunk)]
+
+
+def _pv(st: Statics, v, p, ones, acc, denom, meanwhile=None):
     """O += P V for one block, and with `ones` (mma_row_sums) the row sums += P @ ones on the
-    tensor cores too; returns (acc, denom). a_operands "regs": P from registers, accumulated in
-    place; "smem": P staged in p_smem, fresh products added. `meanwhile()`, if given, runs while
-    the tensor cores compute."""
+    tensor cores too; returns (acc, denom). p: registers (st.p_in_regs) or the SMEM tile it was
+    staged in (fp8 P; interpret mode). v: a B operand, or (fp8 pages, _v_chunks) one per chunk
+    of P's columns. a_operands "regs" (GPU): accumulated in place; "smem" (the form interpret
+    mode runs): fresh products added. `meanwhile()`, if given, runs while the tensor cores
+    compute."""
     with_sums = ones is not None
+
+    def products(acc_ref, sums_ref):
+        if isinstance(v, list):  # fp8 V^T chunks: each times its columns of P
+            w = st.v_chunk
+            for c, v_c in enumerate(v):
+                plgpu.wgmma(acc_ref, p.at[:, pl.ds(c * w, w)], v_c)
+        else:
+            plgpu.wgmma(acc_ref, p, v)
+        if with_sums:
+            plgpu.wgmma(sums_ref, p, ones)
+        if meanwhile is not None:
+            meanwhile()
+
     if st.a_operands == "regs":
 
         def in_place(refs):
-            plgpu.wgmma(refs[0], p16, v)
-            if with_sums:
-                plgpu.wgmma(refs[1], p16, ones)
-            if meanwhile is not None:
-                meanwhile()
+            products(refs[0], refs[1] if with_sums else None)
 
         inits = (acc, denom) if with_sums else (acc,)
         outs = pl.run_state(in_place)(tuple(map(plgpu.ACC.init, inits)))
         return outs[0], (outs[1] if with_sums else denom)
-    p_smem[...] = p16
-    plgpu.commit_smem()
 
     def fresh(*refs):  # zero-initialised
-        plgpu.wgmma(refs[0], p_smem, v)
-        if with_sums:
-            plgpu.wgmma(refs[1], p_smem, ones)
-        if meanwhile is not None:
-            meanwhile()
+        products(refs[0], refs[1] if with_sums else None)
         return tuple(ref[...] for ref in refs)
 
     shapes = [(ROWS, st.head_dim)] + ([(ROWS, 8)] if with_sums else [])
@@ -169,76 +187,75 @@ def _attend(
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
     q_op: Q [64, D], registers (WGMMA layout) or a swizzled SMEM ref (with tuning.fp8_qk an
-    8-bit one, and q_scale its [64] row scales); p_smem: [64, bk] SMEM for P
-    when st.a_operands == "smem"; ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
-    None; dq: this warpgroup's [bk, D] tiles (K's, V's) for dequantized fp8 blocks (one tile for
-    both unless tuning.fp8_convert_early: then a block's V is converted under its Q K^T and the
-    next block's K under its P V), or None. kvc: stream index
-    of block b_start. Row r is at query position row_pos0 + r // group; blocks before b_full need
-    no causal mask.
+    8-bit one, and q_scale its [64] row scales); p_smem: [64, bk] SMEM for P where it is not
+    kept in registers (st.p_in_regs); ones: the [bk, 8] ones operand with tuning.mma_row_sums, or
+    None; dq: this warpgroup's [bk, D] tile for K blocks dequantized from fp8 stages (converted
+    just before their Q K^T, or with tuning.fp8_convert_early the next block's under this one's
+    P V), or None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r
+    // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
-    Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator).
+    Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator);
+    with fp8 pages acc and denom are both 2^PROBS_LOG2_SCALE times their values (P's scale).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
     nothing when it is off.
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
-    k_direct = st.kv_fp8 and st.tuning.fp8_qk  # Q K^T reads the 8-bit K stage itself
-    early = dq is not None and st.tuning.fp8_convert_early
-    early_k = early and not k_direct  # K converted ahead (under the last block's P V)
-    dq_k, dq_v = (None, None) if dq is None else dq
-    if k_direct:
-        dq_k = None
-
-    def operand(stage, tile):  # a K or V stage as wgmma reads it
-        if tile is None:
-            return stage
-        with jax.named_scope("dequantize"):
-            _dequantize(st, stage, tile)
-        return tile
+    early_k = dq is not None and st.tuning.fp8_convert_early  # converted under the last P V
 
     def slot_of(b):
         return lax.rem(kvc + (b - b_start), stages)
 
+    def k_operand(slot):  # a K stage as wgmma reads it: itself, or converted into dq
+        if dq is None:
+            return r.k_smem.at[slot]
+        with jax.named_scope("dequantize"):
+            _dequantize(st, r.k_smem.at[slot], dq)
+        return dq
+
     def convert_k(b):  # block b's K, waited for and converted into the K tile
         with jax.named_scope("wait_k"):
             plgpu.barrier_wait(r.k_full.at[slot_of(b)])
-        operand(r.k_smem.at[slot_of(b)], dq_k)
+        k_operand(slot_of(b))
 
     def block(b, carry, *, masked):
         acc, m, denom = carry
         slot = slot_of(b)
         if early_k:  # converted already: under the last block's P V, or before the first block
-            k_op = dq_k
+            k_op = dq
         else:
             with jax.named_scope("wait_k"):
                 plgpu.barrier_wait(r.k_full.at[slot])
-            k_op = operand(r.k_smem.at[slot], dq_k)
+            k_op = k_operand(slot)
 
         def qk(s_ref):  # [64, bk] f32
             plgpu.wgmma(s_ref, q_op, k_op.T)
             turns.after_qk_issue()
-            if early:  # V into its own tile while the tensor cores compute the scores
-                with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(r.v_full.at[slot])
-                operand(r.v_smem.at[slot], dq_v)
-            return s_ref[...]  # waits for the wgmma: a shared dq tile may then take V
+            return s_ref[...]  # waits for the wgmma: the dq tile may then take the next K
 
         with jax.named_scope("qk"):
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
         with jax.named_scope("softmax"):
-            p16, acc, m_new, denom = _online_softmax(
+            p, acc, m_new, denom = _online_softmax(
                 st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale, q_scale=q_scale
             )
+            if not st.p_in_regs:  # staged before V is waited for (and the turn handed over)
+                p_smem[...] = p
+                plgpu.commit_smem()
         with jax.named_scope("wait_v"):
-            # (with early V has been waited for and converted already)
-            wait_v = (lambda: None) if early else lambda: plgpu.barrier_wait(r.v_full.at[slot])
-            acc, m_new, denom, p16 = turns.before_pv(wait_v, (acc, m_new, denom, p16))
-        v_op = dq_v if early else operand(r.v_smem.at[slot], dq_v)
+            wait_v = lambda: plgpu.barrier_wait(r.v_full.at[slot])  # noqa: E731
+            if st.p_in_regs:
+                acc, m_new, denom, p = turns.before_pv(wait_v, (acc, m_new, denom, p))
+            else:  # (a turn's optimization barrier carries no 8-bit registers: P is in SMEM)
+                acc, m_new, denom = turns.before_pv(wait_v, (acc, m_new, denom))
+                p = p_smem
+        # fp8 pages: the stage is V^T in chunks of [D, v_chunk] tokens; each chunk's transpose
+        # is a K-major B operand of P V
+        v_op = _v_chunks(st, r.v_smem.at[slot]) if st.kv_fp8 else r.v_smem.at[slot]
         # (early: the next block's K into the K tile, which this block's Q K^T is done with)
         next_k = (lambda: pl.when(b + 1 < b_end)(lambda: convert_k(b + 1))) if early_k else None
         with jax.named_scope("pv"):
-            acc, denom = _pv(st, v_op, p16, p_smem, ones, acc, denom, meanwhile=next_k)
+            acc, denom = _pv(st, v_op, p, ones, acc, denom, meanwhile=next_k)
         plgpu.barrier_arrive(r.kv_free.at[slot])
         return acc, m_new, denom
 
@@ -262,14 +279,12 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
-    dq = None
-    if r.dq_smem is not None:  # [WGS x tiles, bk, D]: this warpgroup's K tile, then its V tile
-        tiles = st.tuning.dq_tiles
-        dq = (r.dq_smem.at[wg * tiles], r.dq_smem.at[wg * tiles + (tiles - 1)])
+    # [WGS, bk, D]: this warpgroup's dequantized K tile (fp8 pages without fp8_qk)
+    dq = None if r.dq_smem is None else r.dq_smem.at[wg]
     v_scale = r.kv_scales[1] if st.kv_fp8 else None
     ones = None
     if st.tuning.mma_row_sums:  # this warpgroup's ones operand, written once (mgpu_launch.py)
-        r.ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((ROWS, bk), st.mma_dtype), WGMMA)
+        r.ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((ROWS, bk), st.p_dtype), WGMMA)
         plgpu.commit_smem()
         ones = r.ones_smem.at[wg, pl.ds(0, 8)].T  # [bk, 8]: 8 of its rows, K-major
 
@@ -304,7 +319,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         return acc * lax.broadcast_in_dim(v_scale / safe, acc.shape, [0])
 
     def log2_sum_exp(m, denom):  # -inf for rows that saw no key
-        return m + jnp.log(denom) * (1.0 / LN2)
+        # (fp8 pages: denom carries P's scale, 2^PROBS_LOG2_SCALE)
+        shift = PROBS_LOG2_SCALE if st.kv_fp8 else 0
+        return m + (jnp.log(denom) * (1.0 / LN2) - shift)
 
     def item_body(i, w, it, kvc):
         is_dec = items.is_decode(w)

@@ -37,6 +37,25 @@ class Statics:
     kv_fp8: bool = False
 
     @property
+    def p_dtype(self):
+        """P's dtype in P V: fp8 pages multiply an e4m3 P with the 8-bit V stage
+        (reference.PROBS_DTYPE), other pages P in the operands' dtype."""
+        return jnp.dtype(jnp.float8_e4m3fn) if self.kv_fp8 else self.mma_dtype
+
+    @property
+    def v_chunk(self) -> int:
+        """fp8 pages: tokens per chunk of a V^T stage, min(page_size, block_kv). The stage is
+        [block_kv / v_chunk * D, v_chunk]: chunk c (tokens [c * v_chunk, (c + 1) * v_chunk) of
+        the block) is rows [c * D, (c + 1) * D), so each page's bulk copy fills a contiguous
+        [D, page_size] slab, and P V is one wgmma per chunk."""
+        return min(self.page_size, self.tuning.block_kv)
+
+    @property
+    def p_in_regs(self) -> bool:
+        """P V takes P from registers (a_operands "regs", 16-bit P); an fp8 P is staged in SMEM."""
+        return self.a_operands == "regs" and not self.kv_fp8
+
+    @property
     def tokens_per_wg(self) -> int:
         return ROWS // self.group
 
@@ -63,6 +82,7 @@ class Refs(NamedTuple):
     parts: Any
     q: Any
     kv_pages: Any
+    kv_values: Any
     kv_scales: Any
     out: Any
     opart: Any

@@ -10,7 +10,8 @@ counts, so they agree on every pipeline slot without talking except through barr
         the K/V copies.
     compute (mgpu_consumer.py): per item, load its 64 Q rows, then per KV block
         S = Q K^T (wgmma, M = 64 rows, N = block_kv), online softmax in registers,
-        O += P V (wgmma, P from registers); normalise, stage O in the Q slot, bulk-store its rows
+        O += P V (wgmma, P from registers; fp8 pages: an e4m3 P from SMEM times the 8-bit V^T
+        stage); normalise, stage O in the Q slot, bulk-store its rows
         (a part of a split prefill tile: into its part's output, with its rows' log-sum-exp).
 
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
@@ -45,6 +46,8 @@ def attention_kernel(
     parts_ref,  # int32[MP, PART_COLUMNS]      GMEM, prefill parts in order (schedule.py)
     q_ref,  # [T, Hkv, G, D]                   GMEM, [T, Hq, D] reshaped (q head kv_head * G + g)
     kv_ref,  # [P, Hkv, 2, PS, D]              GMEM
+    kv_values_ref,  # [P, Hkv, 2, D, PS]       GMEM, kv_ref's buffer (kv_layout.values_view): V^T
+    #                                          of fp8 pages is read through it; else None
     kv_scales_ref,  # f32[2]                   GMEM (k_scale, v_scale of fp8 pages) or None
     out_ref,  # [K, T, Hkv, G, D]              GMEM, q_ref's layout per prefill part index (K:
     #                                          tuning.prefill_kv_splits; decode rows in [0])
@@ -52,18 +55,20 @@ def attention_kernel(
     lse_ref,  # f32[S*Hkv*splits, 64]          GMEM (their log2-sum-exp) or None
     part_lse_ref,  # f32[K, Hkv, MT * WGS, 64] GMEM (log2-sum-exp of split tiles' parts) or None
     k_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled (the pages' dtype)
-    v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled (the pages' dtype)
+    v_smem,  # [stages, bk, D]                 SMEM, tiled + swizzled (the pages' dtype); fp8
+    #                                          pages: V^T [stages, D, bk]
     q_smem,  # [2, WGS, 64, D]                 SMEM, Q in, O out (two item slots)
     qa_smem,  # [WGS, 64, D]                   SMEM, swizzled Q operand, or None (a_operands="regs")
-    pa_smem,  # [WGS, 64, bk]                  SMEM, swizzled P operand, or None (a_operands="regs")
+    pa_smem,  # [WGS, 64, bk]                  SMEM, swizzled P operand (st.p_dtype), or None
+    #                                          (st.p_in_regs)
     o32_smem,  # f32[decode_wgs, 64, D]        SMEM (split decode only) or None
     lse_smem,  # f32[decode_wgs, 64]           SMEM (split decode only) or None
     ones_smem,  # [WGS, 64, bk]                SMEM, ones (tuning.mma_row_sums) or None
     part_lse_smem,  # f32[WGS, 64]             SMEM (prefill_kv_splits > 1) or None
-    dq_smem,  # [WGS x tiles, bk, D] mma dtype SMEM, swizzled: K and V blocks dequantized from
-    #                                          fp8 stages (st.kv_fp8; tuning.dq_tiles), or None
-    q8_smem,  # [WGS, 64, D] fp8               SMEM, swizzled: each warpgroup's Q rows quantized
-    #                                          to the pages' fp8 dtype (tuning.fp8_qk), or None
+    dq_smem,  # [WGS, bk, D] mma dtype         SMEM, swizzled: K blocks dequantized from fp8
+    #                                          stages (fp8 pages without tuning.fp8_qk), or None
+    q8_smem,  # [WGS, 64, D] e4m3              SMEM, swizzled: each warpgroup's Q rows quantized
+    #                                          (reference.QUERY_DTYPE; tuning.fp8_qk), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -77,7 +82,8 @@ def attention_kernel(
 ):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
-    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, kv_scales_ref,
+    r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, kv_values_ref,
+             kv_scales_ref,
              out_ref, opart_ref, lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem,
              o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, q8_smem, k_full, v_full,
              kv_free, qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics, attention_kernel
+from pallas_kernels.ragged_paged_attention.reference import QUERY_DTYPE
 from pallas_kernels.ragged_paged_attention.tuning import ROWS
 
 
-def _mma_transforms(head_dim: int, dtype) -> tuple:
-    """wgmma operand layout in SMEM: (8, swizzle/itemsize) tiles, swizzled (also the fp8 K/V
-    stages, which only the dequantization reads)."""
-    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+def _mma_transforms(row_elems: int, dtype) -> tuple:
+    """wgmma operand layout in SMEM for rows of `row_elems`: (8, swizzle/itemsize) tiles,
+    swizzled by the largest of 128, 64, 32 bytes that divides a row."""
+    row_bytes = row_elems * jnp.dtype(dtype).itemsize
     swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
@@ -37,6 +38,7 @@ def launch(
     parts: jax.Array,  # int32[MT * K, PART_COLUMNS]   (schedule.prefill_parts)
     q: jax.Array,  # [T, Hkv, G, D]   the step's [T, Hq, D] queries (q head kv_head * G + g)
     kv_pages: jax.Array,  # [P, Hkv, 2, PS, D]
+    kv_values: jax.Array | None,  # kv_layout.values_view(kv_pages) for fp8 pages, else None
     kv_scales: jax.Array | None,  # f32[2] for fp8 pages (st.kv_fp8), else None
     *,
     interpret,
@@ -73,37 +75,37 @@ def launch(
     mma = _mma_transforms(d, mma_dtype)
     kv_tiles = _mma_transforms(d, kv_dtype)
     a_smem = st.a_operands == "smem"
+    p_dtype = st.p_dtype
+    p_tiles = _mma_transforms(tn.block_kv, p_dtype)
+    if st.kv_fp8:  # V^T stages in chunks [bk / v_chunk x D, v_chunk] (Statics.v_chunk)
+        v_stage = (tn.num_stages, tn.block_kv // st.v_chunk * d, st.v_chunk)
+        v_tiles = _mma_transforms(st.v_chunk, kv_dtype)
+        p_tiles = v_tiles  # one wgmma swizzles both operands alike (and the ones of row sums)
+    else:
+        v_stage, v_tiles = (tn.num_stages, tn.block_kv, d), kv_tiles
     scratch = [
         plgpu.SMEM((tn.num_stages, tn.block_kv, d), kv_dtype, transforms=kv_tiles),  # k_smem
-        plgpu.SMEM((tn.num_stages, tn.block_kv, d), kv_dtype, transforms=kv_tiles),  # v_smem
+        plgpu.SMEM(v_stage, kv_dtype, transforms=v_tiles),  # v_smem
         plgpu.SMEM((2, wgs, ROWS, d), dtype),  # q_smem
         plgpu.SMEM((wgs, ROWS, d), mma_dtype, transforms=mma) if a_smem else None,  # qa_smem
-        plgpu.SMEM(
-            (wgs, ROWS, tn.block_kv),
-            mma_dtype,
-            transforms=_mma_transforms(tn.block_kv, mma_dtype),
-        )
-        if a_smem
-        else None,  # pa_smem
+        None
+        if st.p_in_regs
+        else plgpu.SMEM((wgs, ROWS, tn.block_kv), p_dtype, transforms=p_tiles),  # pa_smem
         plgpu.SMEM((tn.decode_wgs, ROWS, d), jnp.float32) if split else None,  # o32_smem
         plgpu.SMEM((tn.decode_wgs, ROWS), jnp.float32) if split else None,  # lse_smem
         # ones_smem: wgmma's B operand of P @ ones uses 8 rows; a register array stores 64.
-        plgpu.SMEM(
-            (wgs, ROWS, tn.block_kv),
-            mma_dtype,
-            transforms=_mma_transforms(tn.block_kv, mma_dtype),
-        )
+        plgpu.SMEM((wgs, ROWS, tn.block_kv), p_dtype, transforms=p_tiles)
         if tn.mma_row_sums
         else None,
         plgpu.SMEM((wgs, ROWS), jnp.float32) if tn.prefill_kv_splits > 1 else None,  # part_lse
-        # dq_smem: each compute warpgroup's block of K, then of V, dequantized for wgmma (one
-        # tile for both, or one each with fp8_convert_early).
-        plgpu.SMEM((wgs * tn.dq_tiles, tn.block_kv, d), mma_dtype, transforms=mma)
-        if st.kv_fp8
+        # dq_smem: each compute warpgroup's block of K dequantized for wgmma (fp8 pages
+        # without fp8_qk)
+        plgpu.SMEM((wgs, tn.block_kv, d), mma_dtype, transforms=mma)
+        if st.kv_fp8 and not tn.fp8_qk
         else None,
-        # q8_smem: each compute warpgroup's Q rows in the pages' fp8 dtype, Q K^T's A operand
-        # (fp8_qk)
-        plgpu.SMEM((wgs, ROWS, d), kv_dtype, transforms=kv_tiles)
+        # q8_smem: each compute warpgroup's Q rows in e4m3 (reference.QUERY_DTYPE), Q K^T's A
+        # operand (fp8_qk)
+        plgpu.SMEM((wgs, ROWS, d), QUERY_DTYPE, transforms=_mma_transforms(d, QUERY_DTYPE))
         if st.kv_fp8 and tn.fp8_qk
         else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
@@ -131,4 +133,5 @@ def launch(
         ),
         interpret=interpret,
     )
-    return tuple(kernel(meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages, kv_scales))
+    args = (meta, kv_lens, cu_q_lens, page_table, parts, q, kv_pages, kv_values, kv_scales)
+    return tuple(kernel(*args))

@@ -1,5 +1,8 @@
 """Producer warpgroup: Q rows and K/V pages into SMEM with the bulk copy engine (TMA).
 
+fp8 pages store V transposed (kv_layout.py): a page's V copy lands as one contiguous [D,
+page_size] chunk of the block's V^T stage (Statics.v_chunk).
+
 With 16-token pages a 128-token block takes 16 copies of 2 KiB (head_dim 64), and one thread
 issuing them all, with their page-id loads and barrier arrivals, can fall behind the compute
 warpgroups. With tuning.producer_warps == 4 the warpgroup's warps share the copies: warp w issues
@@ -71,8 +74,22 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
         bpp = jnp.int32(st.blocks_per_page)
         return [r.page_table[seq, lax.div(b, bpp)]], lax.rem(b, bpp) * bk
 
-    def copy(kind, src, rows, slot):
-        dst = (r.k_smem, r.v_smem)[kind].at[slot, rows]
+    # fp8 pages store V^T (kv_layout.py): their V copies take tokens as columns, [D, tokens]
+    v_transposed = r.kv_values is not None
+
+    def source(kind, page, head, tokens=None):  # GMEM [tokens, D] (V^T: [D, tokens]); None: all
+        if kind == 1 and v_transposed:
+            values = r.kv_values.at[page, head, 1]
+            return values if tokens is None else values.at[:, tokens]
+        rows = r.kv_pages.at[page, head, kind]
+        return rows if tokens is None else rows.at[tokens]
+
+    def copy(kind, src, tokens, slot):
+        stage = (r.k_smem, r.v_smem)[kind].at[slot]
+        if kind == 1 and v_transposed:  # the chunk's [D, v_chunk] slab (Statics.v_chunk)
+            dst = stage.at[pl.ds(tokens.start // st.v_chunk * st.head_dim, st.head_dim)]
+        else:
+            dst = stage.at[tokens]
         plgpu.copy_gmem_to_smem(src, dst, (r.k_full, r.v_full)[kind].at[slot])
 
     def issue_block(pages, row0, head, slot):
@@ -80,16 +97,16 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
 
             def issue_kind(kind=kind):
                 if ps > bk:  # the block is a slice of one page
-                    src = r.kv_pages.at[pages[0], head, kind, pl.ds(row0, bk)]
+                    src = source(kind, pages[0], head, pl.ds(row0, bk))
                     copy(kind, src, pl.ds(0, bk), slot)
                     return
                 for j, page in enumerate(pages):  # one copy per page
-                    for lane_v in range(lanes):  # static destination rows per lane
-                        rows = pl.ds((j * lanes + lane_v) * ps, ps)
-                        src = r.kv_pages.at[page, head, kind]
+                    for lane_v in range(lanes):  # static destination tokens per lane
+                        tokens = pl.ds((j * lanes + lane_v) * ps, ps)
+                        src = source(kind, page, head)
                         _when(
                             None if lanes == 1 else lane == lane_v,
-                            lambda src=src, rows=rows: copy(kind, src, rows, slot),
+                            lambda src=src, tokens=tokens: copy(kind, src, tokens, slot),
                         )
 
             _when(issues(kind), issue_kind)

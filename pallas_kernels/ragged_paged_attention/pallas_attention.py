@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device_info
-from pallas_kernels.kv_layout import default_kv_scales, is_fp8
+from pallas_kernels.kv_layout import default_kv_scales, is_fp8, values_view
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
 from pallas_kernels.ragged_paged_attention.mgpu_launch import (
@@ -35,6 +35,7 @@ GPU_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma takes f32 only as tf32, and ca
 INTERPRET_DTYPES = (*GPU_DTYPES, jnp.float32)  # interpret mode: exact float32 products
 INTERPRET_NUM_CTAS = 3  # CPU interpret mode: a few CTAs still exercise the persistent item loop
 FP8_HEAD_DIMS = (32, 64, 128)  # an 8-bit page row of 16 bytes has no swizzled SMEM tiling
+FP8_MIN_PAGE_SIZE = 32  # the same for V^T's rows (wgmma takes no unswizzled operand)
 
 
 def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpret: bool) -> None:
@@ -50,6 +51,11 @@ def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpre
     if is_fp8(kv_pages.dtype):
         if d not in FP8_HEAD_DIMS:
             raise ValueError(f"head_dim={d} must be one of {FP8_HEAD_DIMS} for fp8 pages")
+        if page_size < FP8_MIN_PAGE_SIZE:
+            raise ValueError(
+                f"{page_size=} must be >= {FP8_MIN_PAGE_SIZE} for fp8 pages: a page's V^T "
+                "(kv_layout.py) must fill whole 32-byte swizzled rows of P V's operand tile"
+            )
     elif q.dtype != kv_pages.dtype:
         raise ValueError(f"{q.dtype=} must equal {kv_pages.dtype=} (or the pages be fp8)")
     dtypes = INTERPRET_DTYPES if interpret else GPU_DTYPES
@@ -107,8 +113,9 @@ def ragged_paged_attention_pallas(
     Constraints beyond reference.py: head_dim 16, 32, 64 or 128, at most 64 q heads per kv head,
     page_size a power of two >= 8, q and kv_pages of one dtype: bf16 or f16 on GPU, also float32 in
     interpret mode; cu_q_lens[0] == 0. Page ids are not checked on device: the host validates them.
-    fp8 pages (float8_e4m3fn or float8_e5m2, kv_layout.py) with q of any of those dtypes and
-    head_dim 32, 64 or 128: dequantized on the fly to float16 operands (mgpu_consumer.py).
+    fp8 pages (float8_e4m3fn or float8_e5m2, kv_layout.py, V stored transposed) with q of any
+    of those dtypes, head_dim 32, 64 or 128 and page_size >= 32: P V in fp8 (P rounded to e4m3),
+    Q K^T in fp8 or on K dequantized to float16 (tuning.fp8_qk; mgpu_consumer.py).
 
     profile_dir (GPU only): write a Mosaic GPU profiler trace of each call there (per compute
     warpgroup: spans wait_k, qk, softmax, wait_v, pv of every KV block, up to 1,024 per call;
@@ -197,6 +204,7 @@ def ragged_paged_attention_pallas(
         plan.parts,
         q4,
         kv_pages,
+        values_view(kv_pages) if kv_fp8 else None,
         kv_scales if kv_fp8 else None,
         interpret=interp,
         profile_dir=profile_dir,

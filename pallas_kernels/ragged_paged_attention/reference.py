@@ -28,7 +28,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import K_INDEX, V_INDEX, default_kv_scales, dequantize_kv, is_fp8
+from pallas_kernels.kv_layout import (
+    K_INDEX,
+    V_INDEX,
+    default_kv_scales,
+    dequantize_kv,
+    is_fp8,
+    split_kv,
+)
 from pallas_kernels.ragged_paged_attention.validate import check_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -60,7 +67,25 @@ def quantize_query_rows(q: jax.Array, dtype) -> jax.Array:
     return ((q32 / scale).astype(dtype).astype(jnp.float32) * scale).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
+# Q rows in fp8 (tuning.fp8_qk, on e4m3 and e5m2 pages alike): e4m3, whose three mantissa bits cost
+# the embedded model little where e5m2's two cost 6% perplexity; wgmma multiplies it with either K.
+QUERY_DTYPE = jnp.float8_e4m3fn
+
+# P V on fp8 pages (mgpu_consumer.py): the kernel rounds P = exp(s - running max), in [0, 1], to
+# float8_e4m3fn after scaling it by 2^PROBS_LOG2_SCALE, so that its smallest values stay normal
+# numbers (e4m3's normal range starts at 2^-6); the scale cancels in O / denominator.
+PROBS_DTYPE = jnp.float8_e4m3fn
+PROBS_LOG2_SCALE = 8
+
+
+def quantize_probs(p: jax.Array) -> jax.Array:
+    """Softmax numerators p in [0, 1] as P V on fp8 pages reads them (PROBS_DTYPE after scaling by
+    2^PROBS_LOG2_SCALE), back in float32 and unscaled."""
+    scale = float(2**PROBS_LOG2_SCALE)
+    return (p * scale).astype(PROBS_DTYPE).astype(jnp.float32) * (1.0 / scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "fp8_probs"))
 def ragged_paged_attention_reference(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -72,7 +97,12 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
+    fp8_probs: bool = False,
 ) -> jax.Array:
+    """fp8_probs: P V reads the softmax numerators rounded as the kernel rounds them on fp8 pages
+    (quantize_probs; the denominators stay float32, as the kernel's do). The kernel's running max
+    moves block by block and this one page by page, so the rounding grids match only where both
+    have seen the row's largest score: close, not bit-equal."""
     check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, kv_scales)
     if is_fp8(kv_pages.dtype) and kv_scales is None:
         kv_scales = default_kv_scales()
@@ -87,8 +117,7 @@ def ragged_paged_attention_reference(
     def body(carry):
         j, m, denom, acc = carry
         pages = page_table[seq_ids, j]  # [T]
-        kv = kv_pages[pages]  # [T, K, 2, PS, D]
-        k, v = kv[:, :, K_INDEX], kv[:, :, V_INDEX]  # [T, K, PS, D]
+        k, v = split_kv(kv_pages[pages])  # [T, K, PS, D] each
         if kv_scales is None:
             k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         else:  # fp8 pages: dequantized on the fly
@@ -104,7 +133,8 @@ def ragged_paged_attention_reference(
         p = jnp.where(mask[:, None, None, :], p, 0.0)
         alpha = jnp.exp(m - m_new)
         denom_new = alpha * denom + p.sum(axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("tkgp,tkpd->tkgd", p, v)
+        p_v = quantize_probs(p) if fp8_probs else p
+        acc_new = alpha[..., None] * acc + jnp.einsum("tkgp,tkpd->tkgd", p_v, v)
         return j + 1, m_new, denom_new, acc_new
 
     init = (

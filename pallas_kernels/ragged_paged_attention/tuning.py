@@ -59,19 +59,18 @@ class TuningConfig:
                    too few tiles to keep every SM busy to the end). Parts write partial outputs
                    and their log-sum-exp; partial_merge.py combines them, which reads
                    prefill_kv_splits - 1 more output-sized buffers after the kernel.
-    fp8_convert_early: fp8 pages only: each compute warpgroup converts a block's V while the
-                   tensor cores run that block's Q K^T (into a second dequantized tile, block_kv
-                   x D more SMEM per compute warpgroup) and the next block's K while they run
-                   P V, instead of each just before the matmul that reads it. default_tuning
-                   turns it on for fp8 decode buckets (RULES).
+    fp8_convert_early: fp8 pages without fp8_qk (their K converted to float16): each compute
+                   warpgroup converts the next block's K while the tensor cores run this block's
+                   P V, instead of just before the Q K^T that reads it. (V is never converted:
+                   P V multiplies an e4m3 P with the 8-bit V^T stage, mgpu_consumer.py.)
+                   default_tuning turns it on for fp8 decode buckets (RULES).
     fp8_qk:        fp8 pages only: Q K^T as an fp8 x fp8 wgmma on the K stage itself (K-major, as
-                   fp8 wgmma needs), Q quantized per row (absmax scale, in the pages' fp8 dtype)
-                   into an 8-bit SMEM tile per compute warpgroup; the row scales join the softmax
-                   scale. K is then never converted, only V (into one dequantized tile, early
-                   under Q K^T with fp8_convert_early). Costs Q's precision: a per-row fp8 Q
-                   (reference.quantize_query_rows). default_tuning turns it on for e4m3
-                   pages in every bucket (RULES, reads_fp8_query), and api.py's reference path
-                   then quantizes Q the same way.
+                   fp8 wgmma needs), Q quantized per row (absmax scale, to e4m3 on either page
+                   dtype: reference.QUERY_DTYPE) into an 8-bit SMEM tile per compute warpgroup;
+                   the row scales join the softmax scale. Neither K nor V is then converted.
+                   Costs Q's precision: a per-row e4m3 Q (reference.quantize_query_rows).
+                   default_tuning turns it on for fp8 pages in every bucket (RULES,
+                   reads_fp8_query), and api.py's reference path then quantizes Q the same way.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -122,27 +121,25 @@ class TuningConfig:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
         `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
-        staging of split prefill tiles, and with fp8 pages each compute warpgroup's dequantized
-        block and, with fp8_qk, its 8-bit Q tile)."""
+        staging of split prefill tiles, and with fp8 pages each compute warpgroup's 8-bit P
+        tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it))."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1
         mma_item = 2 if fp8 and item < 4 else item  # fp8 pages: float16 operands
+        p_item = 1 if fp8 else mma_item  # fp8 pages: an e4m3 P
         kv = 2 * self.num_stages * self.block_kv * head_dim * kv_item
         q = 2 * self.compute_wgs * ROWS * head_dim * item
         split = (ROWS * head_dim * 4 + ROWS * 4) * self.decode_wgs if self.decode_splits > 1 else 0
-        a_ops = self.compute_wgs * ROWS * (head_dim + self.block_kv) * mma_item if a_in_smem else 0
-        ones = self.compute_wgs * ROWS * self.block_kv * mma_item if self.mma_row_sums else 0
+        qa = self.compute_wgs * ROWS * head_dim * mma_item if a_in_smem else 0
+        pa = self.compute_wgs * ROWS * self.block_kv * p_item if a_in_smem or fp8 else 0
+        ones = self.compute_wgs * ROWS * self.block_kv * p_item if self.mma_row_sums else 0
         lse = self.compute_wgs * ROWS * 4 if self.prefill_kv_splits > 1 else 0
-        dq = self.dq_tiles * self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 else 0
+        dq = (
+            self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 and not self.fp8_qk else 0
+        )
         q8 = self.compute_wgs * ROWS * head_dim * kv_item if fp8 and self.fp8_qk else 0
-        return kv + q + split + a_ops + ones + lse + dq + q8
-
-    @property
-    def dq_tiles(self) -> int:
-        """Dequantized [block_kv, D] tiles per compute warpgroup with fp8 pages: K then V in one,
-        or (fp8_convert_early) one each; with fp8_qk V's only."""
-        return 2 if self.fp8_convert_early and not self.fp8_qk else 1
+        return kv + q + split + qa + pa + ones + lse + dq + q8
 
     @property
     def compute_registers(self) -> int:
@@ -167,6 +164,9 @@ class TuningConfig:
         head_dim, and (on_chip: a real GPU) SMEM suffices."""
         if page_size % self.block_kv and self.block_kv % page_size:
             raise ValueError(f"{page_size=} and {self.block_kv=}: one must divide the other")
+        if kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and self.block_kv > 128:
+            # a chunk of a V^T stage (Statics.v_chunk) is one swizzled tile wide: 128 bytes
+            raise ValueError(f"{self.block_kv=} must be <= 128 with fp8 pages")
         if self.compute_wgs == 3 and (head_dim > 64 or self.block_kv > 128):
             raise ValueError(
                 f"compute_wgs=3 holds head_dim <= 64 and block_kv <= 128 in its registers, not "
@@ -181,12 +181,13 @@ PREFILL_BUCKET_TOKENS = 2048
 
 
 def reads_fp8_query(kv_dtype) -> bool:
-    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): e4m3 pages, in
-    every bucket. Not e5m2 pages: Q rounded to e5m2's two mantissa bits cost the embedded model
-    6% perplexity (docs/benchmarks.md, "FP8 KV pages"). api.py's reference path quantizes Q
-    where this holds, so the engine has the GPU kernel's numerics on every backend, and a
-    chunk's tokens do not depend on the size of the step it was batched into."""
-    return kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    """Whether a call's default schedule reads Q rows in fp8 (fp8_qk; RULES): fp8 pages, in
+    every bucket, Q in e4m3 (reference.QUERY_DTYPE) on e5m2 pages too, whose K wgmma multiplies
+    with an e4m3 Q (Hopper takes the mixed pair; a Q in e5m2's two mantissa bits cost the
+    embedded model 6% perplexity, docs/benchmarks.md, "FP8 KV pages"). api.py's reference path
+    quantizes Q where this holds, so the engine has the GPU kernel's numerics on every backend,
+    and a chunk's tokens do not depend on the size of the step it was batched into."""
+    return kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Bucket:
     num_q_heads: int | None
     num_ctas: int
     kv_fp8: bool = False  # 8-bit pages, converted to float16 in the kernel
-    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (e4m3 pages)
+    fp8_query: bool = False  # reads_fp8_query: Q K^T in fp8 (fp8 pages)
 
     @property
     def prefill(self) -> bool:  # a token bucket of 2,048 and more: prefill chunks dominate
@@ -245,9 +246,10 @@ BLOCKS: dict[str, tuple[tuple[int, int, str], ...]] = {
         (128, 2, "next in SMEM"),
         (64, 3, "next in SMEM"),
     ),
-    # fp8 pages in a decode bucket (with fp8_convert_early, RULES): the dequantized tiles take
-    # the SMEM that bf16 stages would, and deeper pipelines pay (the producer's copies are half
-    # the bytes; the kernel is bound by latency and the conversion, not by bandwidth).
+    # fp8 pages in a decode bucket: measured on the forms that converted V (and K) to float16,
+    # whose dequantized tiles took the SMEM that bf16 stages would and which deeper pipelines
+    # paid (latency and the conversion bound them, not bandwidth). With V read as it lands these
+    # rows are to be measured again (blocks of bf16's shape may do as well).
     "fp8 decode, head_dim 128": (
         (64, 6, "run 12 call N1: 32q/8kv/128, B=1024 x ctx 1024, 64-token pages, with fp8_qk 0.809 "
                 "ms against 0.846 for 64 x 5 (bf16 pages 1.060)"),
@@ -298,8 +300,6 @@ _PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512
 _PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
 _FP8_DECODE_64 = _h200(num_seqs=1024, num_kv_heads=3, head_dim=64, pages_per_seq=64,
                        num_tokens=1024, num_q_heads=9, kv_dtype="float8_e4m3fn")  # fmt: skip
-_PREFILL_FP8_64 = {**_FP8_DECODE_64, "num_seqs": 1, "page_size": 64, "pages_per_seq": 32,
-                   "num_tokens": 2048}  # fmt: skip
 
 # fmt: off
 RULES: tuple[Rule, ...] = (
@@ -337,24 +337,16 @@ RULES: tuple[Rule, ...] = (
          "0.301 ms against 0.330-0.332, 32q/8kv/128 (64 x 2) 1.146 against 1.210, 32q/8kv/64 "
          "(B=512 x ctx 2048) 0.719-0.725 against 0.822-0.826; B=256 9q/3kv/64 within noise",
          _FP8_DECODE_64),
-    Rule("e4m3 pages: Q K^T in fp8", lambda b, k: b.fp8_query,
+    Rule("fp8 pages: Q K^T in fp8", lambda b, k: b.fp8_query,
          dict(fp8_qk=True),
          "run 12 call N1 (64-token pages, against the same schedule converting K): B=1024 x ctx "
          "1024 9q/3kv/64 0.240 against 0.270 ms (bf16 pages 0.260), 32q/8kv/128 0.846 against "
          "1.076 (bf16 1.060), B=256 x ctx 2048 9q/3kv/64 0.149 against 0.173 (bf16 0.166); run "
          "13 call N1, prefill chunks (with V converted early, the next row): 32q/8kv/128 at "
-         "8,192 tokens 1.205 against 1.805 ms (bf16 0.963). Costs Q's precision: e4m3 little, "
-         "e5m2 6% perplexity (docs/benchmarks.md, \"FP8 KV pages\")",
+         "8,192 tokens 1.205 against 1.805 ms (bf16 0.963). Costs Q's precision: an e4m3 Q "
+         "little, an e5m2 Q 6% perplexity, so Q is e4m3 on e5m2 pages too (docs/benchmarks.md, "
+         "\"FP8 KV pages\"). Measured when V was converted on the compute warpgroups",
          _FP8_DECODE_64),
-    Rule("e4m3 pages, prefill bucket: V converted early", lambda b, k: b.fp8_query and b.prefill,
-         dict(fp8_convert_early=True),
-         "run 13 call N1 (64-token pages, with Q K^T in fp8 both ways): 9q/3kv/64 at 2,048 "
-         "tokens 0.109 against 0.113 ms, at 2,048 after 6,144 cached 0.169 against 0.181, at "
-         "8,192 0.260 both; 32q/8kv/128 at 2,048 0.143 against 0.142, at 8,192 1.205 against "
-         "1.220: faster or equal in 4 of 5, by at most 7%, the size of the call's spread (one "
-         "schedule timed three times at 1,024 tokens: 0.124-0.142 ms); free in SMEM beside fp8 "
-         "Q K^T",
-         _PREFILL_FP8_64),
 )
 # fmt: on
 

@@ -10,14 +10,23 @@ import numpy as np
 
 
 def abstract_args(
-    *, tokens, pages, seqs, pages_per_seq, head_dim, q_heads=32, kv_heads=8, kv_dtype=jnp.bfloat16
+    *,
+    tokens,
+    pages,
+    seqs,
+    pages_per_seq,
+    head_dim,
+    q_heads=32,
+    kv_heads=8,
+    kv_dtype=jnp.bfloat16,
+    page_size=16,
 ):
-    """The kernel's positional arguments as ShapeDtypeStructs (bf16 q, page 16), for tracing and
+    """The kernel's positional arguments as ShapeDtypeStructs (bf16 q), for tracing and
     lowering without data."""
     sds = jax.ShapeDtypeStruct
     return (
         sds((tokens, q_heads, head_dim), jnp.bfloat16),
-        sds((pages, kv_heads, 2, 16, head_dim), kv_dtype),
+        sds((pages, kv_heads, 2, page_size, head_dim), kv_dtype),
         sds((seqs,), jnp.int32),
         sds((seqs, pages_per_seq), jnp.int32),
         sds((seqs + 1,), jnp.int32),

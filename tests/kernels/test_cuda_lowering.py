@@ -60,41 +60,34 @@ def test_kernel_lowers_for_cuda(tuning, head_dim):
 FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_early=True)
 
 
+# fp8 pages store V transposed (kv_layout.py): the V^T stage's swizzle follows the page when a
+# block spans several pages (32 -> 32 bytes, 64 -> 64) and the block when one page holds several
+# blocks (256-token pages).
 @pytest.mark.parametrize(
-    "tuning, head_dim, kv_dtype",
+    "tuning, head_dim, kv_dtype, page_size",
     [
-        (TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4), 128, "e4m3"),
-        (TuningConfig(64, 3, 2, 132), 128, "e5m2"),  # split decode
+        (
+            TuningConfig(128, 2, 1, 132, decode_wgs=2, pingpong=True, producer_warps=4),
+            *(128, "e4m3", 64),
+        ),
+        (TuningConfig(64, 3, 2, 132), 128, "e5m2", 32),  # split decode
         (
             TuningConfig(
                 128, 2, 1, 132, compute_wgs=3, decode_wgs=2, producer_warps=4, mma_row_sums=True
             ),
-            64,
-            "e4m3",
+            *(64, "e4m3", 256),
         ),
-        (TuningConfig(128, 2, 1, 132, pingpong=True), 32, "e5m2"),
+        (TuningConfig(128, 2, 1, 132, pingpong=True), 32, "e5m2", 64),
         (
             TuningConfig(64, 2, 1, 132, decode_wgs=2, pingpong=True, fp8_convert_early=True),
-            128,
-            "e4m3",
-        ),
-        (
-            TuningConfig(  # a block of 128 would need 224 KiB of SMEM with the second tile
-                *(64, 2, 1, 132),
-                compute_wgs=3,
-                decode_wgs=2,
-                producer_warps=4,
-                mma_row_sums=True,
-                fp8_convert_early=True,
-            ),
-            64,
-            "e4m3",
+            *(128, "e4m3", 32),
         ),
         # default_tuning's fp8 decode schedules (tuning.BLOCKS "fp8 decode, ...")
-        (TuningConfig(128, 6, 1, 132, **FP8_DECODE), 64, "e4m3"),
-        (TuningConfig(64, 5, 1, 132, **FP8_DECODE), 128, "e5m2"),
+        (TuningConfig(128, 6, 1, 132, **FP8_DECODE), 64, "e5m2", 64),
+        (TuningConfig(64, 5, 1, 132, **FP8_DECODE), 128, "e5m2", 64),
         # Q K^T on the 8-bit K stage (fp8_qk): an fp8 Q tile, fp8 x fp8 wgmma
-        (TuningConfig(128, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 64, "e4m3"),
+        (TuningConfig(128, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 64, "e4m3", 64),
+        (TuningConfig(64, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 128, "e4m3", 64),
         (
             TuningConfig(
                 *(128, 2, 1, 132),
@@ -105,42 +98,44 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
                 fp8_convert_early=True,
                 fp8_qk=True,
             ),
-            64,
-            "e5m2",
+            *(64, "e5m2", 32),
         ),
-        # default_tuning's e4m3 prefill schedules (bf16's blocks, fp8 Q K^T, V converted early)
-        (
-            TuningConfig(128, 2, 1, 132, **FP8_DECODE, fp8_qk=True),
-            128,
-            "e4m3",
-        ),
+        # default_tuning's e4m3 prefill schedules (bf16's blocks, fp8 Q K^T)
+        (TuningConfig(128, 2, 1, 132, **FP8_DECODE, fp8_qk=True), 128, "e4m3", 64),
         (
             TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT, fp8_convert_early=True, fp8_qk=True),
-            64,
-            "e4m3",
+            *(64, "e4m3", 64),
         ),
     ],
     ids=[
         "default-form-e4m3",
-        "split-decode-e5m2",
-        "compute-wgs-3-e4m3",
+        "split-decode-e5m2-page-32",
+        "compute-wgs-3-e4m3-page-256",
         "head-dim-32-e5m2",
-        "convert-early-e4m3",
-        "convert-early-compute-wgs-3-e4m3",
-        "fp8-decode-default-head-dim-64",
-        "fp8-decode-default-head-dim-128",
-        "fp8-qk-e4m3",
-        "fp8-qk-early-compute-wgs-3-e5m2",
+        "convert-early-e4m3-page-32",
+        "fp8-decode-default-head-dim-64-e5m2",
+        "fp8-decode-default-head-dim-128-e5m2",
+        "fp8-decode-default-head-dim-64-e4m3",
+        "fp8-decode-default-head-dim-128-e4m3",
+        "fp8-qk-early-compute-wgs-3-e5m2-page-32",
         "fp8-prefill-default-head-dim-128",
         "fp8-prefill-default-head-dim-64-splits",
     ],
 )
-def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype):
-    """fp8 pages: 8-bit stages, the float16 dequantization in registers (Mosaic GPU's layouts and
-    conversions are checked here), the scales read from GMEM."""
+def test_fp8_kernel_lowers_for_cuda(tuning, head_dim, kv_dtype, page_size):
+    """fp8 pages: 8-bit stages (V^T's copies into columns of its stage), P V as an e4m3 x fp8
+    wgmma on the V^T stage, K's float16 dequantization in registers or fp8 Q K^T (Mosaic GPU's
+    layouts, transforms and conversions are checked here), the scales read from GMEM."""
     dtype = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[kv_dtype]
     args = abstract_args(
-        tokens=64, pages=256, seqs=16, pages_per_seq=64, head_dim=head_dim, kv_dtype=dtype
+        *(),
+        tokens=64,
+        pages=256,
+        seqs=16,
+        pages_per_seq=max(4, 1024 // page_size),
+        head_dim=head_dim,
+        kv_dtype=dtype,
+        page_size=page_size,
     )
     traced = ragged_paged_attention_pallas.trace(
         *args,

@@ -11,8 +11,11 @@ from pallas_kernels.kv_layout import (
     KVLayout,
     calibrate_kv_scales,
     dequantize_kv,
+    join_kv,
     kv_page_dtype,
     quantize_kv,
+    split_kv,
+    values_view,
     write_kv,
     write_kv_packed,
     write_kv_reference,
@@ -46,16 +49,42 @@ def test_packed_scatter_writes_every_slot_like_a_loop(page_size, num_kv_heads, h
     k, v = (jnp.asarray(rng.standard_normal((t, num_kv_heads, head_dim)), dtype) for _ in "kv")
     slots = _slots(rng, layout.num_pages, page_size, num_valid=t - 3, num_tokens=t)
 
-    expected = np.array(pages)
+    # logical K and V (split_kv: fp8 pages store V transposed)
+    expected = np.array(jnp.stack(split_kv(pages), axis=2))
     for tok, slot in enumerate(slots[: t - 3]):
         page, offset = divmod(int(slot), page_size)
         expected[page, :, 0, offset] = np.asarray(k[tok])
         expected[page, :, 1, offset] = np.asarray(v[tok])
 
     for write in (write_kv_packed, write_kv_reference):
-        got = np.asarray(write(pages, k, v, jnp.asarray(slots)))
+        got = np.asarray(jnp.stack(split_kv(write(pages, k, v, jnp.asarray(slots))), axis=2))
         # Page 0 takes the padding tokens' colliding writes: garbage by design (kv_layout.py).
         np.testing.assert_array_equal(got[1:], expected[1:])
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_v_transposed_pages_hold_every_token_of_a_chunk(page_size, dtype):
+    """fp8 pages (K rows as words, V^T columns): chunks that start and end inside a 32-bit word
+    and cross a page, a lone decode token, padding into the null page, in the engine's order and
+    shuffled; byte for byte the value-by-value reference."""
+    layout = KVLayout(num_pages=12, num_kv_heads=2, page_size=page_size, head_dim=16)
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal(layout.shape), dtype)
+    ps = page_size
+    slots = np.array(
+        [3 * ps + 5 + i for i in range(ps + 3)]  # from mid-word, across pages 3 -> 4
+        + [7 * ps + 2]  # a decode token
+        + [9 * ps + i for i in range(6)]  # a chunk from a page's start, a partial last word
+        + [0] * 5,  # padding
+        np.int32,
+    )
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), 2, 16)), jnp.float32) for _ in "kv")
+    for order in (np.arange(len(slots)), rng.permutation(len(slots))):
+        args = (k[order], v[order], jnp.asarray(slots[order]))
+        got = np.asarray(write_kv_packed(pages, *args)[1:]).view(np.uint8)
+        want = np.asarray(write_kv_reference(pages, *args)[1:]).view(np.uint8)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_jitted_donating_write_matches_the_reference():
@@ -138,15 +167,39 @@ def test_fp8_write_stores_quantized_values_in_every_slot(dtype):
     slots = jnp.asarray(_slots(rng, 6, 16, num_valid=t - 2, num_tokens=t))
     for scales in (jnp.asarray([0.25, 4.0], jnp.float32), None):
         ks, vs = (1.0, 1.0) if scales is None else (0.25, 4.0)
+        # fp8 pages store V transposed: a token's V is a column of the page's V^T [D, PS]
         expected = np.array(pages.astype(jnp.float32))
+        expected_vt = np.array(values_view(pages).astype(jnp.float32))
         for tok, slot in enumerate(np.asarray(slots)[: t - 2]):
             page, offset = divmod(int(slot), 16)
             expected[page, :, 0, offset] = np.asarray(quantize_kv(k[tok], ks, dtype), np.float32)
-            expected[page, :, 1, offset] = np.asarray(quantize_kv(v[tok], vs, dtype), np.float32)
+            expected_vt[page, :, 1, :, offset] = np.asarray(quantize_kv(v[tok], vs, dtype))
         for write in (write_kv_packed, write_kv_reference):
             got = write(pages, k, v, slots, scales)
             assert got.dtype == dtype
-            np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], expected[1:])
+            np.testing.assert_array_equal(np.asarray(got[1:, :, 0], np.float32), expected[1:, :, 0])
+            got_vt = np.asarray(values_view(got)[1:, :, 1], np.float32)
+            np.testing.assert_array_equal(got_vt, expected_vt[1:, :, 1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_split_and_join_kv_are_inverse_and_transpose_only_fp8_values(dtype):
+    """join_kv lays logical K, V [..., PS, D] out as the pages store them (fp8: V's bytes as
+    V^T [D, PS]); split_kv reads them back."""
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((3, 2, 4, 8)), dtype) for _ in "kv")  # PS 4, D 8
+    stored = join_kv(k, v)
+    assert stored.shape == (3, 2, 2, 4, 8) and stored.dtype == dtype
+    got_k, got_v = split_kv(stored)
+    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(k, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(v, np.float32))
+    v_bytes = np.asarray(stored[:, :, 1], np.float32)
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(v_bytes, np.asarray(v, np.float32))
+    else:  # [PS, D]'s slot holds V^T's bytes: value (token 1, dim 0) sits at flat index 0 * 4 + 1
+        vt = np.swapaxes(np.asarray(v, np.float32), -1, -2).reshape(v.shape)
+        np.testing.assert_array_equal(v_bytes, vt)
+        assert v_bytes.reshape(3, 2, -1)[0, 0, 1] == float(v[0, 0, 1, 0])
 
 
 def test_page_dtype_names_and_scale_errors():

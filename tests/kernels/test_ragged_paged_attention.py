@@ -23,8 +23,8 @@ from kernel_cases import make_step
 
 from pallas_kernels.kv_layout import (
     calibrate_kv_scales,
-    dequantize_kv,
-    quantize_kv,
+    dequantize_pages,
+    quantize_pages,
     write_kv_reference,
 )
 from pallas_kernels.ragged_paged_attention import api, schedule
@@ -33,6 +33,7 @@ from pallas_kernels.ragged_paged_attention.pallas_attention import (
     ragged_paged_attention_pallas,
 )
 from pallas_kernels.ragged_paged_attention.reference import (
+    QUERY_DTYPE,
     quantize_query_rows,
     ragged_paged_attention_reference,
 )
@@ -46,6 +47,9 @@ TOLERANCE = {
     jnp.dtype(jnp.float16): 4e-3,
     jnp.dtype(jnp.float32): 2e-5,
 }
+# fp8 pages: P V rounds P to e4m3 (three mantissa bits), and the kernel's running max moves per KV
+# block where the reference's (fp8_probs) moves per page, so their rounding grids differ.
+FP8_PAGES_TOLERANCE = 3e-2
 
 
 def lengths(kind: str, ps: int, group: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -94,6 +98,7 @@ CONSTRAINTS = [
     ("kind", "pingpong", lambda kind, pp: kind != "decode" or not pp),
     ("group", "kv_heads", lambda g, h: g < 64 or h == 1),  # 64 q heads per kv head: one is enough
     ("pages", "head_dim", lambda p, d: p == "same" or d >= 32),  # fp8 rows of 16 bytes: no tiling
+    ("pages", "page_size", lambda p, ps: p == "same" or ps >= 32),  # the same for V^T's rows
 ]
 
 
@@ -137,12 +142,16 @@ def test_cases_cover_every_allowed_pair():
     assert {c["pages"] for c in CASES} == set(FACTORS["pages"])
 
 
-def _check(out, ref, dtype):
+def _rel_err(out, ref) -> float:
     out = np.asarray(out, np.float32)
     ref = np.asarray(ref, np.float32)
     assert np.all(np.isfinite(out))
-    err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert err < TOLERANCE[jnp.dtype(dtype)], err
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def _check(out, ref, dtype, *, fp8_pages: bool = False):
+    err = _rel_err(out, ref)
+    assert err < max(TOLERANCE[jnp.dtype(dtype)], FP8_PAGES_TOLERANCE * fp8_pages), err
 
 
 def fp8_pages(step, dtype):
@@ -150,7 +159,7 @@ def fp8_pages(step, dtype):
     calibrated on K and V scaled apart (K x 3, V x 0.5), so that k_scale != v_scale != 1."""
     kv = step.kv_pages.astype(jnp.float32) * jnp.asarray([3.0, 0.5])[:, None, None]
     scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], dtype)
-    pages = jnp.stack([quantize_kv(kv[:, :, i], scales[i], dtype) for i in (0, 1)], axis=2)
+    pages = quantize_pages(kv, scales, dtype)  # V stored transposed (kv_layout.py)
     return (step.q, pages, *step.args[2:]), scales
 
 
@@ -169,12 +178,13 @@ def test_kernel_matches_reference(case):
         dtype=dtype,
     )
     args, kw = step.args, dict(sm_scale=d**-0.5, soft_cap=case["soft_cap"])
-    if case["pages"] != "same":
+    fp8 = case["pages"] != "same"
+    if fp8:
         args, kw["kv_scales"] = fp8_pages(step, case["pages"])
     out = ragged_paged_attention_pallas(*args, **kw, tuning=_tuning(case))
-    ref = ragged_paged_attention_reference(*args, **kw)
+    ref = ragged_paged_attention_reference(*args, **kw, fp8_probs=fp8)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    _check(out, ref, dtype)
+    _check(out, ref, dtype, fp8_pages=fp8)
     # Padding tokens are exactly zero.
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
@@ -184,8 +194,8 @@ def test_kernel_matches_reference(case):
 # tiles. With one q head per kv head a warpgroup holds 64 tokens, and the chunk at position 32
 # puts a part's first key (position 128) inside a warpgroup's rows (96-159): rows 96-127 see no
 # key of that part (the -inf row max the kernel must not turn into NaN).
-# The third case is the form default_tuning gives a head_dim-64 prefill bucket with e4m3 pages
-# (Q K^T in fp8, V converted early), against the reference on the same per-row fp8 Q.
+# The third case is a head_dim-64 prefill form on e4m3 pages (Q K^T and P V in fp8), against
+# the reference on the same per-row fp8 Q and rounded P.
 # (page, q heads, kv heads, dtype, soft cap, pages, tuning)
 SPLIT_CASES = [
     (
@@ -197,7 +207,7 @@ SPLIT_CASES = [
         TuningConfig(64, 2, 1, 12, pingpong=True, prefill_kv_splits=2),
     ),
     (
-        *(16, 3, 3, jnp.bfloat16, None, jnp.float8_e4m3fn),
+        *(32, 3, 3, jnp.bfloat16, None, jnp.float8_e4m3fn),
         TuningConfig(
             64,
             2,
@@ -245,10 +255,11 @@ def test_split_prefill_tiles_match_reference(case):
     args, ref_args = step.args, step.args
     if pages is not None:
         args, kw["kv_scales"] = fp8_pages(step, pages)
-        ref_args = (quantize_query_rows(args[0], pages), *args[1:])
+        ref_args = (quantize_query_rows(args[0], QUERY_DTYPE), *args[1:])
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
-    ref = ragged_paged_attention_reference(*ref_args, **kw)
-    _check(out, ref, dtype)
+    fp8 = pages is not None
+    ref = ragged_paged_attention_reference(*ref_args, **kw, fp8_probs=fp8)
+    _check(out, ref, dtype, fp8_pages=fp8)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
 
 
@@ -269,14 +280,14 @@ def mixed_fp8_step(seed, dtype, pages, d, ps, hq, hkv):
     return step, args, scales
 
 
-# fp8 pages converted off the critical path (tuning.fp8_convert_early: V under Q K^T, the next
-# block's K under P V): a mixed step (decode rows, a chunk from position 0, a chunk after a cached
-# prefix), once with split decode on two decode warpgroups and ping-pong prefill tiles, once with
-# three compute warpgroups and row sums.
+# fp8 pages whose K is converted (no fp8_qk) off the critical path (tuning.fp8_convert_early: the
+# next block's K under this one's P V): a mixed step (decode rows, a chunk from position 0, a
+# chunk after a cached prefix), once with split decode on two decode warpgroups and ping-pong
+# prefill tiles, once with three compute warpgroups and row sums.
 # (q dtype, pages, head_dim, page size, q heads, kv heads, tuning)
 EARLY_CASES = [
     (
-        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 8, 2),
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, 8, 2),
         TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_convert_early=True),
     ),
     (
@@ -292,10 +303,10 @@ def test_fp8_converted_early_matches_reference(case):
     step, args, scales = mixed_fp8_step(13, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
-    ref = ragged_paged_attention_reference(*args, **kw)
-    _check(out, ref, dtype)
+    ref = ragged_paged_attention_reference(*args, **kw, fp8_probs=True)
+    _check(out, ref, dtype, fp8_pages=True)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
-    # the same as the one-tile form, which converts each block just before its matmul
+    # the same as the form that converts each K block just before its Q K^T
     one_tile = dataclasses.replace(tuning, fp8_convert_early=False)
     np.testing.assert_array_equal(
         np.asarray(out), np.asarray(ragged_paged_attention_pallas(*args, **kw, tuning=one_tile))
@@ -303,16 +314,17 @@ def test_fp8_converted_early_matches_reference(case):
 
 
 # Q K^T on the 8-bit K stage itself (tuning.fp8_qk): Q quantized per row (a (token, q head)
-# vector of D values) to the pages' fp8 dtype. Against the reference run on that quantized Q the
-# kernel matches as closely as the other fp8 forms do; the quantization itself costs more.
+# vector of D values) to e4m3, on e5m2 pages too (a mixed e4m3 x e5m2 wgmma). Against the
+# reference run on that quantized Q the kernel matches as closely as the other fp8 forms do; the
+# quantization itself costs more.
 # (q dtype, pages, head_dim, page size, q heads, kv heads, soft cap, tuning)
 FP8_QK_CASES = [
     (
-        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 8, 2, None),
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, 8, 2, None),
         TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_qk=True),
     ),
     (
-        *(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, 4, 2, 30.0),
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 128, 64, 4, 2, 30.0),
         TuningConfig(64, 3, 1, 3, decode_wgs=2, fp8_convert_early=True, fp8_qk=True),
     ),
     (
@@ -332,8 +344,10 @@ def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
     step, args, scales = mixed_fp8_step(17, dtype, pages, d, ps, hq, hkv)
     kw = dict(sm_scale=d**-0.5, kv_scales=scales, soft_cap=cap)
     out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
-    q8_args = (quantize_query_rows(args[0], pages), *args[1:])
-    _check(out, ragged_paged_attention_reference(*q8_args, **kw), dtype)
+    q8_args = (quantize_query_rows(args[0], QUERY_DTYPE), *args[1:])
+    _check(
+        out, ragged_paged_attention_reference(*q8_args, **kw, fp8_probs=True), dtype, fp8_pages=True
+    )
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
     # what quantizing Q costs, against the reference on Q as given: more than the kernel's own
     # error above, bounded
@@ -343,14 +357,55 @@ def test_fp8_qk_matches_the_reference_on_its_quantized_q(case):
     assert err < {jnp.float8_e4m3fn: 0.1, jnp.float8_e5m2: 0.2}[pages], err
 
 
+# fp8 pages' value path (V^T pages, kv_layout.py; the 8-bit V^T stage as P V's operand) checked
+# exactly: with Q = 0 every visible key scores 0, P is exactly 2^PROBS_LOG2_SCALE (no rounding), and
+# O is the mean of the visible V rows, so any misplaced V column shows. Blocks of two pages (32-
+# token pages), a block from one page (64) and blocks sliced out of a page (256), split decode.
+# (pages, page size, head_dim, fp8_qk, tuning)
+UNIFORM_CASES = [
+    (
+        jnp.float8_e4m3fn,
+        32,
+        64,
+        TuningConfig(64, 2, 2, 3, decode_wgs=2, pingpong=True, fp8_qk=True),
+    ),
+    (jnp.float8_e5m2, 64, 128, TuningConfig(64, 3, 1, 2, fp8_convert_early=True)),
+    (jnp.float8_e4m3fn, 256, 64, TuningConfig(128, 2, 1, 3, compute_wgs=3, mma_row_sums=True)),
+]
+
+
+@pytest.mark.parametrize("case", UNIFORM_CASES, ids=["e4m3-ps32-split", "e5m2-ps64", "e4m3-ps256"])
+def test_fp8_pages_value_path_is_exact_under_uniform_attention(case):
+    pages, ps, d, tuning = case
+    step, args, scales = mixed_fp8_step(29, jnp.float32, pages, d, ps, 8, 2)
+    args = (jnp.zeros_like(args[0]), *args[1:])
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
+    _check(out, ragged_paged_attention_reference(*args, **kw), jnp.float32)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+
+
+def test_fp8_pages_round_p_as_the_reference_says():
+    """P V on fp8 pages rounds P to e4m3 (reference.quantize_probs): where the kernel's KV blocks
+    are the reference's pages (64 tokens each) the kernel is several times closer to the
+    reference that rounds P than to the one that does not."""
+    d = 64
+    step, args, scales = mixed_fp8_step(31, jnp.float32, jnp.float8_e5m2, d, 64, 8, 2)
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=TuningConfig(64, 2, 1, 3))
+    rounded = _rel_err(out, ragged_paged_attention_reference(*args, **kw, fp8_probs=True))
+    exact = _rel_err(out, ragged_paged_attention_reference(*args, **kw))
+    assert rounded < 4e-3 and rounded * 3 < exact, (rounded, exact)
+
+
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_attention_step_writes_kv_exactly_and_attends(pages):
     """backend="pallas": the written pages equal write_kv_reference bit for bit (fp8 pages:
     quantized with the step's scales), then attention."""
-    ps, hq, hkv, d = 16, 4, 2, 64
+    ps, hq, hkv, d = 32, 4, 2, 64
     step = make_step(
         7,
-        decode_kv_lens=[5, 16, 17],
+        decode_kv_lens=[5, 32, 33],
         prefill=[(20, 37)],
         page_size=ps,
         num_q_heads=hq,
@@ -391,10 +446,10 @@ def test_attention_step_writes_kv_exactly_and_attends(pages):
     np.testing.assert_array_equal(
         np.asarray(written.astype(jnp.float32)), np.asarray(expected_pages.astype(jnp.float32))
     )
-    # the reference backend on the same call: e4m3 pages read Q in fp8 on both (the kernel's
-    # default schedule, tuning.reads_fp8_query)
+    # the reference backend on the same call: e4m3 pages read Q and P in fp8 on both (the
+    # kernel's default schedule, tuning.reads_fp8_query; reference.quantize_probs)
     ref = api.ragged_paged_attention(step.q, expected_pages, *step.args[2:], **kw)
-    _check(out, ref, jnp.bfloat16)
+    _check(out, ref, jnp.bfloat16, fp8_pages=pages != jnp.bfloat16)
 
 
 def test_quantize_query_rows_rounds_each_row_on_its_own_scale():
@@ -409,44 +464,50 @@ def test_quantize_query_rows_rounds_each_row_on_its_own_scale():
 @pytest.mark.parametrize("pages", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kernel_default_schedule_and_reference_backend_agree_on_fp8_pages(pages):
     """The engine's two backends compute one function with fp8 pages in a decode bucket: the
-    kernel on its default schedule (e4m3: Q K^T in fp8; e5m2: K converted) and the reference
-    path (e4m3: Q rows quantized)."""
+    kernel on its default schedule (Q K^T in fp8 with an e4m3 Q on both page dtypes) and the
+    reference path (Q rows and P rounded to e4m3). Within FP8_PAGES_TOLERANCE: split
+    decode and the kernel's block-wise running max round P on other grids than the reference's
+    page-wise one (test_fp8_pages_round_p_as_the_reference_says compares them on one grid)."""
     d = 64
-    step, args, scales = mixed_fp8_step(23, jnp.float16, pages, d, 16, 8, 2)
+    step, args, scales = mixed_fp8_step(23, jnp.float16, pages, d, 32, 8, 2)
     tuning = bucket_tuning(args[0], args[1], args[3], interpret=True)
-    assert tuning.fp8_qk == (pages == jnp.float8_e4m3fn) and tuning.fp8_convert_early
+    assert tuning.fp8_qk and tuning.fp8_convert_early
     kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     out = api.ragged_paged_attention(*args, **kw, backend="pallas")
-    _check(out, api.ragged_paged_attention(*args, **kw, backend="reference"), jnp.float16)
+    ref = api.ragged_paged_attention(*args, **kw, backend="reference")
+    _check(out, ref, jnp.float16, fp8_pages=True)
 
 
 @pytest.mark.parametrize("num_tokens", [64, 2048], ids=["decode-bucket", "prefill-bucket"])
 @pytest.mark.parametrize("pages", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_reference_backend_reads_q_in_fp8_where_the_kernel_schedule_does(num_tokens, pages):
-    """e4m3 pages, in a decode bucket and in a prefill bucket (2,048 tokens and more): the
-    engine's reference path quantizes Q per row, as the kernel's default schedule does (fp8_qk);
-    with e5m2 pages and with bf16 pages it reads Q as given."""
+    """fp8 pages (e4m3 and e5m2), in a decode bucket and in a prefill bucket (2,048 tokens and
+    more): the engine's reference path quantizes Q per row to e4m3, as the kernel's default
+    schedule does (fp8_qk), and rounds P to e4m3, as the kernel always does
+    (reference.quantize_probs); with bf16 pages it reads Q as given."""
     d = 32
     step = make_step(
         5, decode_kv_lens=[3, 40], prefill=[(9, 30)], page_size=16, num_q_heads=4,
         num_kv_heads=2, head_dim=d, dtype=jnp.bfloat16, extra_tokens=num_tokens - 11,
     )  # fmt: skip
     assert step.q.shape[0] == num_tokens
-    if pages == jnp.bfloat16:
-        args, kw = step.args, dict(sm_scale=d**-0.5)
-    else:
-        args, scales = fp8_pages(step, pages)
-        kw = dict(sm_scale=d**-0.5, kv_scales=scales)
     n = step.num_valid_tokens
-    out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
-    as_given = np.asarray(ragged_paged_attention_reference(*args, **kw))[:n]
-    if pages != jnp.float8_e4m3fn:
+    if pages == jnp.bfloat16:
+        kw = dict(sm_scale=d**-0.5)
+        out = np.asarray(api.ragged_paged_attention(*step.args, **kw, backend="reference"))[:n]
+        as_given = np.asarray(ragged_paged_attention_reference(*step.args, **kw))[:n]
         np.testing.assert_array_equal(out, as_given)
-    else:
-        q8 = quantize_query_rows(args[0], pages)
-        q8_ref = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw))[:n]
-        np.testing.assert_array_equal(out, q8_ref)
-        assert not np.array_equal(q8_ref, as_given)  # the two differ: the check above bites
+        return
+    args, scales = fp8_pages(step, pages)
+    kw = dict(sm_scale=d**-0.5, kv_scales=scales)
+    out = np.asarray(api.ragged_paged_attention(*args, **kw, backend="reference"))[:n]
+    q8 = quantize_query_rows(args[0], QUERY_DTYPE)
+    both = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw, fp8_probs=True))[:n]
+    np.testing.assert_array_equal(out, both)
+    # each rounding shows, so the check above bites on both
+    exact_p = np.asarray(ragged_paged_attention_reference(q8, *args[1:], **kw))[:n]
+    exact_q = np.asarray(ragged_paged_attention_reference(*args, **kw, fp8_probs=True))[:n]
+    assert not np.array_equal(exact_p, both) and not np.array_equal(exact_q, both)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -464,7 +525,7 @@ def test_reference_reads_fp8_pages_as_their_dequantized_values(dtype):
         dtype=jnp.float32,
     )
     args, scales = fp8_pages(step, dtype)
-    deq = jnp.stack([dequantize_kv(args[1][:, :, i], scales[i]) for i in (0, 1)], axis=2)
+    deq = dequantize_pages(args[1], scales)
     kw = dict(sm_scale=0.2, soft_cap=None)
     got = ragged_paged_attention_reference(*args, **kw, kv_scales=scales)
     want = ragged_paged_attention_reference(step.q, deq, *step.args[2:], **kw)
@@ -540,6 +601,10 @@ def _bad(**changes):
             dict(kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float8_e5m2), kv_scales=jnp.ones(3)),
             "kv_scales.shape",
         ),
+        (
+            dict(kv_pages=jnp.zeros((4, 2, 2, 16, 64), jnp.float8_e4m3fn)),
+            "page_size=16 must be >= 32",
+        ),
     ],
 )
 def test_bad_inputs_raise_value_error(changes, match):
@@ -595,16 +660,19 @@ def test_bad_backend_and_tuning_raise_value_error():
         2 * 128 * 64 * 2 - 2 * 64 * 64
     )
     assert qk.smem_bytes(64, jnp.bfloat16) == TuningConfig(128, 2).smem_bytes(64, jnp.bfloat16)
-    # V's own dequantized tile: block_kv x head_dim float16 more per compute warpgroup
-    one, two = (
+    # fp8 pages: an e4m3 P tile per compute warpgroup (64 x block_kv bytes); converting K early
+    # needs no second tile (V is never converted)
+    late, early = (
         TuningConfig(128, compute_wgs=3),
         TuningConfig(128, compute_wgs=3, fp8_convert_early=True),
     )
-    fp8 = dict(kv_dtype=jnp.float8_e4m3fn)
-    assert two.smem_bytes(64, jnp.bfloat16, **fp8) - one.smem_bytes(64, jnp.bfloat16, **fp8) == (
-        3 * 128 * 64 * 2
+    assert early.smem_bytes(64, jnp.bfloat16, **fp8) == late.smem_bytes(64, jnp.bfloat16, **fp8)
+    k_tiles, p_tiles, half_stages = 3 * 128 * 64 * 2, 3 * 64 * 128, 2 * 2 * 128 * 64
+    assert late.smem_bytes(64, jnp.bfloat16) - late.smem_bytes(64, jnp.bfloat16, **fp8) == (
+        half_stages - k_tiles - p_tiles
     )
-    assert two.smem_bytes(64, jnp.bfloat16) == one.smem_bytes(64, jnp.bfloat16)  # bf16 pages
+    with pytest.raises(ValueError, match="block_kv=256 must be <= 128 with fp8 pages"):
+        TuningConfig(256, 2).check_fits(64, 256, jnp.bfloat16, kv_dtype=jnp.float8_e5m2)
     with pytest.raises(ValueError, match="pingpong=True needs compute_wgs=2"):
         TuningConfig(compute_wgs=3, pingpong=True)
     with pytest.raises(ValueError, match="head_dim=128"):  # 160 registers: no head_dim-128 tile

@@ -19,6 +19,7 @@ from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.weights.loader import load_model
+from pallas_kernels.kv_layout import split_kv
 
 SMALL = dict(
     dtype="float32",
@@ -88,7 +89,8 @@ def test_first_layer_pages_dequantize_to_the_float32_kv(kv, engines, greedy):
         assert scales.shape == (len(runner.kv_pages), 2) and np.all(np.isfinite(scales))
         assert np.all(scales > 0) and not np.allclose(scales, 1.0)
     ref = np.asarray(engines["auto"].engine.runner.kv_pages[0][1:])
-    got = np.asarray(runner.kv_pages[0][1:].astype(jnp.float32))
+    # logical K and V (fp8 pages store V transposed, kv_layout.py)
+    got = np.asarray(jnp.stack(split_kv(runner.kv_pages[0][1:]), axis=2).astype(jnp.float32))
     got = got * scales[0][None, None, :, None, None]  # axis 2: K, V
     assert np.count_nonzero(ref) > 0
     np.testing.assert_allclose(got, ref, rtol=2.0**-4, atol=float(scales[0].max()) * 2**-9)
@@ -106,10 +108,11 @@ def test_the_memory_budget_holds_four_times_the_float32_pages(lookup):
 
 def test_fp8_pages_on_the_pallas_kernel_give_the_float32_tokens(lookup, engines):
     """The engine on the Mosaic GPU kernel (interpret mode on the CPU) with e4m3 pages of 32
-    tokens: the KV write and the kernel's read of it (Q in fp8) give the float32 engine's greedy
-    tokens across a page boundary, with zero recompiles. The lookup model's tokens hardly depend
-    on attention, so the logprobs carry the check: within 2e-4 of float32's (fp8 pages move them
-    ~2e-5 here)."""
+    tokens (blocks of two pages: P V in two V^T chunks): the KV write (V stored transposed) and
+    the kernel's read of it (Q and P in fp8) give the float32 engine's greedy tokens across a
+    page boundary, with zero recompiles. The lookup model's tokens hardly depend on attention, so
+    the logprobs carry the check: within 2e-4 of float32's (fp8 pages move them ~2e-5 here; a V
+    laid out wrongly or read in the wrong chunk order, ~1e-3)."""
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     want = engines["auto"].generate(PROMPTS, p)
     kw = {**SMALL, "page_size": 32, "max_num_batched_tokens": 16}
@@ -126,3 +129,11 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
         EngineConfig(model="unused", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="calculate_kv_scales=True needs fp8 KV pages"):
         EngineConfig(model="unused", calculate_kv_scales=True)
+
+
+def test_fp8_pages_on_the_kernel_need_pages_of_32_tokens(lookup):
+    """The Pallas kernel reads fp8 pages of 32 tokens and more (V^T, kv_layout.py): a smaller
+    page is refused by name before the model loads; the reference backend takes any page."""
+    kw = {**SMALL, "kv_cache_dtype": "fp8", "attention_backend": "pallas"}
+    with pytest.raises(ValueError, match="page_size=16 with kv_cache_dtype='fp8'"):
+        LLM(str(lookup), **kw)
