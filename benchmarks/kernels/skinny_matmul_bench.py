@@ -74,11 +74,13 @@ def main() -> None:
         w32 = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n)) for i in range(count)]
         w16 = [w.astype(jnp.bfloat16) for w in w32]  # [in, out], as the engine stores a kernel
         w8 = [(w.T / 0.002).astype(FP8) for w in w32]  # [out, in], as the engine stores fp8
+        wi8 = [jnp.clip(jnp.round(w.T / 0.0005), -127, 127).astype(jnp.int8) for w in w32]
         for t in (int(s) for s in args.tokens.split(",")):
             x16 = jax.random.normal(jax.random.key(t), (t, k)).astype(jnp.bfloat16)
             x8 = x16.astype(FP8)
             exact16 = x16[None].astype(jnp.float32) @ w16[0].astype(jnp.float32)
             exact8 = x8.astype(jnp.float32) @ w8[0].astype(jnp.float32).T
+            exact_i8 = x16.astype(jnp.float32) @ wi8[0].astype(jnp.float32).T
 
             def err(y, exact):
                 return float(jnp.abs(y[0].astype(jnp.float32) - exact).max() / jnp.abs(exact).max())
@@ -101,8 +103,11 @@ def main() -> None:
             for x, ws, layout, nbytes, exact, name in (
                 (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
                 (x8, w8, "out_in", k * n, exact8, "kernel fp8"),
+                (x16, wi8, "out_in", k * n, exact_i8, "kernel int8"),
             ):
-                base = default_tuning(t, k, n, x.dtype.itemsize, jax.devices()[0].core_count)
+                base = default_tuning(
+                    t, k, n, ws[0].dtype.itemsize, jax.devices()[0].core_count, x.dtype.itemsize
+                )
                 for tn in sweep(base) if args.sweep and t <= 64 else [base]:
                     try:
                         fn = jax.jit(

@@ -93,25 +93,34 @@ class QuantizedLinear(nnx.Module):
         if self.scheme.quantizes_activations:
             # Dynamic per-token scales: each row of x gets its own absmax scale.
             xq = qwix.quantize(x.astype(jnp.float32), self.scheme.qtype, channelwise_axes=(0,))
-            if self._skinny(x.shape[0]):
+            if self._skinny(x.shape[0], x.dtype):
                 y = skinny_matmul(xq.qvalue, self.qvalue[...], w_layout="out_in")
                 return (y * xq.scale * self.scale[...][:, 0]).astype(x.dtype)
             y = qwix.dot_general(
                 xq, self._qarray(), _CONTRACT_IN, preferred_element_type=jnp.float32
             )
             return y.astype(x.dtype)
+        if self._skinny(x.shape[0], x.dtype):  # per-channel int8: converted in the kernel
+            y = skinny_matmul(x, self.qvalue[...], w_layout="out_in")
+            return (y * self.scale[...][:, 0]).astype(x.dtype)
         if self._scale_after_dot(x.shape[0]):
             q = self.qvalue[...].astype(x.dtype)
             return jax.lax.dot_general(x, q, _CONTRACT_IN) * self.scale[...][:, 0].astype(x.dtype)
         return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
 
-    def _skinny(self, num_tokens: int) -> bool:
-        """fp8 in a call of few tokens, on a model that runs Pallas matmuls: the skinny matmul
-        (fp8 x fp8 wgmma, the weight streamed once) instead of XLA's cuBLASLt fp8 GEMM."""
+    def _skinny(self, num_tokens: int, x_dtype) -> bool:
+        """A call of few tokens on a model that runs Pallas matmuls: the skinny matmul (the weight
+        streamed once) instead of XLA's dot, for fp8 (fp8 x fp8 wgmma, against cuBLASLt) and for
+        per-channel int8 with 16-bit tokens (the weight converted in registers, the scale after)."""
         out_features, in_features = self.qvalue.shape
+        per_channel_int8 = (
+            self.scheme.mode == "int8"
+            and self.scheme.group_size is None
+            and x_dtype in (jnp.bfloat16, jnp.float16)
+        )
         return (
             self.pallas
-            and self.scheme.mode == "fp8"
+            and (self.scheme.mode == "fp8" or per_channel_int8)
             and num_tokens <= SKINNY_MAX_TOKENS
             and skinny_matmul_fits(num_tokens, in_features, out_features, itemsize=1)
         )

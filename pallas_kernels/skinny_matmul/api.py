@@ -30,13 +30,16 @@ def check_inputs(x, w, *, w_layout: str, tuning: SkinnyTuning | None, num_sms: i
     if n % ROWS:
         raise ValueError(f"{n=} output features must be a multiple of {ROWS}")
     fp8 = x.dtype in FP8
-    if fp8 != (w.dtype in FP8) or (not fp8 and x.dtype != w.dtype):
-        raise ValueError(f"{x.dtype=} and {w.dtype=} must both be fp8 or both the same type")
-    if fp8 and w_layout != "out_in":
-        raise ValueError(f"fp8 weights must be stored out_in (K-major), got {w_layout=}")
+    int8 = w.dtype == jnp.int8 and x.dtype in (jnp.bfloat16, jnp.float16)
+    if not int8 and (fp8 != (w.dtype in FP8) or (not fp8 and x.dtype != w.dtype)):
+        raise ValueError(
+            f"{x.dtype=} and {w.dtype=} must both be fp8, the same type, or bf16/f16 with int8"
+        )
+    if (fp8 or int8) and w_layout != "out_in":
+        raise ValueError(f"8-bit weights must be stored out_in (K-major), got {w_layout=}")
     if x.dtype not in (*FP8, jnp.bfloat16, jnp.float16):
         raise ValueError(f"{x.dtype=} must be bfloat16, float16 or fp8")
-    tn = tuning or default_tuning(num_tokens, k, n, x.dtype.itemsize, num_sms)
+    tn = tuning or default_tuning(num_tokens, k, n, w.dtype.itemsize, num_sms, x.dtype.itemsize)
     if k % (tn.block_k * tn.splits):
         raise ValueError(f"{k=} must be a multiple of block_k * splits ({tn})")
     return tn
@@ -61,8 +64,8 @@ def skinny_matmul(
 ) -> jax.Array:  # float32 [T, N]
     """x @ w^T (out_in) or x @ w (in_out) in float32, for T of 8 to 256 tokens (a multiple of 8):
     the weight is read once, split over enough CTAs to fill the GPU. bf16 / f16 x with a weight of
-    the same type, or fp8 x with an fp8 weight stored out_in (scales are the caller's). On CPU it
-    runs in Mosaic GPU interpret mode."""
+    the same type or an int8 weight (converted in registers), or fp8 x with an fp8 weight; 8-bit
+    weights stored out_in (scales are the caller's). On CPU it runs in Mosaic GPU interpret mode."""
     if interpret is None:
         interpret = _on_cpu()
     tn = check_inputs(x, w, w_layout=w_layout, tuning=tuning, num_sms=_num_sms(interpret))

@@ -33,10 +33,13 @@ def _transforms(row_bytes: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(w_gmem, x_gmem, partials_gmem, out_smem, *, tn, w_layout, num_tokens, k_per_split):
+def _kernel(
+    w_gmem, x_gmem, partials_gmem, out_smem, a_smem=None, *, tn, w_layout, num_tokens, k_per_split
+):
     # w_gmem: [N, K] (out_in) or [K, N] (in_out)     x_gmem: [T, K]
     # partials_gmem: f32[splits, N, T]
     # out_smem: f32[COMPUTE_WGS, 2 slots, 64, epilogue_tokens(T)]
+    # a_smem: x.dtype[COMPUTE_WGS, 64, bk] (int8 weights in interpret mode) or None
     out_in = w_layout == "out_in"
     bk = tn.block_k
     w_item = jnp.dtype(w_gmem.dtype).itemsize
@@ -59,7 +62,14 @@ def _kernel(w_gmem, x_gmem, partials_gmem, out_smem, *, tn, w_layout, num_tokens
         # w_smem: [ROWS, bk] or [bk, ROWS]   x_smem: [T, bk]   acc: f32[64, T] (this warpgroup's)
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-        a = w_smem.at[rows] if out_in else plgpu.transpose_ref(w_smem.at[:, rows], (1, 0))
+        if w_smem.dtype == jnp.int8:  # weight-only int8: converted to the tokens' type
+            a = w_smem[rows].astype(x_smem.dtype)
+            if a_smem is not None:  # interpret mode's wgmma reads A from SMEM only
+                a_smem[wg] = a
+                plgpu.commit_smem()
+                a = a_smem.at[wg]
+        else:
+            a = w_smem.at[rows] if out_in else plgpu.transpose_ref(w_smem.at[:, rows], (1, 0))
         plgpu.wgmma(acc, a, plgpu.transpose_ref(x_smem, (1, 0)))
         plgpu.wgmma_wait(0)
         return acc
@@ -105,6 +115,18 @@ def launch(
     n = w.shape[0] if w_layout == "out_in" else w.shape[1]
     out_dtype = jnp.float32
     epi = epilogue_tokens(num_tokens)
+    scratch = dict(
+        out_smem=plgpu.SMEM(
+            (COMPUTE_WGS, 2, WG_ROWS, epi), out_dtype, transforms=_transforms(epi * 4, out_dtype)
+        )
+    )
+    if w.dtype == jnp.int8 and interpret:
+        bk = tn.block_k
+        scratch["a_smem"] = plgpu.SMEM(
+            (COMPUTE_WGS, WG_ROWS, bk),
+            x.dtype,
+            transforms=_transforms(bk * x.dtype.itemsize, x.dtype),
+        )
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -114,13 +136,7 @@ def launch(
             k_per_split=k // tn.splits,
         ),
         out_type=jax.ShapeDtypeStruct((tn.splits, n, num_tokens), out_dtype),
-        scratch_types=dict(
-            out_smem=plgpu.SMEM(
-                (COMPUTE_WGS, 2, WG_ROWS, epi),
-                out_dtype,
-                transforms=_transforms(epi * 4, out_dtype),
-            )
-        ),
+        scratch_types=scratch,
         grid=(n // ROWS, tn.splits),
         grid_names=("n", "s"),
         num_threads=COMPUTE_WGS + 1,

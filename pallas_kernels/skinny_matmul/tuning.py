@@ -22,10 +22,16 @@ class SkinnyTuning:
 
 
 def default_tuning(
-    num_tokens: int, in_features: int, out_features: int, itemsize: int, num_sms: int = 132
+    num_tokens: int,
+    in_features: int,
+    out_features: int,
+    itemsize: int,
+    num_sms: int = 132,
+    x_itemsize: int | None = None,
 ) -> SkinnyTuning:
     """Enough CTAs for two per SM (two waves), each streaming at least four blocks; stages to
-    fill the CTA's shared memory."""
+    fill the CTA's shared memory. `itemsize`: the weight's bytes per element; `x_itemsize`: the
+    tokens' (int8 weights take bf16 tokens; default: the weight's)."""
     block_k = ROW_BYTES // itemsize
     steps = in_features // block_k
     tiles = out_features // ROWS
@@ -39,7 +45,8 @@ def default_tuning(
         and splits * 2 * num_tokens * 4 * 4 <= in_features * itemsize
     ):
         splits *= 2
-    stage_bytes = (ROWS + num_tokens) * ROW_BYTES
+    # a block of weight rows, and the tokens' block over the same contracted elements
+    stage_bytes = ROWS * ROW_BYTES + num_tokens * block_k * (x_itemsize or itemsize)
     out_bytes = ROWS * 2 * epilogue_tokens(num_tokens) * 4
     stages = max(2, min(MAX_STAGES, (SMEM_BUDGET - out_bytes) // stage_bytes, steps // splits))
     return SkinnyTuning(block_k, stages, splits)

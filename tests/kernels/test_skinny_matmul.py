@@ -24,26 +24,36 @@ from pallas_kernels.skinny_matmul import (
 FP8 = jnp.float8_e4m3fn
 
 
-def _operands(layout, dtype, t, k, n, seed=0):
+def _operands(layout, dtype, t, k, n, seed=0, w_dtype=None):
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
     w_shape = (n, k) if layout == "out_in" else (k, n)
+    if w_dtype == jnp.int8:
+        return x, jax.random.randint(kw, w_shape, -127, 128).astype(jnp.int8)
     return x, jax.random.normal(kw, w_shape, jnp.float32).astype(dtype)
 
 
 @pytest.mark.parametrize(
-    "layout, dtype, t, k, n, tuning",
+    "layout, dtype, t, k, n, tuning, w_dtype",
     [
-        ("in_out", jnp.bfloat16, 16, 256, 256, SkinnyTuning(64, 2, 2)),  # a float kernel [in, out]
-        ("out_in", jnp.bfloat16, 8, 128, 128, SkinnyTuning(64, 2, 1)),
-        ("out_in", jnp.float16, 24, 384, 128, SkinnyTuning(64, 3, 3)),
-        ("out_in", FP8, 64, 512, 256, SkinnyTuning(128, 2, 2)),  # two epilogue chunks
-        ("out_in", jnp.float8_e5m2, 40, 256, 128, SkinnyTuning(128, 2, 1)),
+        ("in_out", jnp.bfloat16, 16, 256, 256, SkinnyTuning(64, 2, 2), None),  # kernel [in, out]
+        ("out_in", jnp.bfloat16, 8, 128, 128, SkinnyTuning(64, 2, 1), None),
+        ("out_in", jnp.float16, 24, 384, 128, SkinnyTuning(64, 3, 3), None),
+        ("out_in", FP8, 64, 512, 256, SkinnyTuning(128, 2, 2), None),  # two epilogue chunks
+        ("out_in", jnp.float8_e5m2, 40, 256, 128, SkinnyTuning(128, 2, 1), None),
+        ("out_in", jnp.bfloat16, 16, 512, 128, SkinnyTuning(128, 2, 2), jnp.int8),
     ],
-    ids=["bf16-in_out-splits2", "bf16-out_in-8tok", "f16-3stages-3splits", "e4m3-64tok", "e5m2"],
+    ids=[
+        "bf16-in_out-splits2",
+        "bf16-out_in-8tok",
+        "f16-3stages-3splits",
+        "e4m3-64tok",
+        "e5m2",
+        "int8-weight-bf16-x",
+    ],
 )
-def test_kernel_matches_reference(layout, dtype, t, k, n, tuning):
-    x, w = _operands(layout, dtype, t, k, n)
+def test_kernel_matches_reference(layout, dtype, t, k, n, tuning, w_dtype):
+    x, w = _operands(layout, dtype, t, k, n, w_dtype=w_dtype)
     got = skinny_matmul(x, w, w_layout=layout, tuning=tuning, interpret=True)
     want = skinny_matmul_reference(x, w, w_layout=layout)
     assert got.shape == (t, n) and got.dtype == jnp.float32
@@ -70,7 +80,9 @@ def test_default_tuning_runs_in_interpret_mode():
         ((16, 128), (192, 128), "out_in", jnp.bfloat16, None, None, "n=192"),
         ((16, 128), (128, 256), "out_in", jnp.bfloat16, None, None, "contract different"),
         ((16, 128), (128, 128), "in_out", FP8, None, None, "stored out_in"),
+        ((16, 128), (128, 128), "in_out", jnp.bfloat16, jnp.int8, None, "stored out_in"),
         ((16, 128), (128, 128), "out_in", FP8, jnp.bfloat16, None, "both be fp8"),
+        ((16, 128), (128, 128), "out_in", FP8, jnp.int8, None, "both be fp8"),
         ((16, 128), (128, 128), "out_in", jnp.float32, None, None, "x.dtype"),
         ((16, 128), (128, 128), "rows", jnp.bfloat16, None, None, "w_layout='rows'"),
         ((16, 384), (128, 384), "out_in", jnp.bfloat16, None, SkinnyTuning(64, 2, 4), "k=384"),

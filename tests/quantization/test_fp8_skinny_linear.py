@@ -35,22 +35,43 @@ def test_kernel_gives_xla_fp8_output():
     x = x.at[3].set(0.0)  # a padding row: scale 1, output 0
     want = layer(x)
     use_pallas_matmuls(layer)
-    assert layer.pallas and layer._skinny(16)
+    assert layer.pallas and layer._skinny(16, x.dtype)
     got = layer(x)  # interpret mode on this CPU machine
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
+
+
+def test_int8_kernel_gives_the_scale_after_dot_output():
+    """Per-channel int8 on the kernel: (x @ q) * scale in float32, then bf16: within bf16's
+    rounding of the exact product (XLA's form rounds x @ q to bf16 before scaling: looser)."""
+    layer = _layer("int8")
+    x = jax.random.normal(jax.random.key(3), (16, 256)).astype(jnp.bfloat16)
+    want = layer(x)
+    use_pallas_matmuls(layer)
+    got = layer(x)
+    exact = x.astype(jnp.float32) @ layer.qvalue[...].astype(jnp.float32).T * layer.scale[...][:, 0]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(want, np.float32), np.asarray(exact), rtol=3e-2, atol=3e-2
+    )
 
 
 def test_kernel_is_chosen_by_mode_tokens_and_shape():
     fp8, int8 = _layer("fp8"), _layer("int8")
     use_pallas_matmuls(fp8)
     use_pallas_matmuls(int8)
-    assert [fp8._skinny(t) for t in (8, 16, 64, 128, 136, 256, 12)] == [True] * 4 + [False] * 3
-    assert not int8._skinny(16)  # weight-only modes keep XLA's fusion
+    bf16 = jnp.bfloat16
+    assert [fp8._skinny(t, bf16) for t in (8, 16, 64, 128, 136, 256, 12)] == [True] * 4 + [
+        False
+    ] * 3
+    assert int8._skinny(16, bf16) and not int8._skinny(16, jnp.float32)  # 16-bit tokens only
+    int4 = _layer("int4")
+    use_pallas_matmuls(int4)
+    assert not int4._skinny(16, bf16)  # group-wise scales cannot move past the sum
     odd = _layer("fp8", n=192)  # output features not a multiple of the kernel's 128 rows
     use_pallas_matmuls(odd)
-    assert not odd._skinny(16)
-    assert not _layer("fp8")._skinny(16)  # not asked for
+    assert not odd._skinny(16, bf16)
+    assert not _layer("fp8")._skinny(16, bf16)  # not asked for
 
 
 def _pallas_layers(pallas: bool, mesh=None) -> int:

@@ -13,6 +13,7 @@ import json
 import logging
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -106,7 +107,7 @@ def test_fp8_on_the_skinny_matmul_kernel(lookup, greedy):
     model = nnx.merge(loaded.graphdef, loaded.state)
     layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
     assert layers and all(n.pallas for n in layers)
-    assert all(n._skinny(t) for n in layers for t in llm.engine.runner.buckets)
+    assert all(n._skinny(t, jnp.float32) for n in layers for t in llm.engine.runner.buckets)
     p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
     assert llm.engine.num_recompiles == 0
