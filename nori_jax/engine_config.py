@@ -145,6 +145,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
             )
+        if self.fp8_matmul == "pallas" and self.quantization != "fp8":
+            raise ValueError(
+                f"fp8_matmul='pallas' chooses the matmul of fp8 weights; "
+                f"quantization={self.quantization!r} has none (set quantization='fp8')"
+            )
         if self.fp8_matmul == "pallas" and self.mesh.model > 1:
             raise ValueError(
                 f"fp8_matmul='pallas' runs on one device per replica: the mesh splits the model "

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the chat template, streamed as SSE or whole."""
+"""POST /v1/chat/completions: messages through the chat template, `n` choices of the answer,
+streamed as SSE or whole."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from serve import convert, generation
+from serve.choices import Choices
 from serve.context import get_context
 from serve.protocol import ChatCompletionRequest
-from serve.responses import chat_logprobs, new_logprobs, stage_metrics, usage
+from serve.responses import chat_logprobs, new_logprobs, stage_metrics, usage, whole_answer
 from serve.streaming import SSE_DONE, sse, stream_events
 
 router = APIRouter()
@@ -44,24 +45,23 @@ class ChatCompletion(generation.GenerationRoute):
     def logprobs(self) -> int | None:
         return 0 if self.body.logprobs else None
 
-    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
-        logprobs = None
-        if self.body.logprobs:
-            logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": logprobs,
-            "finish_reason": out.finish_reason,
-        }
-        return head | {
-            "object": "chat.completion",
-            "choices": [choice],
-            "usage": usage(out),
-            "metrics": stage_metrics(out),
-        }
+    def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for index, out in enumerate(outs):
+            logprobs = None
+            if self.body.logprobs:
+                logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs)
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        return whole_answer(head, "chat.completion", choices, outs)
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
+    def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body
         head = head | {"object": "chat.completion.chunk"}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -69,29 +69,31 @@ class ChatCompletion(generation.GenerationRoute):
         extra = {"usage": None} if include_usage else {}
         final: list[RequestOutput] = []
 
-        def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(index: int, delta: dict, finish: str | None, logprobs: Any = None) -> dict:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return head | {"choices": [choice]} | extra
 
-        def events(out: RequestOutput) -> Iterable[bytes]:
+        def events(index: int, out: RequestOutput) -> Iterable[bytes]:
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
             if want_logprobs:
                 logprobs = chat_logprobs(ctx.tokenizer, out.new_token_ids, new_logprobs(out))
             if out.new_text or logprobs:
-                yield sse(chunk({"content": out.new_text}, None, logprobs))
+                yield sse(chunk(index, {"content": out.new_text}, None, logprobs))
             if out.finished:
                 final.append(out)
-                yield sse(chunk({}, out.finish_reason) | {"metrics": stage_metrics(out)})
+                yield sse(chunk(index, {}, out.finish_reason) | {"metrics": stage_metrics(out)})
 
         def tail() -> Iterable[bytes]:
-            if include_usage and final:
-                yield sse(head | {"choices": [], "usage": usage(final[0])})
+            if include_usage and len(final) == len(choices):
+                yield sse(head | {"choices": [], "usage": usage(final)})
             yield SSE_DONE
 
-        # The assistant's role comes first, before any token exists, as OpenAI sends it.
-        role = sse(chunk({"role": "assistant", "content": ""}, None))
+        # Each choice's role comes first, before any token exists, as OpenAI sends it.
+        roles = [
+            sse(chunk(i, {"role": "assistant", "content": ""}, None)) for i in range(len(choices))
+        ]
         return stream_events(
-            stream, events, head=[role], tail=tail, retry_after_s=ctx.settings.retry_after_s
+            choices, events, head=roles, tail=tail, retry_after_s=ctx.settings.retry_after_s
         )

@@ -1,4 +1,5 @@
-"""POST /v1/completions: one prompt (text or token ids), streamed as SSE or answered whole."""
+"""POST /v1/completions: one prompt (text or token ids), `n` choices of it, streamed as SSE or
+answered whole."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from serve import convert, generation
+from serve.choices import Choices
 from serve.context import get_context
 from serve.protocol import CompletionRequest
-from serve.responses import completion_logprobs, new_logprobs, stage_metrics, usage
+from serve.responses import (
+    completion_logprobs,
+    new_logprobs,
+    stage_metrics,
+    usage,
+    whole_answer,
+)
 from serve.streaming import SSE_DONE, sse, stream_events
 
 router = APIRouter()
@@ -38,44 +45,42 @@ class Completion(generation.GenerationRoute):
     def logprobs(self) -> int | None:
         return self.body.logprobs
 
-    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = completion_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs, 0)
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": logprobs,
-            "finish_reason": out.finish_reason,
-        }
-        return head | {
-            "object": "text_completion",
-            "choices": [choice],
-            "usage": usage(out),
-            "metrics": stage_metrics(out),
-        }
+    def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for index, out in enumerate(outs):
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = completion_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs, 0)
+            choices.append(
+                {
+                    "index": index,
+                    "text": out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        return whole_answer(head, "text_completion", choices, outs)
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
+    def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body
         head = head | {"object": "text_completion"}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         want_logprobs = body.logprobs is not None
         extra = {"usage": None} if include_usage else {}
-        text_offset = 0
+        text_offsets = [0] * len(choices)  # per choice: where its next text starts
         final: list[RequestOutput] = []
 
-        def events(out: RequestOutput) -> Iterable[bytes]:
-            nonlocal text_offset
+        def events(index: int, out: RequestOutput) -> Iterable[bytes]:
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
             if want_logprobs:
                 logprobs = completion_logprobs(
-                    ctx.tokenizer, out.new_token_ids, new_logprobs(out), text_offset
+                    ctx.tokenizer, out.new_token_ids, new_logprobs(out), text_offsets[index]
                 )
-            text_offset += len(out.new_text)
+            text_offsets[index] += len(out.new_text)
             choice = {
-                "index": 0,
+                "index": index,
                 "text": out.new_text,
                 "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None,
@@ -87,8 +92,8 @@ class Completion(generation.GenerationRoute):
             yield sse(chunk)
 
         def tail() -> Iterable[bytes]:
-            if include_usage and final:
-                yield sse(head | {"choices": [], "usage": usage(final[0])})
+            if include_usage and len(final) == len(choices):
+                yield sse(head | {"choices": [], "usage": usage(final)})
             yield SSE_DONE
 
-        return stream_events(stream, events, tail=tail, retry_after_s=ctx.settings.retry_after_s)
+        return stream_events(choices, events, tail=tail, retry_after_s=ctx.settings.retry_after_s)

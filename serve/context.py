@@ -13,6 +13,7 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine_client import EngineClient
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from nori_jax.tokenizer import Tokenizer
+from serve.choices import Choices, choice_params, choice_request_ids
 from serve.errors import api_error_from, parameter_error
 from serve.settings import ServerSettings
 from serve.streaming import result_unless_disconnected
@@ -40,22 +41,36 @@ class ServeContext:
         params: SamplingParams,
         request_id: str,
         prompt_param: str = "prompt",
-    ) -> RequestStream:
-        """Hand a request to the engine; its refusal (400, 429, 503, ...) becomes the HTTP error,
-        a prompt's fault named as `prompt_param`."""
+        n: int = 1,
+    ) -> Choices:
+        """Hand a request's `n` choices to the engine; a refusal (400, 429, 503, ...) becomes the
+        HTTP error, a prompt's fault named as `prompt_param`, and withdraws the choices already
+        handed over."""
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.add_request(
-                prompt_ids, params, request_id, self.settings.request_timeout_s
-            )
-        except ParameterError as e:
-            raise parameter_error(e, prompt_param) from None
-        except Exception as e:
-            raise api_error_from(e, self.settings.retry_after_s) from None
+            for p, rid in zip(
+                choice_params(params, n), choice_request_ids(request_id, n), strict=True
+            ):
+                streams.append(
+                    await self.engine.add_request(
+                        prompt_ids, p, rid, self.settings.request_timeout_s
+                    )
+                )
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, ParameterError):
+                raise parameter_error(e, prompt_param) from None
+            if isinstance(e, Exception):
+                raise api_error_from(e, self.settings.retry_after_s) from None
+            raise
+        return Choices(streams)
 
-    async def final_output(self, request: Request, stream: RequestStream) -> RequestOutput:
-        """Wait for the whole answer (aborted if the client leaves); failures become HTTP errors."""
+    async def final_outputs(self, request: Request, choices: Choices) -> list[RequestOutput]:
+        """Wait for every choice's whole answer (all aborted if the client leaves); failures
+        become HTTP errors."""
         try:
-            return await result_unless_disconnected(request, stream)
+            return await result_unless_disconnected(request, choices)
         except Exception as e:
             raise api_error_from(e, self.settings.retry_after_s) from None
 

@@ -36,10 +36,16 @@ def check_model(ctx: ServeContext, model: str | None) -> None:
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject what we parse but do not implement (n, best_of, the penalties and top_logprobs are
-    bounded to their neutral value in protocol.py)."""
+    """Reject what we parse but do not implement (the penalties and top_logprobs are bounded to
+    their neutral value in protocol.py)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != (req.n or 1):
+        raise bad_request(
+            f"best_of={best_of} must equal n={req.n or 1}: ranking extra samples is not supported",
+            "best_of",
+        )
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -18,9 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from serve import generation
+from serve.choices import Choices
 from serve.context import get_context
 from serve.protocol import GenerateRequest
 from serve.responses import stage_metrics, usage
@@ -42,22 +42,23 @@ class Generate(generation.GenerationRoute):
     def prompt_ids(self) -> list[int]:
         return self.ctx.engine.tokenize(self.body.prompt)
 
-    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+    def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = outs  # one choice: /generate has no `n`
         return {
             "text": out.text,
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,
-            "usage": usage(out),
+            "usage": usage(outs),
             "metrics": stage_metrics(out),
         }
 
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
+    def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         return stream_events(
-            stream, _lines, encode_error=ndjson, retry_after_s=self.ctx.settings.retry_after_s
+            choices, _lines, encode_error=ndjson, retry_after_s=self.ctx.settings.retry_after_s
         )
 
 
-def _lines(out: RequestOutput) -> Iterable[bytes]:
+def _lines(index: int, out: RequestOutput) -> Iterable[bytes]:
     if not out.new_token_ids and not out.finished:
         return
     line = {
@@ -66,5 +67,5 @@ def _lines(out: RequestOutput) -> Iterable[bytes]:
         "finish_reason": out.finish_reason if out.finished else None,
     }
     if out.finished:
-        line |= {"usage": usage(out), "metrics": stage_metrics(out)}
+        line |= {"usage": usage([out]), "metrics": stage_metrics(out)}
     yield ndjson(line)

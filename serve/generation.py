@@ -2,7 +2,8 @@
 /generate):
 
     check the body -> prompt token ids (off the event loop) -> generation budget ->
-    SamplingParams -> hand to the engine -> a stream of events, or the whole answer
+    SamplingParams -> hand its `n` choices to the engine -> a stream of events, or the whole
+    answer
 
 A route says only what differs (a `GenerationRoute`): how its body becomes a prompt, which field
 names the prompt and the budget, and the shape of its answer and of its stream. Every error on
@@ -21,10 +22,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from serve import convert
+from serve.choices import Choices
 from serve.context import ServeContext
 from serve.errors import parameter_error
 from serve.streaming import EngineStreamingResponse
@@ -52,12 +53,17 @@ class GenerationRoute(abc.ABC):
     def logprobs(self) -> int | None:
         return None
 
-    @abc.abstractmethod
-    def answer(self, head: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
-        """The whole answer's JSON body."""
+    @property
+    def n(self) -> int:
+        """Choices asked for: independent samples of the same prompt."""
+        return getattr(self.body, "n", None) or 1
 
     @abc.abstractmethod
-    def events(self, head: dict[str, Any], stream: RequestStream) -> AsyncIterator[bytes]:
+    def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+        """The whole answer's JSON body, from each choice's final output (in index order)."""
+
+    @abc.abstractmethod
+    def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         """The streamed answer's body."""
 
     def sampling_params(self, prompt_len: int) -> SamplingParams:
@@ -94,9 +100,9 @@ async def handle(route: GenerationRoute, request: Request) -> Response:
     ctx, body = route.ctx, route.body
     prompt_ids, params = await asyncio.to_thread(route.prepare)
     request_id = route.new_request_id()
-    stream = await ctx.submit(prompt_ids, params, request_id, route.prompt_param)
+    choices = await ctx.submit(prompt_ids, params, request_id, route.prompt_param, route.n)
     head = route.head(request_id)
     if body.stream:
-        return EngineStreamingResponse(route.events(head, stream), stream, route.media_type)
-    out = await ctx.final_output(request, stream)
-    return JSONResponse(route.answer(head, out))
+        return EngineStreamingResponse(route.events(head, choices), choices, route.media_type)
+    outs = await ctx.final_outputs(request, choices)
+    return JSONResponse(route.answer(head, outs))

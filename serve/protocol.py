@@ -4,7 +4,7 @@ Strict, as the OpenAI API defines its types: no coercion (`"4"` is not a number,
 boolean, `1e10` not an integer), no NaN or infinity, numbers within what the engine's arrays hold.
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
 never gets silently different behaviour; `user` is accepted because it changes no output. Fields
-implemented only at their neutral value say so in their range (`n` 1, penalties 0, ...), so
+implemented only at their neutral value say so in their range (penalties 0, ...), so
 /openapi.json describes what is accepted; logit_bias, echo, suffix and tools are checked in
 convert.py. Sampling fields are nullable because some clients send null for "default".
 """
@@ -23,6 +23,7 @@ from nori_jax.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from serve.choices import MAX_N
 
 
 def unicode_text(s: str) -> str:
@@ -41,7 +42,7 @@ Temperature = Annotated[float, Field(ge=0.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
-One = Annotated[int, Field(ge=1, le=1)]  # n, best_of: one sequence per request
+N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
 Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
 
 
@@ -57,7 +58,7 @@ class SamplingFields(_Body):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    n: One | None = 1
+    n: N | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
@@ -81,7 +82,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
-    best_of: One | None = None
+    best_of: N | None = None  # equal to n: no ranking of extra samples
     suffix: Text | None = None
 
 

@@ -8,8 +8,9 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.tokenizer import Tokenizer
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    """An answer's token counts: the prompt once (its choices share it), every choice's output."""
+    p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -17,6 +18,20 @@ def stage_metrics(out: RequestOutput) -> dict[str, Any]:
     """The request's own timings in seconds (queue, prefill, decode, TTFT, E2E): the extension
     field `metrics` of a response."""
     return out.metrics._asdict()
+
+
+def whole_answer(
+    head: dict[str, Any], obj: str, choices: list[dict[str, Any]], outs: list[RequestOutput]
+) -> dict[str, Any]:
+    """A non-streamed OpenAI answer. `metrics` is the request's; with several choices each
+    choice carries its own instead (each was a request of the engine's)."""
+    answer = head | {"object": obj, "choices": choices, "usage": usage(outs)}
+    if len(outs) == 1:
+        answer["metrics"] = stage_metrics(outs[0])
+    else:
+        for choice, out in zip(choices, outs, strict=True):
+            choice["metrics"] = stage_metrics(out)
+    return answer
 
 
 def token_strings(tok: Tokenizer | None, token_ids: list[int]) -> list[str]:

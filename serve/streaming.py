@@ -19,8 +19,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
+from serve.choices import Choices
 from serve.errors import ApiError, api_error_from
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -66,57 +66,58 @@ class EngineStreamingResponse(StreamingResponse):
     servers of ASGI spec < 2.4 (uvicorn's HTTP protocols are 2.3); test_concurrency checks it.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], stream: RequestStream, media_type: str):
+    def __init__(self, content: AsyncIterator[bytes], choices: Choices, media_type: str):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type=media_type, headers=headers)
-        self._stream = stream
+        self._choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.abort()  # a no-op once the request has finished
+            self._choices.abort()  # a no-op once the request has finished
 
 
 def stream_events(
-    stream: RequestStream,
-    events: Callable[[RequestOutput], Iterable[bytes]],
+    choices: Choices,
+    events: Callable[[int, RequestOutput], Iterable[bytes]],
     *,
     head: Iterable[bytes] = (),
     tail: Callable[[], Iterable[bytes]] = lambda: (),
     encode_error: Callable[[dict[str, Any]], bytes] = sse,
     retry_after_s: int = 1,
 ) -> AsyncIterator[bytes]:
-    """The body of a streaming response: head, each output's events, tail (or one error)."""
+    """The body of a streaming response: head, the events of each (choice index, output), tail
+    (or one error)."""
 
     async def body() -> AsyncIterator[bytes]:
         for event in head:
             yield event
         try:
-            async for out in stream:
-                for event in events(out):
+            async for index, out in choices.outputs():
+                for event in events(index, out):
                     yield event
         except Exception as e:  # engine died, timeout, shutdown (a bug is logged by api_error_from)
             yield encode_error(api_error_from(e, retry_after_s).body())
         finally:
-            stream.abort()
+            choices.abort()
         for event in tail():
             yield event
 
     return body()
 
 
-async def result_unless_disconnected(request: Request, stream: RequestStream) -> RequestOutput:
-    """The request's final output. If the client disconnects first, the request is aborted and a
-    499 raised (nginx's "client closed request": nobody is left to read it)."""
-    result = asyncio.ensure_future(stream.result())
+async def result_unless_disconnected(request: Request, choices: Choices) -> list[RequestOutput]:
+    """The final output of each choice. If the client disconnects first, the choices are aborted
+    and a 499 raised (nginx's "client closed request": nobody is left to read it)."""
+    result = asyncio.ensure_future(choices.result())
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not result.done():
-            result.cancel()  # stream.result()'s own `finally` aborts the engine request
+            result.cancel()  # choices.result()'s own `finally` aborts the engine requests
     if result not in done:
         raise ApiError(499, "client disconnected", code="client_closed_request")
     return result.result()

@@ -4,8 +4,10 @@
 
 For each (rows, vocab): the sampler programs on random logits (greedy; random without filters;
 top_p=0.95 on 16, 64, ... and all rows, each in its filter bucket), plus `lax.top_k` at several k
-and a full-vocabulary sort, timed with block_until_ready (median of --iters runs after warm-up).
-This is the evidence behind sampling_modes.py's choice of sorting only the filtering rows.
+and a full-vocabulary sort, each timed in a stream of calls with one wait (stream_timing.py: a
+wait after each call lets the GPU's clock drop between calls, which overstates short programs;
+`--per-call` times them that way for comparison). This is the evidence behind
+sampling_modes.py's choice of sorting only the filtering rows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +25,14 @@ import numpy as np
 from nori_jax.core.sampling_modes import GREEDY, RANDOM, choose_program, filter_buckets
 from nori_jax.executor.sampler import sample
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from stream_timing import time_each_call, time_stream  # noqa: E402
 
-def timed(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+
+def timed(fn, *args, iters: int, per_call: bool) -> float:
+    """ms per call: a stream of `iters` calls (median of 5), or one call at a time (--per-call)."""
+    timer = time_each_call if per_call else time_stream
+    return 1e3 * timer(fn, *args, calls=iters)
 
 
 def main() -> None:
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--vocab", default="49152,128256")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--per-call", action="store_true", help="a wait after each call (the old way)")
     args = p.parse_args()
     results = []
     print(f"{'rows':>6}{'vocab':>8}  {'what':<28}{'ms':>9}")
@@ -68,6 +71,7 @@ def main() -> None:
                     idx,
                     jnp.asarray(filter_rows),
                     iters=args.iters,
+                    per_call=args.per_call,
                 )
                 results.append({"rows": s, "vocab": v, "what": what, "ms": ms})
             for k in (k for k in (16, 64, 256, 1024) if k <= v):
@@ -77,7 +81,7 @@ def main() -> None:
                         "rows": s,
                         "vocab": v,
                         "what": f"lax.top_k k={k}",
-                        "ms": timed(fn, logits, iters=args.iters),
+                        "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                     }
                 )
             fn = jax.jit(lambda x: jnp.sort(x, axis=-1))
@@ -86,7 +90,7 @@ def main() -> None:
                     "rows": s,
                     "vocab": v,
                     "what": "full sort",
-                    "ms": timed(fn, logits, iters=args.iters),
+                    "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                 }
             )
             fn = jax.jit(lambda x: jnp.argmax(x, axis=-1))
@@ -95,7 +99,7 @@ def main() -> None:
                     "rows": s,
                     "vocab": v,
                     "what": "argmax (one read)",
-                    "ms": timed(fn, logits, iters=args.iters),
+                    "ms": timed(fn, logits, iters=args.iters, per_call=args.per_call),
                 }
             )
             for r in results:

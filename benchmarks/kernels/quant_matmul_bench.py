@@ -39,6 +39,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from llama8b_shapes import CONTRACT_IN
+from llama8b_shapes import SHAPES as LLAMA_8B
 from stream_timing import time_stream
 
 from nori_jax.executor import program_options
@@ -46,13 +48,10 @@ from nori_jax.models.linear import COLUMN, QuantizedLinear
 from nori_jax.quantization.quantize import quantize_array, stored_bytes
 from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 
-SHAPES = {  # name: (K = in, N = out)
-    "qkv-q 4096x4096": (4096, 4096),
-    "kv 4096x1024": (4096, 1024),
-    "gate/up 4096x14336": (4096, 14336),
-    "down 14336x4096": (14336, 4096),
+SHAPES = {
+    name: LLAMA_8B[name]
+    for name in ["qkv-q 4096x4096", "kv 4096x1024", "gate/up 4096x14336", "down 14336x4096"]
 }
-CONTRACT_IN = (((1,), (1,)), ((), ()))
 
 
 def _layers(scheme: WeightQuantization, k: int, n: int, count: int, key) -> list:

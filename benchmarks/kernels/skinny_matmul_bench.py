@@ -19,19 +19,19 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from stream_timing import time_stream
+from llama8b_shapes import CONTRACT_IN
+from llama8b_shapes import SHAPES as LLAMA_8B
+from stream_timing import time_each_call, time_stream
 
 from nori_jax.executor import program_options
 from nori_jax.quantization.scheme import default_scheme
+from pallas_kernels import device_info
 from pallas_kernels.skinny_matmul import SkinnyTuning, default_tuning, skinny_matmul
 
-SHAPES = {  # name: (K = in, N = out)
-    "qkv 4096x6144": (4096, 6144),
-    "o 4096x4096": (4096, 4096),
-    "gate/up 4096x14336": (4096, 14336),
-    "down 14336x4096": (14336, 4096),
+SHAPES = {
+    name: LLAMA_8B[name]
+    for name in ["qkv 4096x6144", "o 4096x4096", "gate/up 4096x14336", "down 14336x4096"]
 }
-CONTRACT_IN = (((1,), (1,)), ((), ()))
 FP8 = jnp.float8_e4m3fn
 
 
@@ -51,7 +51,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="names from SHAPES, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also other stage / split counts")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--per-call",
+        action="store_true",
+        help="time each call with a wait after it, not a stream (the GPU idles: its clock drops)",
+    )
     args = ap.parse_args()
+    timer = time_each_call if args.per_call else time_stream
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     fp8_options = program_options.for_weights(default_scheme("fp8"))
     rows = []
@@ -86,7 +92,7 @@ def main() -> None:
                 return float(jnp.abs(y[0].astype(jnp.float32) - exact).max() / jnp.abs(exact).max())
 
             xla16 = jax.jit(lambda x, ws: [x @ w for w in ws]).lower(x16, w16).compile()
-            row(shape, t, "xla bf16", time_stream(xla16, x16, w16) / count, k * n * 2,
+            row(shape, t, "xla bf16", timer(xla16, x16, w16) / count, k * n * 2,
                 err(xla16(x16, w16), exact16))  # fmt: skip
             xla8 = (
                 jax.jit(
@@ -98,7 +104,7 @@ def main() -> None:
                 .lower(x8, w8)
                 .compile(compiler_options=fp8_options)
             )
-            row(shape, t, "xla fp8", time_stream(xla8, x8, w8) / count, k * n,
+            row(shape, t, "xla fp8", timer(xla8, x8, w8) / count, k * n,
                 err(xla8(x8, w8), exact8))  # fmt: skip
             for x, ws, layout, nbytes, exact, name in (
                 (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
@@ -106,7 +112,7 @@ def main() -> None:
                 (x16, wi8, "out_in", k * n, exact_i8, "kernel int8"),
             ):
                 base = default_tuning(
-                    t, k, n, ws[0].dtype.itemsize, jax.devices()[0].core_count, x.dtype.itemsize
+                    t, k, n, ws[0].dtype.itemsize, device_info.num_sms(), x.dtype.itemsize
                 )
                 for tn in sweep(base) if args.sweep and t <= 64 else [base]:
                     try:
@@ -115,7 +121,7 @@ def main() -> None:
                                 skinny_matmul(x, w, w_layout=layout, tuning=tn) for w in ws
                             ]
                         )
-                        sec = time_stream(fn, x, ws) / count
+                        sec = timer(fn, x, ws) / count
                         row(shape, t, name, sec, nbytes, err(fn(x, ws), exact), tn)
                     except Exception as e:  # noqa: BLE001 - a tuning that cannot run is a row
                         print(f"{shape:20s} T={t:4d} {name:12s} {tn} failed: {str(e)[:300]}")

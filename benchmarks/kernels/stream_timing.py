@@ -26,3 +26,15 @@ def time_stream(fn, *args, calls: int = 10, trials: int = 5) -> float:
         jax.block_until_ready([fn(*args) for _ in range(calls)])
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def time_each_call(fn, *args, calls: int = 20) -> float:
+    """Median wall time of one call with a wait after it: what the stream avoids (the GPU idles
+    between calls and its clock drops); kept to show the difference (`--per-call`)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -398,16 +398,26 @@ class Scheduler:
     def _admit(self, queue, prefills, budget: int, long_budget: int) -> int:
         cfg = self.config
         headroom = int(cfg.kv_headroom * self.allocator.num_usable_pages)
-        while queue and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = queue[0]
+        in_flight: set[bytes] | None = None  # built when a request first needs it
+        i = 0  # the queue's head, past the requests deferred in this step
+        while i < len(queue) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = queue[i]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
             assert req.num_pending_tokens == 0, "admitted with a sample in flight"
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
-            cached = self.allocator.lookup(
-                self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
-            )
+            hashes = self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
+            cached = self.allocator.lookup(hashes)
+            if len(cached) < len(hashes) and cfg.wait_for_shared_prefix:
+                if in_flight is None:
+                    in_flight = self._prompt_pages_in_flight()
+                if hashes[len(cached)] in in_flight:
+                    # A running request is computing this request's next page: wait for it to
+                    # be published rather than compute (and hold) a copy of it.
+                    self.allocator.free(cached)
+                    i += 1
+                    continue
             num_cached = len(cached) * self.page_size
             n = self._chunk_size(req, num_cached, budget, long_budget)
             need = math.ceil((num_cached + n) / self.page_size) - len(cached)
@@ -416,7 +426,7 @@ class Scheduler:
             if new_pages is None:
                 self.allocator.free(cached)
                 break
-            queue.popleft()
+            del queue[i]
             req.pages = cached + new_pages
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             req.num_registered_pages = len(cached)
@@ -437,7 +447,22 @@ class Scheduler:
             prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
+            if in_flight is not None:
+                in_flight.update(self._unpublished_prompt_pages(req))
         return budget
+
+    def _prompt_pages_in_flight(self) -> set[bytes]:
+        """Prefix-cache keys of the full prompt pages that running requests compute (or have
+        computed) but have not published yet."""
+        c, run = self.slots, self._running_slots
+        keys: set[bytes] = set()
+        for slot in run[c.registered[run] < c.prompt_len[run] // self.page_size].tolist():
+            keys.update(self._unpublished_prompt_pages(c.requests[slot]))
+        return keys
+
+    def _unpublished_prompt_pages(self, req: Request) -> list[bytes]:
+        full = req.num_prompt_tokens // self.page_size
+        return self._hash_pages(req, full)[int(self.slots.registered[req.slot]) : full]
 
     def _num_long_prefilling(self) -> int:
         c = self.slots

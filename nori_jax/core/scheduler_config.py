@@ -46,6 +46,12 @@ class SchedulerConfig:
         help="reuse the KV pages of a prompt prefix already computed",
         flags=("--enable-prefix-caching", "--prefix-caching"),
     )
+    wait_for_shared_prefix: bool = option(
+        True,
+        help="a waiting request whose next prompt page a running request is computing waits "
+        "for that page to reach the prefix cache instead of computing a copy (n > 1, bursts "
+        "with one system prompt): less prefill and fewer pages for a step of TTFT",
+    )
     long_prefill_threshold: int | None = option(
         None,
         help="prompts of at least this many tokens wait in their own queue and prefill within "

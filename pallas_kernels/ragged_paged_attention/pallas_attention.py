@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import device_info
 from pallas_kernels.kv_layout import default_kv_scales, is_fp8
 from pallas_kernels.ragged_paged_attention import schedule
 from pallas_kernels.ragged_paged_attention.mgpu_kernel import Statics
@@ -34,14 +35,6 @@ GPU_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma takes f32 only as tf32, and ca
 INTERPRET_DTYPES = (*GPU_DTYPES, jnp.float32)  # interpret mode: exact float32 products
 INTERPRET_NUM_CTAS = 3  # CPU interpret mode: a few CTAs still exercise the persistent item loop
 FP8_HEAD_DIMS = (32, 64, 128)  # an 8-bit page row of 16 bytes has no swizzled SMEM tiling
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def _num_sms() -> int:
-    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def check_pallas_inputs(q, kv_pages, page_table, *, sm_scale, soft_cap, interpret: bool) -> None:
@@ -83,7 +76,7 @@ def bucket_tuning(q, kv_pages, page_table, *, interpret: bool = False) -> Tuning
         dtype=q.dtype,
         num_tokens=num_tokens,
         num_q_heads=hq,
-        num_ctas=INTERPRET_NUM_CTAS if interpret else _num_sms(),
+        num_ctas=INTERPRET_NUM_CTAS if interpret else device_info.num_sms(),
         kv_dtype=kv_pages.dtype,
     )
 
@@ -124,7 +117,7 @@ def ragged_paged_attention_pallas(
     """
     check_inputs(q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, kv_scales)
     if interpret is None:
-        interpret = _on_cpu()
+        interpret = device_info.on_cpu()
     check_pallas_inputs(
         q, kv_pages, page_table, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret
     )

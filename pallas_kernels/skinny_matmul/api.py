@@ -7,12 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import device_info
 from pallas_kernels.skinny_matmul.kernel import launch
 from pallas_kernels.skinny_matmul.tuning import ROW_BYTES, ROWS, SkinnyTuning, default_tuning
 
 W_LAYOUTS = ("out_in", "in_out")
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 MAX_TOKENS = 256  # wgmma's largest N
+INTERPRET_NUM_SMS = 2  # interpret mode: a small grid, still split over the contracted axis
 
 
 def check_inputs(x, w, *, w_layout: str, tuning: SkinnyTuning | None, num_sms: int) -> SkinnyTuning:
@@ -67,17 +69,11 @@ def skinny_matmul(
     the same type or an int8 weight (converted in registers), or fp8 x with an fp8 weight; 8-bit
     weights stored out_in (scales are the caller's). On CPU it runs in Mosaic GPU interpret mode."""
     if interpret is None:
-        interpret = _on_cpu()
+        interpret = device_info.on_cpu()
     tn = check_inputs(x, w, w_layout=w_layout, tuning=tuning, num_sms=_num_sms(interpret))
     partials = launch(x, w, w_layout=w_layout, tn=tn, interpret=interpret)
     return partials.sum(0).T
 
 
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 def _num_sms(interpret: bool) -> int:
-    if interpret:
-        return 2
-    return getattr(jax.devices()[0], "core_count", None) or 132
+    return INTERPRET_NUM_SMS if interpret else device_info.num_sms()

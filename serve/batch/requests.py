@@ -116,6 +116,8 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
         route = route_class(ctx, body)
         if body.stream:
             raise bad_request("stream is not supported in a batch job", "stream")
+        if route.n > 1:
+            raise bad_request(f"n={route.n}: a batch line has one choice; write n lines", "n")
         prompt_ids, params = route.prepare()
     except Exception as e:  # noqa: BLE001 - whatever the server would answer, this line answers
         error = api_error_from(e, ctx.settings.retry_after_s)
@@ -136,7 +138,8 @@ def answer_record(
         return error_record(prepared.custom_id, request_id, error)
     if result.finish_reason == "error":
         return error_record(prepared.custom_id, request_id, api_error_from(request_failed(result)))
-    return response_record(prepared.custom_id, request_id, 200, prepared.route.answer(head, result))
+    answer = prepared.route.answer(head, [result])
+    return response_record(prepared.custom_id, request_id, 200, answer)
 
 
 def error_record(custom_id: str, request_id: str, error: ApiError) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.skinny_matmul.api as api
+from pallas_kernels import device_info
 from pallas_kernels.skinny_matmul import (
     SkinnyTuning,
     default_tuning,
@@ -122,7 +122,7 @@ def test_default_tuning(t, k, n, itemsize):
 def test_lowers_for_cuda(monkeypatch, layout, dtype, t, k, n):
     """The 8B layer shapes under the default tuning lower for CUDA on this CPU machine (Mosaic
     GPU's lowering runs in Python; only the PTX compile needs the GPU)."""
-    monkeypatch.setattr(api, "_on_cpu", lambda: False)
+    monkeypatch.setattr(device_info, "on_cpu", lambda: False)
     w_shape = (n, k) if layout == "out_in" else (k, n)
     traced = jax.jit(lambda x, w: skinny_matmul(x, w, w_layout=layout)).trace(
         jax.ShapeDtypeStruct((t, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype)

@@ -91,9 +91,13 @@ def test_model_marks_its_quantized_layers():
     assert _pallas_layers(False) == 0
 
 
-def test_refused_under_tensor_parallelism():
+def test_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match=r"fp8_matmul='pallas' runs on one device per replica"):
-        EngineConfig(fp8_matmul="pallas", mesh=MeshConfig(model=2))
+        EngineConfig(quantization="fp8", fp8_matmul="pallas", mesh=MeshConfig(model=2))
+    for mode in (None, "int8"):  # a switch with nothing to switch is refused, not ignored
+        with pytest.raises(ValueError, match=rf"quantization={mode!r} has none"):
+            EngineConfig(quantization=mode, fp8_matmul="pallas")
+    assert EngineConfig(quantization="fp8", fp8_matmul="pallas").fp8_matmul == "pallas"
     with pytest.raises(ValueError, match=r"fp8_matmul='cublas' must be one of"):
         EngineConfig(fp8_matmul="cublas")
     with pytest.raises(ValueError, match=r"pallas_matmuls on a mesh of tp=2"):

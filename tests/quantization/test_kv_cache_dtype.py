@@ -104,6 +104,23 @@ def test_the_memory_budget_holds_four_times_the_float32_pages(lookup):
     assert pages["fp8"] == pytest.approx(4 * pages["f32"], abs=4)
 
 
+def test_fp8_pages_on_the_pallas_kernel_give_the_float32_tokens(lookup, engines):
+    """The engine on the Mosaic GPU kernel (interpret mode on the CPU) with e4m3 pages of 32
+    tokens: the KV write and the kernel's read of it (Q in fp8) give the float32 engine's greedy
+    tokens across a page boundary, with zero recompiles. The lookup model's tokens hardly depend
+    on attention, so the logprobs carry the check: within 2e-4 of float32's (fp8 pages move them
+    ~2e-5 here)."""
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    want = engines["auto"].generate(PROMPTS, p)
+    kw = {**SMALL, "page_size": 32, "max_num_batched_tokens": 16}
+    llm = LLM(str(lookup), kv_cache_dtype="fp8", attention_backend="pallas", **kw)
+    got = llm.generate(PROMPTS, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    lp_got, lp_want = (np.asarray([o.logprobs for o in outs]) for outs in (got, want))
+    assert np.abs(lp_got - lp_want).max() < 2e-4
+    assert llm.engine.num_recompiles == 0
+
+
 def test_unknown_kv_cache_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be one of"):
         EngineConfig(model="unused", kv_cache_dtype="int8")

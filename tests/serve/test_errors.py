@@ -93,7 +93,9 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 65}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"prompt": "", "max_tokens": 4}, "prompt"),
         ({"prompt": [], "max_tokens": 4}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -198,7 +200,7 @@ def test_bad_requests_do_not_disturb_others(server: Server, c: httpx.Client, slo
     bad = [
         b"{",
         b'{"prompt": [99999]}',
-        b'{"prompt": "x", "n": 3}',
+        b'{"prompt": "x", "n": 65}',
         b'{"prompt": "' + b"y" * 999 + b'"}',
         b'{"prompt": "x", "top_p": 7}',
         b"[]",

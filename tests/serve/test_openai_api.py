@@ -210,6 +210,89 @@ def test_generate_streams_one_line_per_step(server: Server, slow_steps) -> None:
     assert lines[-1]["metrics"]["e2e_latency"] > 0
 
 
+# ---- n: several choices of one prompt -------------------------------------------------------
+
+SHARED = "shared prompt " * 5  # 70 tokens: four whole 16-token pages and 6 more
+
+
+def test_n_choices_sample_with_consecutive_seeds_and_share_the_prompt(
+    server: Server, oai: openai.OpenAI
+) -> None:
+    server.wait_idle()
+    before = _scrape(server)
+    sampled = {"temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    resp = oai.completions.create(
+        model=MODEL_NAME, prompt=SHARED, max_tokens=8, n=4, seed=7, **sampled
+    )
+    delta = {k: v - before.get(k, 0.0) for k, v in _scrape(server).items()}
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.usage.prompt_tokens == 70 and resp.usage.completion_tokens == 4 * 8
+    # Choice i is what the same request alone with seed 7 + i answers.
+    for c in resp.choices:
+        alone = oai.completions.create(
+            model=MODEL_NAME, prompt=SHARED, max_tokens=8, seed=7 + c.index, **sampled
+        )
+        assert c.text == alone.choices[0].text
+        assert c.model_extra["metrics"]["e2e_latency"] > 0  # each choice's own timings
+    assert len({c.text for c in resp.choices}) > 1
+    assert "metrics" not in resp.model_extra  # per choice instead
+    # The prompt's four full pages were computed once: the other three choices read them.
+    assert delta["nori:prefix_cache_hits_total"] >= 3 * 64
+
+
+def test_n_greedy_choices_are_equal(oai: openai.OpenAI) -> None:
+    resp = oai.completions.create(model=MODEL_NAME, prompt="same", max_tokens=6, n=3, **GREEDY)
+    one = oai.completions.create(model=MODEL_NAME, prompt="same", max_tokens=6, **GREEDY)
+    assert [c.text for c in resp.choices] == [one.choices[0].text] * 3
+
+
+def test_n_chat_stream_interleaves_choices_that_match_the_whole_answer(
+    oai: openai.OpenAI,
+) -> None:
+    messages = [{"role": "user", "content": "three ways"}]
+    sampled = {"temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    whole = oai.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=7, n=3, **sampled
+    )
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=7,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampled,
+        )
+    )
+    texts, roles, finishes = ["", "", ""], [], []
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        if choice.delta.role:
+            roles.append(choice.index)
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes.append(choice.index)
+    assert roles == [0, 1, 2]  # each choice's role first, before any text
+    assert sorted(finishes) == [0, 1, 2]
+    assert texts == [c.message.content for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 7
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_stream_disconnect_aborts_every_choice(server: Server, slow_steps) -> None:
+    server.wait_idle()
+    before = server.engine.get_metrics()["nori:request_success_total"]
+    body = {"prompt": "go", "max_tokens": 200, "ignore_eos": True, "n": 3, "stream": True}
+    with client(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first choice's first token: all three are running
+    server.wait_idle()
+    after = server.engine.get_metrics()["nori:request_success_total"]
+    assert after.get("abort", 0) - before.get("abort", 0) == 3
+    assert after.get("length", 0) == before.get("length", 0)
+
+
 def _scrape(server: Server) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
     samples = {}

@@ -63,3 +63,20 @@ def test_overload_gives_429_and_loses_nothing_accepted(server: Server) -> None:
     assert after["length"] - before["length"] == len(accepted)
     assert after["abort"] == before["abort"]
     assert server.engine.is_healthy
+
+
+def test_n_choices_past_the_queue_bound_are_all_withdrawn(server: Server) -> None:
+    """A request whose choices do not all fit the waiting queue gets 429, and the choices that
+    were already queued are aborted: none runs on for nobody."""
+    server.wait_idle()
+    before = server.engine.get_metrics()["nori:request_success_total"]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": "many choices", "max_tokens": 200, "ignore_eos": True, "n": 64}
+        r = http.post("/v1/completions", json=body)  # 64 > 16 running + 4 waiting
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "queue_full"
+    server.wait_idle()
+    after = server.engine.get_metrics()["nori:request_success_total"]
+    done = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert done.get("length", 0) == 0  # a choice left running would have reached its length
+    assert done.get("abort", 0) >= 4  # at least a full waiting queue's worth was withdrawn
