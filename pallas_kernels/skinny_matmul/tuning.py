@@ -25,14 +25,17 @@ def default_tuning(
     num_tokens: int,
     in_features: int,
     out_features: int,
-    itemsize: int,
+    itemsize: float,
     num_sms: int = 132,
     x_itemsize: int | None = None,
+    block_k: int | None = None,
 ) -> SkinnyTuning:
     """Enough CTAs for two per SM (two waves), each streaming at least four blocks; stages to
-    fill the CTA's shared memory. `itemsize`: the weight's bytes per element; `x_itemsize`: the
-    tokens' (int8 weights take bf16 tokens; default: the weight's)."""
-    block_k = ROW_BYTES // itemsize
+    fill the CTA's shared memory. `itemsize`: the weight's bytes per element (0.5 for int4);
+    `x_itemsize`: the tokens' (integer weights take bf16 tokens; default: the weight's);
+    `block_k`: the contracted block, where group scales fix it to their group (default: a
+    128-byte row of the weight)."""
+    block_k = block_k or int(ROW_BYTES / itemsize)
     steps = in_features // block_k
     tiles = out_features // ROWS
     splits = 1
@@ -46,7 +49,7 @@ def default_tuning(
     ):
         splits *= 2
     # a block of weight rows, and the tokens' block over the same contracted elements
-    stage_bytes = ROWS * ROW_BYTES + num_tokens * block_k * (x_itemsize or itemsize)
+    stage_bytes = int(ROWS * block_k * itemsize + num_tokens * block_k * (x_itemsize or itemsize))
     out_bytes = ROWS * 2 * epilogue_tokens(num_tokens) * 4
     stages = max(2, min(MAX_STAGES, (SMEM_BUDGET - out_bytes) // stage_bytes, steps // splits))
     return SkinnyTuning(block_k, stages, splits)

@@ -1,5 +1,6 @@
-"""fp8 layers on the skinny-matmul kernel (fp8_matmul="pallas"): the same output as XLA's fp8
-dot, chosen only where the kernel applies, and refused where XLA must partition the dot."""
+"""Quantized layers on the skinny-matmul kernel (quantized_matmul="pallas"): fp8 gives XLA's fp8
+dot's output, int8 / int4 the dequantized product; chosen only where the kernel applies, and
+refused where XLA must partition the dot."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from nori_jax.model_config import ModelConfig, load_preset
 from nori_jax.models.linear import COLUMN, QuantizedLinear, use_pallas_matmuls
 from nori_jax.models.llama import LlamaForCausalLM
 from nori_jax.quantization.quantize import quantize_array
-from nori_jax.quantization.scheme import default_scheme
+from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 
 
-def _layer(mode: str, k: int = 256, n: int = 384) -> QuantizedLinear:
-    scheme = default_scheme(mode)
+def _layer(mode: str | WeightQuantization, k: int = 256, n: int = 384) -> QuantizedLinear:
+    scheme = default_scheme(mode) if isinstance(mode, str) else mode
     layer = QuantizedLinear(k, n, jnp.bfloat16, COLUMN, scheme, "test")
     w = 0.05 * jax.random.normal(jax.random.key(1), (n, k))
     for name, value in quantize_array(w, scheme, scheme.scale_dtype(jnp.bfloat16)).items():
@@ -56,6 +57,26 @@ def test_int8_kernel_gives_the_scale_after_dot_output():
     )
 
 
+@pytest.mark.parametrize(
+    "scheme",
+    [WeightQuantization("int4", group_size=128), WeightQuantization("int8", group_size=32)],
+    ids=["int4-g128", "int8-g32"],
+)
+def test_group_scaled_kernel_gives_the_dequantized_product(scheme):
+    """Group scales applied inside the kernel: each group's exact float32 product times its
+    scale, summed; within bf16's rounding of the dequantized weight's product."""
+    layer = _layer(scheme, k=512, n=256)
+    x = jax.random.normal(jax.random.key(4), (16, 512)).astype(jnp.bfloat16)
+    use_pallas_matmuls(layer)
+    assert layer._skinny(16, x.dtype)
+    got = layer(x)
+    w = layer.qvalue[...].astype(jnp.float32) * jnp.repeat(
+        layer.scale[...].astype(jnp.float32), scheme.group_size, axis=1
+    )
+    exact = x.astype(jnp.float32) @ w.T
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=1e-2, atol=2e-3)
+
+
 def test_kernel_is_chosen_by_mode_tokens_and_shape():
     fp8, int8 = _layer("fp8"), _layer("int8")
     use_pallas_matmuls(fp8)
@@ -65,9 +86,16 @@ def test_kernel_is_chosen_by_mode_tokens_and_shape():
         False
     ] * 3
     assert int8._skinny(16, bf16) and not int8._skinny(16, jnp.float32)  # 16-bit tokens only
-    int4 = _layer("int4")
+    int4 = _layer("int4")  # groups of 128: the kernel scales each group's product
     use_pallas_matmuls(int4)
-    assert not int4._skinny(16, bf16)  # group-wise scales cannot move past the sum
+    assert int4._skinny(16, bf16) and not int4._skinny(16, jnp.float32)
+    q4_0 = _layer(WeightQuantization("int4", group_size=32))  # a 16-byte group: no swizzle
+    q4_1 = QuantizedLinear(  # GGUF Q4_1's offsets stay with XLA (shape only: never run)
+        256, 384, bf16, COLUMN, WeightQuantization("int4", group_size=128, offset=True), "q4_1"
+    )
+    for layer in (q4_0, q4_1):
+        use_pallas_matmuls(layer)
+        assert not layer._skinny(16, bf16)
     odd = _layer("fp8", n=192)  # output features not a multiple of the kernel's 128 rows
     use_pallas_matmuls(odd)
     assert not odd._skinny(16, bf16)
@@ -92,13 +120,16 @@ def test_model_marks_its_quantized_layers():
 
 
 def test_refused_where_it_cannot_apply():
-    with pytest.raises(ValueError, match=r"fp8_matmul='pallas' runs on one device per replica"):
-        EngineConfig(quantization="fp8", fp8_matmul="pallas", mesh=MeshConfig(model=2))
-    for mode in (None, "int8"):  # a switch with nothing to switch is refused, not ignored
-        with pytest.raises(ValueError, match=rf"quantization={mode!r} has none"):
-            EngineConfig(quantization=mode, fp8_matmul="pallas")
-    assert EngineConfig(quantization="fp8", fp8_matmul="pallas").fp8_matmul == "pallas"
-    with pytest.raises(ValueError, match=r"fp8_matmul='cublas' must be one of"):
-        EngineConfig(fp8_matmul="cublas")
+    with pytest.raises(
+        ValueError, match=r"quantized_matmul='pallas' runs on one device per replica"
+    ):
+        EngineConfig(quantization="fp8", quantized_matmul="pallas", mesh=MeshConfig(model=2))
+    # a switch with nothing to switch is refused, not ignored
+    with pytest.raises(ValueError, match=r"quantization=None has none"):
+        EngineConfig(quantization=None, quantized_matmul="pallas")
+    assert EngineConfig(quantization="int4", quantized_matmul="pallas").quantized_matmul == "pallas"
+    assert EngineConfig(quantization="fp8", quantized_matmul="pallas").quantized_matmul == "pallas"
+    with pytest.raises(ValueError, match=r"quantized_matmul='cublas' must be one of"):
+        EngineConfig(quantized_matmul="cublas")
     with pytest.raises(ValueError, match=r"pallas_matmuls on a mesh of tp=2"):
         _pallas_layers(True, types.SimpleNamespace(shape={"model": 2}))
