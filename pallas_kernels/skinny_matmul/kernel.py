@@ -85,12 +85,12 @@ def _kernel(
                 plgpu.commit_smem()
                 a = a_smem.at[wg]
             return a
-        return w_smem.at[rows] if out_in else plgpu.transpose_ref(w_smem.at[:, rows], (1, 0))
+        return w_smem.at[rows] if out_in else w_smem.at[:, rows].T
 
     def body(_, w_smem, x_smem, acc):
         # w_smem: [ROWS, bk] or [bk, ROWS]   x_smem: [T, bk]   acc: f32[64, T] (this warpgroup's)
         rows = pl.ds(lax.axis_index("wg") * WG_ROWS, WG_ROWS)
-        plgpu.wgmma(acc, operand_a(w_smem, rows, x_smem.dtype), plgpu.transpose_ref(x_smem, (1, 0)))
+        plgpu.wgmma(acc, operand_a(w_smem, rows, x_smem.dtype), x_smem.T)
         plgpu.wgmma_wait(0)
         return acc
 
@@ -101,7 +101,7 @@ def _kernel(
         a = operand_a(w_smem, rows, x_smem.dtype)
 
         def product(part_ref):
-            plgpu.wgmma(part_ref, a, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma(part_ref, a, x_smem.T)
             return part_ref[...]
 
         part = pl.run_scoped(product, plgpu.ACC((WG_ROWS, num_tokens), jnp.float32))
