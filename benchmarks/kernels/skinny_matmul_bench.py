@@ -121,7 +121,7 @@ def main() -> None:
             row(shape, t, "xla fp8", timer(xla8, x8, w8) / count, k * n,
                 err(xla8(x8, w8), exact8))  # fmt: skip
             # The engine's int4 form on XLA (QuantizedLinear.weight: qwix dequantizes into the
-            # dot's operand), and the kernel's with the scales transposed per call as it is there.
+            # dot's operand), and the kernel's.
             xla4 = jax.jit(
                 lambda x, ws, ss: [
                     jax.lax.dot_general(
@@ -135,7 +135,7 @@ def main() -> None:
             for tn in [default_tuning(t, k, n, 0.5, device_info.num_sms(), 2, block_k=G4)]:
                 kern4 = jax.jit(
                     lambda x, ws, ss, tn=tn: [
-                        skinny_matmul(x, w, sc.T, w_layout="out_in", tuning=tn)
+                        skinny_matmul(x, w, sc, w_layout="out_in", tuning=tn)
                         for w, sc in zip(ws, ss, strict=True)
                     ]
                 )

@@ -105,11 +105,8 @@ class QuantizedLinear(nnx.Module):
             if self.scheme.group_size is None:  # per channel: the scale after
                 y = skinny_matmul(x, self.qvalue[...], w_layout="out_in")
                 return (y * self.scale[...][:, 0]).astype(x.dtype)
-            # Group scales apply inside, one group per pipeline step; the kernel reads them
-            # transposed (a group's scales contiguous). TODO(measure): this transpose per call
-            # moves 2 bytes per group per output channel (a thirty-second of an int4 weight's
-            # bytes at groups of 128); stored transposed at load it would cost nothing.
-            y = skinny_matmul(x, self.qvalue[...], self.scale[...].T, w_layout="out_in")
+            # group scales apply inside, one group per pipeline step
+            y = skinny_matmul(x, self.qvalue[...], self.scale[...], w_layout="out_in")
             return y.astype(x.dtype)
         if self._scale_after_dot(x.shape[0]):
             q = self.qvalue[...].astype(x.dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import device_info
-from pallas_kernels.skinny_matmul.kernel import launch
+from pallas_kernels.skinny_matmul.kernel import launch, scale_block
 from pallas_kernels.skinny_matmul.tuning import ROW_BYTES, ROWS, SkinnyTuning, default_tuning
 
 W_LAYOUTS = ("out_in", "in_out")
@@ -64,11 +64,11 @@ def _check_group_scales(group_scales, k: int, n: int, w, integer: bool) -> int:
     """The group size the scales imply; ValueError if the kernel cannot apply them."""
     if not integer:
         raise ValueError(f"group scales apply to int8 / int4 weights, not {w.dtype=}")
-    if group_scales.ndim != 2 or group_scales.shape[1] != n or k % group_scales.shape[0]:
-        raise ValueError(
-            f"{group_scales.shape=} must be [groups, {n}] (transposed) with groups dividing {k=}"
-        )
-    group = k // group_scales.shape[0]
+    if group_scales.ndim != 2 or group_scales.shape[0] != n or k % group_scales.shape[1]:
+        raise ValueError(f"{group_scales.shape=} must be [{n}, groups] with groups dividing {k=}")
+    if group_scales.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{group_scales.dtype=} must be float32, bfloat16 or float16")
+    group = k // group_scales.shape[1]
     if group * jax.dtypes.itemsize_bits(w.dtype) // 8 not in SWIZZLES:
         raise ValueError(
             f"a group of {group} {w.dtype} inputs must span 32, 64 or 128 bytes (one swizzled "
@@ -94,7 +94,7 @@ def skinny_matmul_fits(
 def skinny_matmul(
     x: jax.Array,  # [T, K]
     w: jax.Array,  # [N, K] (w_layout "out_in") or [K, N] ("in_out")
-    group_scales: jax.Array | None = None,  # [K / group, N]: a scale per group of inputs
+    group_scales: jax.Array | None = None,  # [N, K / group]: a scale per group of inputs
     *,
     w_layout: str,
     tuning: SkinnyTuning | None = None,
@@ -104,14 +104,22 @@ def skinny_matmul(
     the weight is read once, split over enough CTAs to fill the GPU. bf16 / f16 x with a weight of
     the same type or an int8 / int4 weight (converted in registers), or fp8 x with an fp8 weight;
     8- and 4-bit weights stored out_in. Per-channel scales are the caller's (they apply after);
-    `group_scales` (transposed: [groups, N]) scale each group's partial product inside the
-    kernel, a group spanning one 32-, 64- or 128-byte row of the weight (int4: 64, 128 or 256
-    inputs; int8: 32, 64 or 128). On CPU it runs in Mosaic GPU interpret mode."""
+    `group_scales` ([N, groups], as the quantized layers store them) scale each group's partial
+    product inside the kernel, a group spanning one 32-, 64- or 128-byte row of the weight
+    (int4: 64, 128 or 256 inputs; int8: 32, 64 or 128). On CPU it runs in Mosaic GPU interpret
+    mode."""
     if interpret is None:
         interpret = device_info.on_cpu()
     tn = check_inputs(
         x, w, group_scales, w_layout=w_layout, tuning=tuning, num_sms=_num_sms(interpret)
     )
+    if group_scales is not None and (
+        pad := -group_scales.shape[1] % scale_block(group_scales.dtype)
+    ):
+        # TMA reads the scales in 16-byte blocks of groups, and needs their rows' stride to be
+        # whole blocks: layers whose group count is not (Qwen2.5-7B's down projection: 148 at
+        # groups of 128) pay this pad per call. 8B and 1B shapes have none.
+        group_scales = jnp.pad(group_scales, ((0, 0), (0, pad)))
     partials = launch(x, w, group_scales, w_layout=w_layout, tn=tn, interpret=interpret)
     return partials.sum(0).T
 

@@ -22,8 +22,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.skinny_matmul.tuning import ROWS, SkinnyTuning, epilogue_tokens
 
 WG_ROWS = 64  # wgmma's M: the weight rows of one compute warpgroup
+TMA_MIN_BYTES = 16  # TMA's narrowest box row, and the unit of its GMEM strides
 COMPUTE_WGS = ROWS // WG_ROWS
 MEMORY_REGISTERS = 40  # the TMA-issuing warpgroup needs few; the compute warpgroups get the rest
+
+
+def scale_block(dtype) -> int:
+    """Groups of scales per TMA box: the narrowest box TMA copies."""
+    return TMA_MIN_BYTES // jnp.dtype(dtype).itemsize
 
 
 def _transforms(row_bytes: int, dtype) -> tuple:
@@ -47,7 +53,8 @@ def _kernel(
 ):
     # w_gmem: [N, K] (out_in) or [K, N] (in_out)     x_gmem: [T, K]
     # gmem_refs: (scales_gmem,) if grouped, then partials_gmem
-    #   scales_gmem: [K / block_k, N], a scale per group of block_k inputs
+    #   scales_gmem: [N, groups], a scale per group of block_k inputs; groups a multiple of
+    #     scale_block(dtype) (the caller pads)
     #   partials_gmem: f32[splits, N, T]
     # out_smem: f32[COMPUTE_WGS, 2 slots, 64, epilogue_tokens(T)]
     # a_smem: x.dtype[COMPUTE_WGS, 64, bk] for integer weights in interpret mode, else None
@@ -67,9 +74,16 @@ def _kernel(
     x_spec = plgpu.BlockSpec(
         (num_tokens, bk), lambda k: (0, k), transforms=_transforms(bk * x_bits // 8, x_gmem.dtype)
     )
-    # A group's scales for the CTA's rows: one contiguous row of the transposed scales (TMA
-    # copies no box narrower than 16 bytes, so [ROWS, 1] columns of [N, groups] cannot go).
-    s_spec = plgpu.BlockSpec((1, ROWS), lambda k: (k, 0))
+    # The scales of a step's group: TMA copies no box narrower than 16 bytes, so a step fetches
+    # the [ROWS, sb] block of groups holding its own (sb = 16 bytes of scales) and picks its
+    # column in registers. The index is absolute: a block may straddle two splits.
+    sb = scale_block(scales_gmem.dtype) if grouped else 1
+    groups_per_split = k_per_split // bk
+
+    def group_index(k):
+        return lax.axis_index("s") * groups_per_split + k
+
+    s_spec = plgpu.BlockSpec((ROWS, sb), lambda k: (0, group_index(k) // sb))
     n_idx = lax.axis_index("n")
     s_idx = lax.axis_index("s")
 
@@ -94,7 +108,7 @@ def _kernel(
         plgpu.wgmma_wait(0)
         return acc
 
-    def grouped_body(_, w_smem, x_smem, s_smem, acc):
+    def grouped_body(idx, w_smem, x_smem, s_smem, acc):
         # One group of block_k inputs per step: its product in a fresh accumulator, scaled per
         # weight row (the group's scale), added to the running sum (a value carried in registers).
         rows = pl.ds(lax.axis_index("wg") * WG_ROWS, WG_ROWS)
@@ -105,7 +119,11 @@ def _kernel(
             return part_ref[...]
 
         part = pl.run_scoped(product, plgpu.ACC((WG_ROWS, num_tokens), jnp.float32))
-        scale = s_smem[0, rows].astype(jnp.float32)
+        (k,) = idx
+        block = s_smem[rows, :].astype(jnp.float32)  # [64, sb]
+        # (a column read of SMEM is refused by the lowering: "non-contiguous" for its swizzle)
+        pick = lax.broadcasted_iota(jnp.int32, block.shape, 1) == group_index(k) % sb
+        scale = jnp.sum(jnp.where(pick, block, 0.0), axis=1)
         return acc + part * lax.broadcast_in_dim(scale, (WG_ROWS, num_tokens), (0,))
 
     def compute_context(eval_pipeline):
@@ -147,8 +165,7 @@ def _kernel(
     cols = pl.ds(s_idx * k_per_split, k_per_split)
     operands = [w_gmem.at[rows, cols] if out_in else w_gmem.at[cols, rows], x_gmem.at[:, cols]]
     if grouped:
-        groups = k_per_split // bk
-        operands.append(scales_gmem.at[pl.ds(s_idx * groups, groups), rows])
+        operands.append(scales_gmem.at[rows, :])
     pipeline(*operands)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 def skinny_matmul_reference(
     x: jax.Array,  # [T, K]
     w: jax.Array,  # [N, K] (w_layout "out_in") or [K, N] ("in_out")
-    group_scales: jax.Array | None = None,  # [K / group, N]
+    group_scales: jax.Array | None = None,  # [N, K / group]
     *,
     w_layout: str,
     interpret: bool | None = None,
@@ -22,6 +22,6 @@ def skinny_matmul_reference(
     if w_layout == "out_in":
         w32 = w32.T  # [K, N]
     if group_scales is not None:
-        group = w32.shape[0] // group_scales.shape[0]
-        w32 = w32 * jnp.repeat(group_scales.astype(jnp.float32), group, axis=0)
+        group = w32.shape[0] // group_scales.shape[1]
+        w32 = w32 * jnp.repeat(group_scales.astype(jnp.float32).T, group, axis=0)
     return jnp.dot(x.astype(jnp.float32), w32, precision=jax.lax.Precision.HIGHEST)

@@ -36,8 +36,8 @@ def _operands(layout, dtype, t, k, n, seed=0, w_dtype=None):
 
 
 def _group_scales(k, n, group, seed=5):
-    """[k / group, n] scales of both signs and several magnitudes, in bf16 (the compute dtype)."""
-    s = jax.random.uniform(jax.random.key(seed), (k // group, n), jnp.float32, -2.0, 2.0)
+    """[n, k / group] scales of both signs and several magnitudes, in bf16 (the compute dtype)."""
+    s = jax.random.uniform(jax.random.key(seed), (n, k // group), jnp.float32, -2.0, 2.0)
     return s.astype(jnp.bfloat16)
 
 
@@ -74,12 +74,19 @@ def test_kernel_matches_reference(layout, dtype, t, k, n, tuning, w_dtype):
 @pytest.mark.parametrize(
     "w_dtype, x_dtype, t, k, n, group, tuning",
     [
-        (jnp.int4, jnp.bfloat16, 16, 512, 256, 128, SkinnyTuning(128, 2, 2)),  # 4 groups, 2 splits
+        (jnp.int4, jnp.bfloat16, 16, 512, 256, 128, SkinnyTuning(128, 2, 2)),  # 4 groups, padded
         (jnp.int4, jnp.float16, 48, 512, 128, 256, SkinnyTuning(256, 3, 1)),  # 2 epilogue passes
         (jnp.int8, jnp.bfloat16, 8, 256, 128, 32, SkinnyTuning(32, 2, 2)),  # GGUF Q8_0's blocks
+        (jnp.int4, jnp.bfloat16, 16, 3072, 128, 128, SkinnyTuning(128, 2, 2)),  # 8-group boxes
         (jnp.int4, jnp.bfloat16, 16, 1024, 128, 128, None),  # the default tuning
     ],
-    ids=["int4-g128-splits2", "int4-g256-f16-48tok", "int8-g32", "int4-g128-default"],
+    ids=[
+        "int4-g128-splits2",
+        "int4-g256-f16-48tok",
+        "int8-g32",
+        "int4-g128-boxes-across-splits",
+        "int4-g128-default",
+    ],
 )
 def test_group_scales_match_reference(w_dtype, x_dtype, t, k, n, group, tuning):
     """Each group's product scaled inside the kernel, against the reference on the dequantized
@@ -130,11 +137,11 @@ def test_input_errors(x_shape, w_shape, layout, dtype, w_dtype, tuning, match):
 @pytest.mark.parametrize(
     "w_dtype, scales_shape, tuning, match",
     [
-        (FP8, (2, 128), None, "apply to int8 / int4"),
-        (jnp.int4, (8, 128), None, "16 bytes|32, 64 or 128 bytes"),  # groups of 32 int4: 16 B
-        (jnp.int4, (2, 256), None, "must be \\[groups, 128\\]"),
-        (jnp.int4, (3, 128), None, "groups dividing"),
-        (jnp.int4, (2, 128), SkinnyTuning(256, 2, 1), "block_k must be the scales' group"),
+        (FP8, (128, 2), None, "apply to int8 / int4"),
+        (jnp.int4, (128, 8), None, "32, 64 or 128 bytes"),  # groups of 32 int4: 16 bytes
+        (jnp.int4, (256, 2), None, "must be \\[128, groups\\]"),
+        (jnp.int4, (128, 3), None, "groups dividing"),
+        (jnp.int4, (128, 2), SkinnyTuning(256, 2, 1), "block_k must be the scales' group"),
     ],
 )
 def test_group_scale_errors(w_dtype, scales_shape, tuning, match):
@@ -192,7 +199,7 @@ def test_integer_weights_lower_for_cuda(monkeypatch, w_dtype, group, t, k, n):
     """The weight converted in registers (and the group scales' per-row broadcast) at the 8B
     shapes: Mosaic GPU's layout inference and lowering run here, before any PTX."""
     monkeypatch.setattr(device_info, "on_cpu", lambda: False)
-    scales = None if group is None else jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    scales = None if group is None else jax.ShapeDtypeStruct((n, k // group), jnp.bfloat16)
     traced = jax.jit(lambda x, w, s: skinny_matmul(x, w, s, w_layout="out_in")).trace(
         jax.ShapeDtypeStruct((t, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), w_dtype), scales
     )
