@@ -18,6 +18,7 @@ from serve.responses import (
     completion_logprobs,
     new_logprobs,
     stage_metrics,
+    token_strings,
     usage,
     whole_answer,
 )
@@ -40,7 +41,19 @@ class Completion(generation.GenerationRoute):
         self._prompt = convert.completion_prompt(self.body)
 
     def prompt_ids(self) -> list[int]:
-        return self.ctx.engine.tokenize(self._prompt)
+        ids = self.ctx.engine.tokenize(self._prompt)
+        # `echo`: every choice's text starts with the prompt (token ids as the tokenizer decodes
+        # them), as OpenAI's legacy completions and vLLM answer it
+        prompt, tok = self._prompt, self.ctx.tokenizer
+        if not self.body.echo:
+            self._echo = ""
+        elif isinstance(prompt, str):
+            self._echo = prompt
+        elif tok is None:
+            self._echo = "".join(token_strings(tok, ids))
+        else:
+            self._echo = tok.decode(ids, skip_special_tokens=self.body.skip_special_tokens)
+        return ids
 
     def logprobs(self) -> int | None:
         return self.body.logprobs
@@ -54,7 +67,7 @@ class Completion(generation.GenerationRoute):
             choices.append(
                 {
                     "index": index,
-                    "text": out.text,
+                    "text": self._echo + out.text,
                     "logprobs": logprobs,
                     "finish_reason": out.finish_reason,
                 }
@@ -96,4 +109,16 @@ class Completion(generation.GenerationRoute):
                 yield sse(head | {"choices": [], "usage": usage(final)})
             yield SSE_DONE
 
-        return stream_events(choices, events, tail=tail, retry_after_s=ctx.settings.retry_after_s)
+        # `echo`: each choice's first chunk is the prompt
+        echoed = [
+            sse(head | {"choices": [_chunk_choice(i, self._echo)]} | extra)
+            for i in range(len(choices))
+            if self._echo
+        ]
+        return stream_events(
+            choices, events, head=echoed, tail=tail, retry_after_s=ctx.settings.retry_after_s
+        )
+
+
+def _chunk_choice(index: int, text: str) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": None}

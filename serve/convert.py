@@ -50,8 +50,10 @@ def check_unsupported(req: SamplingFields) -> None:
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs asks for the prompt's logprobs, which are not supported", "echo"
+        )
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompt = req.prompt

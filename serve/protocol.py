@@ -5,8 +5,8 @@ boolean, `1e10` not an integer), no NaN or infinity, numbers within what the eng
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
 never gets silently different behaviour; `user` is accepted because it changes no output. Fields
 implemented only at their neutral value say so in their range (penalties 0, ...), so
-/openapi.json describes what is accepted; logit_bias, echo, suffix and tools are checked in
-convert.py. Sampling fields are nullable because some clients send null for "default".
+/openapi.json describes what is accepted; logit_bias, echo with logprobs, suffix and tools are
+checked in convert.py. Sampling fields are nullable because some clients send null for "default".
 """
 
 from __future__ import annotations

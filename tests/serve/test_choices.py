@@ -1,4 +1,5 @@
-"""`Choices`, the n streams of one request read as one, over scripted streams (no engine)."""
+"""`Choices`, the n streams of one request read as one, over real RequestStreams fed by hand (no
+engine behind them)."""
 
 from __future__ import annotations
 
@@ -6,90 +7,87 @@ import asyncio
 
 import pytest
 
+from nori_jax.async_engine import RequestStream
+from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import INT32_MAX, SamplingParams
 from serve.choices import Choices, choice_params, choice_request_ids
 
 
-class ScriptedStream:
-    """A RequestStream's surface: yields its script's outputs (an exception is raised), then
-    waits forever, as a stream whose request is still running does."""
+class FakeEngine:
+    """What a RequestStream asks of its engine: abort(request_id)."""
 
-    def __init__(self, script: list):
-        self.script = list(script)
-        self.aborted = False
+    def __init__(self):
+        self.aborted: list[str] = []
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        if not self.script:
-            await asyncio.Event().wait()  # still generating
-        item = self.script.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def result(self):
-        try:
-            async for out in self:
-                if out.finished:
-                    return out
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        self.aborted = True
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
 
-class Out:
-    def __init__(self, text: str, finished: bool = False):
-        self.new_text, self.finished = text, finished
+def _streams(engine: FakeEngine, *scripts: list) -> list[RequestStream]:
+    """Real RequestStreams holding each script's items (outputs, or an exception to raise), as
+    the engine thread would have delivered them; a script without a finished output leaves its
+    stream waiting, as a request still generating does. Call inside a running event loop."""
+    streams = []
+    for i, script in enumerate(scripts):
+        stream = RequestStream(f"r-{i}", engine, deadline=None)
+        for item in script:
+            stream._put(item)
+        streams.append(stream)
+    return streams
 
 
-def _read(choices: Choices) -> list[tuple[int, str]]:
-    async def go():
-        return [(i, out.new_text) async for i, out in choices.outputs()]
-
-    return asyncio.run(go())
+def Out(text: str, finished: bool = False) -> RequestOutput:  # noqa: N802 - reads as a value
+    return RequestOutput("r", None, [], [], text, None, finished, "length" if finished else None)
 
 
 def test_outputs_are_tagged_with_their_choice_and_every_stream_is_read_to_its_end():
-    streams = [
-        ScriptedStream([Out("a"), Out("b", True)]),
-        ScriptedStream([Out("c", True)]),
-        ScriptedStream([Out("d"), Out("e"), Out("f", True)]),
-    ]
-    got = _read(Choices(streams))
-    assert sorted(got) == [(0, "a"), (0, "b"), (1, "c"), (2, "d"), (2, "e"), (2, "f")]
-    for i in range(3):  # each choice's outputs in its own order
-        assert [t for j, t in got if j == i] == sorted(t for j, t in got if j == i)
+    async def go():
+        streams = _streams(
+            FakeEngine(),
+            [Out("a", True)],
+            [Out("c", True)],
+            [Out("d", True)],
+        )
+        return [(i, out.new_text) async for i, out in Choices(streams).outputs()]
+
+    assert sorted(asyncio.run(go())) == [(0, "a"), (1, "c"), (2, "d")]
 
 
 def test_a_failing_choice_fails_the_request_and_aborts_the_others():
-    streams = [ScriptedStream([Out("a")]), ScriptedStream([RuntimeError("engine died")])]
-    with pytest.raises(RuntimeError, match="engine died"):
-        _read(Choices(streams))
-    assert all(s.aborted for s in streams)
+    engine = FakeEngine()
+
+    async def go():
+        streams = _streams(engine, [Out("a")], [RuntimeError("engine died")], [])
+        with pytest.raises(RuntimeError, match="engine died"):
+            async for _ in Choices(streams).outputs():
+                pass
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(go()) == []  # no read of a still-running choice is left waiting
+    assert sorted(engine.aborted) == ["r-0", "r-2"]  # the failed one ended by itself
 
 
 def test_result_fails_with_a_choice_and_leaves_no_wait_behind():
-    streams = [ScriptedStream([Out("a")]), ScriptedStream([Out("b"), ValueError("bad")])]
+    engine = FakeEngine()
 
     async def go():
+        streams = _streams(engine, [Out("a")], [Out("b"), ValueError("bad")])
         with pytest.raises(ValueError, match="bad"):
             await Choices(streams).result()
         await asyncio.sleep(0)
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     assert asyncio.run(go()) == []  # the still-running choice's wait was cancelled
-    assert all(s.aborted for s in streams)
+    assert engine.aborted == ["r-0"]
 
 
 def test_result_gives_every_final_output_in_index_order():
-    streams = [ScriptedStream([Out("x"), Out("a", True)]), ScriptedStream([Out("b", True)])]
-    outs = asyncio.run(Choices(streams).result())
-    assert [o.new_text for o in outs] == ["a", "b"]
+    async def go():
+        streams = _streams(FakeEngine(), [Out("x"), Out("a", True)], [Out("b", True)])
+        return await Choices(streams).result()
+
+    assert [o.new_text for o in asyncio.run(go())] == ["xa", "b"]  # a stream merges its backlog
 
 
 def test_choice_seeds_and_ids():

@@ -108,7 +108,7 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
     ],
 )
 def test_bad_values(c: httpx.Client, body: dict, param: str) -> None:

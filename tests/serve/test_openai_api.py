@@ -210,6 +210,26 @@ def test_generate_streams_one_line_per_step(server: Server, slow_steps) -> None:
     assert lines[-1]["metrics"]["e2e_latency"] > 0
 
 
+def test_echo_puts_the_prompt_before_each_choice(oai: openai.OpenAI) -> None:
+    alone = oai.completions.create(model=MODEL_NAME, prompt="echo me", max_tokens=5, **GREEDY)
+    text = alone.choices[0].text
+    whole = oai.completions.create(
+        model=MODEL_NAME, prompt="echo me", max_tokens=5, echo=True, n=2, **GREEDY
+    )
+    assert [c.text for c in whole.choices] == ["echo me" + text] * 2
+    assert whole.usage.completion_tokens == 2 * 5  # the prompt is not counted as output
+    chunks = list(
+        oai.completions.create(
+            model=MODEL_NAME, prompt="echo me", max_tokens=5, echo=True, stream=True, **GREEDY
+        )
+    )
+    assert chunks[0].choices[0].text == "echo me"  # the prompt first, before any token
+    assert "".join(c.choices[0].text for c in chunks) == "echo me" + text
+    ids = [72, 101, 108, 108, 111]  # token ids echo as their text ("Hello")
+    by_ids = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, echo=True, **GREEDY)
+    assert by_ids.choices[0].text.startswith("Hello")
+
+
 # ---- n: several choices of one prompt -------------------------------------------------------
 
 SHARED = "shared prompt " * 5  # 70 tokens: four whole 16-token pages and 6 more
