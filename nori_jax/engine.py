@@ -202,7 +202,7 @@ def build_engine(
         # The orbax cache is per host and its writes are collective: not across processes.
         param_cache=config.param_cache and not multihost.enabled,
         quantization=config.quantization,
-        pallas_matmuls=config.fp8_matmul == "pallas",
+        pallas_matmuls=config.quantized_matmul == "pallas",
     )
     load_seconds = time.perf_counter() - start
     if tokenizer is not None:

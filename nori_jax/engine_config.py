@@ -27,7 +27,7 @@ from pallas_kernels.page_constants import KV_CACHE_DTYPES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-FP8_MATMULS = ("xla", "pallas")
+QUANTIZED_MATMULS = ("xla", "pallas")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 _NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
@@ -54,12 +54,15 @@ class EngineConfig:
         "(weight-only); a GGUF file's own Q8_0/Q4_0/Q4_1 blocks are kept (none: the dtype)",
         choices=QUANTIZATION_MODES,
     )
-    fp8_matmul: str = option(
+    quantized_matmul: str = option(
         "xla",
-        help="fp8 weights in calls of up to 128 tokens: xla (cuBLASLt's fp8 GEMM) or pallas (the "
-        "skinny-matmul kernel: 1.2-2.5x cuBLASLt per matmul on the H200, engine unmeasured; "
-        "needs the Pallas attention backend and one device per replica)",
-        choices=FP8_MATMULS,
+        help="quantized weights in calls of up to 128 tokens: xla (XLA's dot: cuBLASLt's fp8 GEMM, "
+        "fused dequantization of int8 / int4) or pallas (the skinny-matmul kernel for fp8, "
+        "int8 and int4 without offsets: fp8 1.2-2.5x cuBLASLt per matmul on the H200, int8 / "
+        "int4 and the engine unmeasured; needs the Pallas attention backend and one device "
+        "per replica)",
+        choices=QUANTIZED_MATMULS,
+        flags=("--quantized-matmul", "--fp8-matmul"),
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -130,7 +133,7 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("command_buffer_update", COMMAND_BUFFER_UPDATES),
-            ("fp8_matmul", FP8_MATMULS),
+            ("quantized_matmul", QUANTIZED_MATMULS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
@@ -145,15 +148,16 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
             )
-        if self.fp8_matmul == "pallas" and self.quantization != "fp8":
+        if self.quantized_matmul == "pallas" and self.quantization is None:
             raise ValueError(
-                f"fp8_matmul='pallas' chooses the matmul of fp8 weights; "
-                f"quantization={self.quantization!r} has none (set quantization='fp8')"
+                "quantized_matmul='pallas' chooses the matmul of quantized weights; "
+                "quantization=None has none (set quantization='fp8', 'int8' or 'int4')"
             )
-        if self.fp8_matmul == "pallas" and self.mesh.model > 1:
+        if self.quantized_matmul == "pallas" and self.mesh.model > 1:
             raise ValueError(
-                f"fp8_matmul='pallas' runs on one device per replica: the mesh splits the model "
-                f"over {self.mesh.model} (tensor parallelism partitions XLA's dots, not a kernel's)"
+                f"quantized_matmul='pallas' runs on one device per replica: the mesh splits the "
+                f"model over {self.mesh.model} (tensor parallelism partitions XLA's dots, not a "
+                "kernel's)"
             )
 
     @classmethod

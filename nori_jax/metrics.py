@@ -172,7 +172,7 @@ class EngineMetrics:
             "Seconds from the engine's death to serving again, for the last restart.",
             registry=r,
         )
-        # nori:model_config_info{dtype=...,quantization=...,weights=...,fp8_matmul=...,
+        # nori:model_config_info{dtype=...,quantization=...,weights=...,quantized_matmul=...,
         # kv_cache_dtype=...} 1
         self.model_config = Info(
             "nori:model_config",

@@ -24,10 +24,11 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
 # (QuantizedLinear._scale_after_dot): measured at 16 tokens, where reading the weight bounds the
 # GEMM; 64 tokens is still far below the H200's ridge point for these shapes.
 SCALE_AFTER_DOT_MAX_TOKENS = 64
-# fp8 calls of at most this many tokens run the skinny-matmul kernel (pallas_kernels/skinny_matmul)
-# when the model asks for Pallas matmuls (fp8_matmul="pallas"): on the H200, cuBLASLt's fp8 GEMM
-# read the weight at 0.5-0.8 TB/s at 16-128 tokens, slower than bf16; the kernel at 1.2-1.8 TB/s
-# (docs/benchmarks.md, "The skinny matmul").
+# Quantized calls of at most this many tokens run the skinny-matmul kernel
+# (pallas_kernels/skinny_matmul) when the model asks for Pallas matmuls (quantized_matmul=
+# "pallas"): on the H200, cuBLASLt's fp8 GEMM read the weight at 0.5-0.8 TB/s at 16-128 tokens,
+# slower than bf16; the kernel at 1.2-1.8 TB/s (docs/benchmarks.md, "The skinny matmul"). Its
+# int8 / int4 forms are not measured yet.
 SKINNY_MAX_TOKENS = 128
 
 
@@ -93,27 +94,45 @@ class QuantizedLinear(nnx.Module):
         if self.scheme.quantizes_activations:
             # Dynamic per-token scales: each row of x gets its own absmax scale.
             xq = qwix.quantize(x.astype(jnp.float32), self.scheme.qtype, channelwise_axes=(0,))
-            if self._skinny(x.shape[0]):
+            if self._skinny(x.shape[0], x.dtype):
                 y = skinny_matmul(xq.qvalue, self.qvalue[...], w_layout="out_in")
                 return (y * xq.scale * self.scale[...][:, 0]).astype(x.dtype)
             y = qwix.dot_general(
                 xq, self._qarray(), _CONTRACT_IN, preferred_element_type=jnp.float32
             )
             return y.astype(x.dtype)
+        if self._skinny(x.shape[0], x.dtype):  # weight-only int8 / int4: converted in the kernel
+            if self.scheme.group_size is None:  # per channel: the scale after
+                y = skinny_matmul(x, self.qvalue[...], w_layout="out_in")
+                return (y * self.scale[...][:, 0]).astype(x.dtype)
+            # group scales apply inside, one group per pipeline step
+            y = skinny_matmul(x, self.qvalue[...], self.scale[...], w_layout="out_in")
+            return y.astype(x.dtype)
         if self._scale_after_dot(x.shape[0]):
             q = self.qvalue[...].astype(x.dtype)
             return jax.lax.dot_general(x, q, _CONTRACT_IN) * self.scale[...][:, 0].astype(x.dtype)
         return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
 
-    def _skinny(self, num_tokens: int) -> bool:
-        """fp8 in a call of few tokens, on a model that runs Pallas matmuls: the skinny matmul
-        (fp8 x fp8 wgmma, the weight streamed once) instead of XLA's cuBLASLt fp8 GEMM."""
+    def _skinny(self, num_tokens: int, x_dtype) -> bool:
+        """A call of few tokens on a model that runs Pallas matmuls: the skinny matmul (the weight
+        streamed once) instead of XLA's dot, for fp8 (fp8 x fp8 wgmma, against cuBLASLt) and for
+        weight-only int8 / int4 with 16-bit tokens (the weight converted in registers; a
+        per-channel scale after, group scales inside). Not for offset layouts (GGUF Q4_1)."""
         out_features, in_features = self.qvalue.shape
+        scheme = self.scheme
+        weight_only = (
+            scheme.mode in ("int8", "int4")
+            and not scheme.offset
+            and x_dtype in (jnp.bfloat16, jnp.float16)
+        )
+        itemsize = 0.5 if scheme.mode == "int4" else 1
         return (
             self.pallas
-            and self.scheme.mode == "fp8"
+            and (scheme.mode == "fp8" or weight_only)
             and num_tokens <= SKINNY_MAX_TOKENS
-            and skinny_matmul_fits(num_tokens, in_features, out_features, itemsize=1)
+            and skinny_matmul_fits(
+                num_tokens, in_features, out_features, itemsize, scheme.group_size
+            )
         )
 
     def _scale_after_dot(self, num_tokens: int) -> bool:

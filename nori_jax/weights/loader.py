@@ -66,12 +66,12 @@ class LoadedModel:
             "dtype": jnp.dtype(self.dtype).name,
             "quantization": q.mode if q else "none",
             "weights": q.describe() if q else jnp.dtype(self.dtype).name,
-            # which matmul fp8 layers run in calls of few tokens (models/linear.py)
-            "fp8_matmul": self._fp8_matmul(),
+            # which matmul quantized layers run in calls of few tokens (models/linear.py)
+            "quantized_matmul": self._quantized_matmul(),
         }
 
-    def _fp8_matmul(self) -> str:
-        if self.quantization is None or self.quantization.mode != "fp8":
+    def _quantized_matmul(self) -> str:
+        if self.quantization is None:
             return "none"
         return "pallas" if self.pallas_matmuls else "xla"
 
@@ -79,7 +79,7 @@ class LoadedModel:
         info = self.model_config_info
         if self.quantization is None:
             return f"{info['dtype']} weights"
-        skinny = info["fp8_matmul"] == "pallas"
+        skinny = info["quantized_matmul"] == "pallas"
         small = ", calls of few tokens on the skinny matmul" if skinny else ""
         return f"linear weights {info['weights']}{small}, {info['dtype']} compute"
 

@@ -22,11 +22,20 @@ class SkinnyTuning:
 
 
 def default_tuning(
-    num_tokens: int, in_features: int, out_features: int, itemsize: int, num_sms: int = 132
+    num_tokens: int,
+    in_features: int,
+    out_features: int,
+    itemsize: float,
+    num_sms: int = 132,
+    x_itemsize: int | None = None,
+    block_k: int | None = None,
 ) -> SkinnyTuning:
     """Enough CTAs for two per SM (two waves), each streaming at least four blocks; stages to
-    fill the CTA's shared memory."""
-    block_k = ROW_BYTES // itemsize
+    fill the CTA's shared memory. `itemsize`: the weight's bytes per element (0.5 for int4);
+    `x_itemsize`: the tokens' (integer weights take bf16 tokens; default: the weight's);
+    `block_k`: the contracted block, where group scales fix it to their group (default: a
+    128-byte row of the weight)."""
+    block_k = block_k or int(ROW_BYTES / itemsize)
     steps = in_features // block_k
     tiles = out_features // ROWS
     splits = 1
@@ -39,7 +48,8 @@ def default_tuning(
         and splits * 2 * num_tokens * 4 * 4 <= in_features * itemsize
     ):
         splits *= 2
-    stage_bytes = (ROWS + num_tokens) * ROW_BYTES
+    # a block of weight rows, and the tokens' block over the same contracted elements
+    stage_bytes = int(ROWS * block_k * itemsize + num_tokens * block_k * (x_itemsize or itemsize))
     out_bytes = ROWS * 2 * epilogue_tokens(num_tokens) * 4
     stages = max(2, min(MAX_STAGES, (SMEM_BUDGET - out_bytes) // stage_bytes, steps // splits))
     return SkinnyTuning(block_k, stages, splits)

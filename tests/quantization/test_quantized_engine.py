@@ -13,6 +13,7 @@ import json
 import logging
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -43,6 +44,7 @@ SMALL = dict(
 # long one whose prefill spans several chunks.
 PROMPTS = [[5, 17, 33, 101, 7], [200, 2, 250, 9, 1], list(range(40, 70))]
 NEW_TOKENS = 12
+BF16 = dict(dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +100,35 @@ def test_greedy_tokens_equal_float32_with_zero_recompiles(mode, engines, greedy)
 
 
 def test_fp8_on_the_skinny_matmul_kernel(lookup, greedy):
-    """fp8_matmul="pallas": every layer of the lookup model (multiples of 128 features) runs the
-    kernel (interpret mode here) in every bucket, with float32's tokens and no recompile."""
+    """quantized_matmul="pallas": every layer of the lookup model (multiples of 128 features) runs
+    the kernel (interpret mode here) in every bucket, with float32's tokens and no recompile."""
     path, _ = lookup
-    llm = LLM(str(path), quantization="fp8", fp8_matmul="pallas", **SMALL)
+    llm = LLM(str(path), quantization="fp8", quantized_matmul="pallas", **SMALL)
     loaded = llm.engine.model
     model = nnx.merge(loaded.graphdef, loaded.state)
     layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
     assert layers and all(n.pallas for n in layers)
-    assert all(n._skinny(t) for n in layers for t in llm.engine.runner.buckets)
+    assert all(n._skinny(t, jnp.float32) for n in layers for t in llm.engine.runner.buckets)
     p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
     assert llm.engine.num_recompiles == 0
-    assert llm.get_metrics()["nori:model_config_info"]["fp8_matmul"] == "pallas"
+    assert llm.get_metrics()["nori:model_config_info"]["quantized_matmul"] == "pallas"
+
+
+def test_int4_on_the_skinny_matmul_kernel(lookup, greedy):
+    """Group-wise int4 with bf16 activations (what the kernel takes: the weight converted in
+    registers, each group's product scaled inside): every layer runs it in every bucket
+    (interpret mode here), with float32's tokens and no recompile."""
+    path, _ = lookup
+    llm = LLM(str(path), quantization="int4", quantized_matmul="pallas", **SMALL | BF16)
+    loaded = llm.engine.model
+    model = nnx.merge(loaded.graphdef, loaded.state)
+    layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
+    assert layers and all(n.pallas for n in layers)
+    assert all(n._skinny(t, jnp.bfloat16) for n in layers for t in llm.engine.runner.buckets)
+    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
+    assert llm.engine.num_recompiles == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -170,12 +188,12 @@ def test_metrics_and_log_name_the_weights(lookup, engines, caplog):
         "dtype": "float32",
         "quantization": "int4",
         "weights": "int4 (int4, groups of 128; quantized at load)",
-        "fp8_matmul": "none",
+        "quantized_matmul": "xla",
         "kv_cache_dtype": "float32",
         "kv_scales": "none",
     }
     assert engines[None].get_metrics()["nori:model_config_info"]["quantization"] == "none"
-    assert engines["fp8"].get_metrics()["nori:model_config_info"]["fp8_matmul"] == "xla"
+    assert engines["fp8"].get_metrics()["nori:model_config_info"]["quantized_matmul"] == "xla"
     text = engines["fp8"].engine.metrics.registry
     from prometheus_client import generate_latest
 
