@@ -41,7 +41,9 @@ def _is_number(x: object) -> bool:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables top-p. `seed` makes a
+    temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables top-p; min_p keeps
+    the tokens at least min_p times as likely as the most likely one (0 disables it; applied
+    after temperature and before top-k / top-p, as vLLM does). `seed` makes a
     request's sampled tokens reproducible whatever else runs beside it. `logprobs` (0 or 1) returns
     the log-probability of each sampled token under the model's unscaled distribution.
     """
@@ -57,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,8 @@ class SamplingParams:
             raise ParameterError("temperature", f"temperature={t!r} must be a finite number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ParameterError("min_p", f"min_p={self.min_p!r} must be in [0, 1]")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
             raise ParameterError(
                 "top_k",

@@ -155,6 +155,7 @@ def sampling_params(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
         seed=req.seed,
         stop=req.stop,
         ignore_eos=req.ignore_eos,

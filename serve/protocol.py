@@ -41,6 +41,7 @@ MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]  # 0: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
 N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
 Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
@@ -71,6 +72,7 @@ class SamplingFields(_Body):
     user: str | None = None  # an end-user id for the caller's own records: no effect on output
     # vLLM extensions
     top_k: TopK | None = None
+    min_p: MinP | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -120,6 +122,7 @@ class GenerateRequest(_Body):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop = None
     ignore_eos: bool = False

@@ -136,7 +136,7 @@ def test_same_seed_same_output_whatever_the_batch(llm):
     assert a != c[0].token_ids
 
 
-def test_top_k_one_and_tiny_top_p_equal_greedy(llm):
+def test_top_k_one_tiny_top_p_and_min_p_one_equal_greedy(llm):
     prompt = [[9, 8, 7, 6]]
     greedy = llm.generate(prompt, GREEDY)[0].token_ids
     top1 = llm.generate(
@@ -145,7 +145,15 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(llm):
     top_p = llm.generate(
         prompt, SamplingParams(max_tokens=12, temperature=2.0, top_p=1e-6, seed=3, ignore_eos=True)
     )[0].token_ids
-    assert greedy == top1 == top_p
+    # min_p = 1 keeps only the tokens as likely as the most likely one: the argmax.
+    min_p = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=2.0, min_p=1.0, seed=3, ignore_eos=True)
+    )[0].token_ids
+    free = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=3, ignore_eos=True)
+    )[0].token_ids
+    assert greedy == top1 == top_p == min_p
+    assert free != greedy  # at temperature 2 the same seed strays without a filter
 
 
 def test_logprobs_are_log_probabilities_of_sampled_tokens(llm):
@@ -243,6 +251,10 @@ def test_bad_prompts_raise_value_error(text_llm, prompt, params, match):
         (dict(top_p=1.5), "top_p=1.5"),
         (dict(temperature=-1.0), "temperature=-1.0"),
         (dict(top_k=-5), "top_k=-5"),
+        (dict(min_p=-0.1), "min_p=-0.1"),
+        (dict(min_p=1.5), "min_p=1.5"),
+        (dict(min_p=float("nan")), "min_p=nan"),
+        (dict(min_p="0.1"), "min_p='0.1'"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, match):

@@ -39,6 +39,7 @@ class PlanBuilder:
         self.temperature = np.zeros(rows, np.float32)
         self.top_p = np.ones(rows, np.float32)
         self.top_k = np.zeros(rows, np.int32)
+        self.min_p = np.zeros(rows, np.float32)
         self.seeds = np.zeros(rows, np.int32)
 
     def apply(self, events: list[BatchEvent]) -> None:
@@ -53,6 +54,7 @@ class PlanBuilder:
                 self.temperature[s], self.top_p[s] = ev.temperature, ev.top_p
                 self.seeds[s] = ev.seed
                 self.top_k[s] = normalize_top_k(ev.top_k, self.vocab_size)
+                self.min_p[s] = ev.min_p
             elif isinstance(ev, Release):
                 # Zero the row so a stale page id can never be read through a later occupant.
                 self.page_table[ev.slot] = 0
@@ -130,8 +132,12 @@ class PlanBuilder:
         np.take(self.temperature, row_slots, out=temperature, mode="clip")
         np.take(self.top_p, row_slots, out=top_p, mode="clip")
         np.take(self.top_k, row_slots, out=top_k, mode="clip")
+        min_p = view("min_p")
+        np.take(self.min_p, row_slots, out=min_p, mode="clip")
         np.take(self.seeds, row_slots, out=view("seeds"), mode="clip")
-        program, filtered = choose_program(temperature[:nrows], top_p[:nrows], top_k[:nrows], s)
+        program, filtered = choose_program(
+            temperature[:nrows], top_p[:nrows], top_k[:nrows], s, min_p[:nrows]
+        )
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
         filter_rows[: len(filtered)] = filtered

@@ -4,9 +4,11 @@ The sampler (`executor/sampler.py`) has no data-dependent control flow: a step r
 static programs, the cheapest that samples every row exactly, chosen here from settings the host
 already holds:
   - GREEDY: every row has temperature 0 (argmax only);
-  - RANDOM: random rows, none with a top-k / top-p filter (Gumbel-max over the vocabulary);
+  - RANDOM: random rows, none with a min-p / top-k / top-p filter (Gumbel-max over the
+    vocabulary);
   - FILTER(R): some random rows filter; their rows are gathered into a static bucket of R rows,
-    sorted (the exact top-k / top-p threshold), and the thresholds scattered back.
+    sorted (the min-p floor and the exact top-k / top-p threshold), and the thresholds scattered
+    back.
 On XLA:GPU `lax.top_k` with k > 16 is a full sort (measured on the H200: 4.0 ms for 1,024 x 49,152
 whatever k from 64 to 1,024; docs/benchmarks.md), so sorting only the rows that filter, in a
 bucket sized to them, is what keeps the cost in proportion.
@@ -71,13 +73,20 @@ def normalize_top_k(top_k: int, vocab_size: int) -> int:
     return 0 if top_k <= 0 or top_k >= vocab_size else top_k
 
 
-def filters(temperature, top_p, top_k):
-    """Rows whose sample is restricted by top-k or top-p (numpy or jnp arrays)."""
-    return (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0))
+def filters(temperature, top_p, top_k, min_p=None):
+    """Rows whose sample is restricted by top-k, top-p or min-p (numpy or jnp arrays)."""
+    restricted = (top_k > 0) | (top_p < 1.0)
+    if min_p is not None:
+        restricted = restricted | (min_p > 0.0)
+    return (temperature > 0.0) & restricted
 
 
 def choose_program(
-    temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, max_num_seqs: int
+    temperature: np.ndarray,
+    top_p: np.ndarray,
+    top_k: np.ndarray,
+    max_num_seqs: int,
+    min_p: np.ndarray | None = None,
 ) -> tuple[SamplerProgram, np.ndarray]:
     """The cheapest exact program for these rows, and the indices of the rows that filter.
 
@@ -85,7 +94,7 @@ def choose_program(
     """
     if not (temperature > 0.0).any():
         return GREEDY, np.zeros(0, np.int64)
-    rows = np.flatnonzero(filters(temperature, top_p, top_k))
+    rows = np.flatnonzero(filters(temperature, top_p, top_k, min_p))
     if not len(rows):
         return RANDOM, rows
     r = next(b for b in filter_buckets(max_num_seqs) if b >= len(rows))

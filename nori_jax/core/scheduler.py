@@ -188,7 +188,9 @@ class Scheduler:
             self.slots.acquire(req, cfg.max_model_len)
             p = req.params
             self._events.append(
-                Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
+                Acquire(
+                    req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p
+                )
             )
             self._join_running(req)
 
@@ -439,7 +441,9 @@ class Scheduler:
                 c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
             p = req.params
             self._events.append(
-                Acquire(req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed)
+                Acquire(
+                    req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p
+                )
             )
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached

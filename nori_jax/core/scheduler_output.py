@@ -25,6 +25,7 @@ class Acquire:
     top_p: float
     top_k: int  # 0 = off
     seed: int
+    min_p: float = 0.0  # 0 = off
 
 
 @dataclasses.dataclass(frozen=True)

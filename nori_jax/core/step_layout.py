@@ -73,9 +73,10 @@ class StepLayout:
             ("temperature", (s,), np.float32),  # 0 = greedy
             ("top_p", (s,), np.float32),
             ("top_k", (s,), np.int32),  # 0 = off
+            ("min_p", (s,), np.float32),  # 0 = off
             ("seeds", (s,), np.int32),
             ("sample_index", (s,), np.int32),  # output index a row samples (its RNG stream)
-            # Rows whose top-k / top-p filter the sampler computes (sampling_modes.py), then
+            # Rows whose min-p / top-k / top-p filter the sampler computes (sampling_modes.py), then
             # padding (= max_num_seqs, dropped).
             ("filter_rows", (s,), np.int32),
             # A multi-step launch (StepPlan.num_steps > 1): how many of its decode steps the

@@ -6,10 +6,12 @@ on the host instead (core/sampling_modes.py): each step runs one static sampler 
 Per row:
   - temperature 0: the argmax of the logits;
   - otherwise Gumbel-max over logits / temperature, restricted, for rows that filter, to the
-    tokens at or above the row's threshold: the k-th largest value for top-k, then the smallest
-    value whose nucleus (mass of the strictly larger ones) stays below top_p, computed on the
-    distribution renormalized over the top-k set. Thresholds come from one sort of the filtering
-    rows, gathered into a bucket of R rows; ties at the threshold are all kept.
+    tokens at or above the row's threshold: min-p first (tokens at least min_p times as likely
+    as the most likely one, vLLM's order), then the k-th largest value for top-k, then the
+    smallest value whose nucleus (mass of the strictly larger ones) stays below top_p, computed
+    on the distribution renormalized over the tokens min-p and top-k keep. Thresholds come from
+    one sort of the filtering rows, gathered into a bucket of R rows; ties at the threshold are
+    all kept.
 The Gumbel noise of a row comes from a key derived from (request seed, output index): it does not
 depend on the batch, and a preempted request that is recomputed draws the same tokens.
 """
@@ -24,9 +26,15 @@ from nori_jax.core.sampling_modes import SamplerProgram
 _NEG_INF = -jnp.inf
 
 
-def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """float32[R]: each row's smallest kept value under top-k then top-p (one sort per row)."""
+def filter_thresholds(
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """float32[R]: each row's smallest kept value under min-p, top-k, then top-p (one sort per
+    row)."""
     vocab = scaled.shape[-1]
+    # min-p: p >= min_p * p_max, i.e. scaled >= max + log(min_p) (-inf, no floor, for min_p 0).
+    floor = jnp.max(scaled, axis=-1) + jnp.log(min_p)
+    scaled = jnp.where(scaled >= floor[:, None], scaled, _NEG_INF)
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
     ranks = jnp.arange(vocab)[None, :]
     in_k = ranks < jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
@@ -36,7 +44,8 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     # always stays; top_p = 1 keeps the whole set even where rounding lets that mass reach 1.
     keep = in_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     num_keep = jnp.maximum(keep.sum(axis=-1), 1)
-    return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)[:, 0]
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)[:, 0]
+    return jnp.maximum(threshold, floor)  # a set that keeps every token still keeps min-p's
 
 
 def _gumbel(seeds: jax.Array, sample_index: jax.Array, vocab: int) -> jax.Array:
@@ -50,6 +59,7 @@ def sample(
     temperature: jax.Array,  # float32[S]; 0 = greedy
     top_p: jax.Array,  # float32[S]
     top_k: jax.Array,  # int32[S]; 0 = off (normalize_top_k)
+    min_p: jax.Array,  # float32[S]; 0 = off
     seeds: jax.Array,  # int32[S]
     sample_index: jax.Array,  # int32[S]
     filter_rows: jax.Array,  # int32[S]: rows to filter first, then S (padding)
@@ -73,6 +83,7 @@ def sample(
                 jnp.take(scaled, rows, axis=0, mode="clip"),
                 jnp.take(top_k, rows, mode="clip"),
                 jnp.take(top_p, rows, mode="clip"),
+                jnp.take(min_p, rows, mode="clip"),
             )
             per_row = jnp.full(s, _NEG_INF).at[rows].set(thresholds, mode="drop")
             scaled = jnp.where(scaled >= per_row[:, None], scaled, _NEG_INF)

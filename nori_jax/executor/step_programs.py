@@ -160,6 +160,7 @@ def _sample_row(program, logits, row, sample_index):
         row["temperature"][:r],
         row["top_p"][:r],
         row["top_k"][:r],
+        row["min_p"][:r],
         row["seeds"][:r],
         sample_index[:r],
         row["filter_rows"],  # indices of rows < R, then padding (S), which the sampler drops

@@ -1,8 +1,8 @@
 """The sampler against the exact distributions, per program, and per-request determinism.
 
 Distributions: many seeded draws of one row's settings (one seed per row of a batch) against the
-probabilities computed directly in numpy, with a chi-square test; tokens outside the top-k /
-top-p set must never appear.
+probabilities computed directly in numpy, with a chi-square test; tokens outside the min-p /
+top-k / top-p set must never appear.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ VOCAB, DRAWS = 12, 6000
 LOGITS = np.asarray([2.0, 1.6, 1.5, 1.1, 0.9, 0.4, 0.3, 0.0, -0.2, -0.5, -1.0, -2.0], np.float32)
 
 
-def expected_probs(temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The target distribution, computed directly: softmax(logits / T), top-k, then top-p."""
+def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """The target distribution, computed directly: softmax(logits / T), then min-p (p >= min_p *
+    p_max), top-k, and top-p on what is left, renormalized."""
     z = LOGITS.astype(np.float64) / temperature
+    probs = np.exp(z - z.max())  # / sum: p / p_max is all min-p needs
     order = np.argsort(-z, kind="stable")
+    order = order[probs[order] >= min_p]
     keep = np.zeros(VOCAB, bool)
     k = top_k if top_k > 0 else VOCAB
     kept = order[:k]
@@ -52,7 +55,8 @@ def _sampler(program: SamplerProgram):
 def draw(rows: dict[str, np.ndarray], program: SamplerProgram | None = None) -> np.ndarray:
     n = len(rows["temperature"])
     top_k = np.asarray([normalize_top_k(int(k), VOCAB) for k in rows["top_k"]], np.int32)
-    chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n)
+    min_p = rows.get("min_p", np.zeros(n, np.float32))
+    chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n, min_p)
     filter_rows = np.full(n, n, np.int32)
     filter_rows[: len(filtered)] = filtered
     tokens, _ = _sampler(program or chosen)(
@@ -60,6 +64,7 @@ def draw(rows: dict[str, np.ndarray], program: SamplerProgram | None = None) -> 
         jnp.asarray(rows["temperature"], jnp.float32),
         jnp.asarray(rows["top_p"], jnp.float32),
         jnp.asarray(top_k),
+        jnp.asarray(min_p, jnp.float32),
         jnp.asarray(rows["seeds"], jnp.int32),
         jnp.asarray(rows["sample_index"], jnp.int32),
         jnp.asarray(filter_rows),
@@ -67,32 +72,41 @@ def draw(rows: dict[str, np.ndarray], program: SamplerProgram | None = None) -> 
     return np.asarray(tokens)
 
 
-def rows_of(n: int, temperature=1.0, top_k=0, top_p=1.0, seed0=0) -> dict[str, np.ndarray]:
+def rows_of(
+    n: int, temperature=1.0, top_k=0, top_p=1.0, seed0=0, min_p=0.0
+) -> dict[str, np.ndarray]:
     return {
         "temperature": np.full(n, temperature, np.float32),
         "top_k": np.full(n, top_k, np.int32),
         "top_p": np.full(n, top_p, np.float32),
+        "min_p": np.full(n, min_p, np.float32),
         "seeds": np.arange(seed0, seed0 + n, dtype=np.int32),
         "sample_index": np.zeros(n, np.int32),
     }
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p",
+    "temperature,top_k,top_p,min_p",
     [
-        (1.0, 0, 1.0),  # no filter
-        (0.7, 4, 1.0),  # top-k
-        (1.0, 0, 0.7),  # top-p
-        (1.3, 5, 0.8),  # both
-        (0.8, 9, 0.999),  # top-p that keeps all of a top-k set
+        (1.0, 0, 1.0, 0.0),  # no filter
+        (0.7, 4, 1.0, 0.0),  # top-k
+        (1.0, 0, 0.7, 0.0),  # top-p
+        (1.3, 5, 0.8, 0.0),  # both
+        (0.8, 9, 0.999, 0.0),  # top-p that keeps all of a top-k set
+        (1.0, 0, 1.0, 0.3),  # min-p alone: p >= 0.3 p_max keeps 5 of 12 tokens at T 1
+        (2.0, 0, 1.0, 0.3),  # min-p after temperature: 9 tokens at T 2
+        (1.5, 0, 0.6, 0.2),  # min-p, then top-p over what it keeps
+        (1.0, 2, 1.0, 0.5),  # a top-k narrower than min-p's set
     ],
 )
-def test_distribution_matches_the_exact_computation(temperature, top_k, top_p):
-    rows = rows_of(DRAWS, temperature, top_k, top_p)
-    program, _ = choose_program(rows["temperature"], rows["top_p"], rows["top_k"], DRAWS)
-    assert program.kind == ("random" if top_k == 0 and top_p == 1.0 else "filter")
+def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, min_p):
+    rows = rows_of(DRAWS, temperature, top_k, top_p, min_p=min_p)
+    program, _ = choose_program(
+        rows["temperature"], rows["top_p"], rows["top_k"], DRAWS, rows["min_p"]
+    )
+    assert program.kind == ("random" if top_k == 0 and top_p == 1.0 and min_p == 0 else "filter")
     counts = np.bincount(draw(rows), minlength=VOCAB)
-    p = expected_probs(temperature, top_k, top_p)
+    p = expected_probs(temperature, top_k, top_p, min_p)
     assert counts[p == 0].sum() == 0, f"tokens outside the kept set were drawn: {counts}"
     kept = p > 0
     result = stats.chisquare(counts[kept], p[kept] * DRAWS)
@@ -105,11 +119,14 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch_and_program():
     mine = rows_of(16, temperature=0.9, top_k=4, top_p=0.95, seed0=100)
     plain = rows_of(16, temperature=1.1, seed0=300)
     alone, plain_alone = draw(mine), draw(plain)
-    neighbours = rows_of(48, temperature=1.0, top_k=0, top_p=0.5, seed0=7)
+    neighbours = rows_of(40, temperature=1.0, top_k=0, top_p=0.5, seed0=7)
+    with_min_p = rows_of(8, temperature=1.2, min_p=0.2, seed0=500)
+    neighbours = {k: np.concatenate([neighbours[k], with_min_p[k]]) for k in neighbours}
     greedy = rows_of(8, temperature=0.0, top_k=3, top_p=0.5)
     mixed = {k: np.concatenate([neighbours[k], mine[k], greedy[k], plain[k]]) for k in mine}
     got = draw(mixed)  # 64 filtering rows: a bigger bucket than `mine` alone took
     assert got[48:64].tolist() == alone.tolist()
+    assert got[40:48].tolist() == draw(with_min_p).tolist()
     assert got[72:].tolist() == plain_alone.tolist()
     assert (got[64:72] == int(np.argmax(LOGITS))).all()
     # A greedy row is the argmax in every program.

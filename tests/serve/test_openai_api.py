@@ -139,6 +139,31 @@ def test_seed_makes_sampling_reproducible(oai: openai.OpenAI) -> None:
     assert sample() == sample()
 
 
+def test_min_p_one_is_greedy_through_the_server(oai: openai.OpenAI) -> None:
+    """vLLM's min_p extension: 1.0 keeps only the most likely token, so a hot sampler with it
+    writes the greedy answer, on both routes."""
+    hot = {"temperature": 2.0, "seed": 5}
+
+    def text(**extra) -> str:
+        return (
+            oai.completions.create(model=MODEL_NAME, prompt="dice", max_tokens=12, **extra)
+            .choices[0]
+            .text
+        )
+
+    greedy = text(**GREEDY)
+    assert text(**hot, extra_body={"ignore_eos": True, "min_p": 1.0}) == greedy
+    assert text(**hot, extra_body={"ignore_eos": True}) != greedy
+    chat = [{"role": "user", "content": "Hi!"}]
+    answers = [
+        oai.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=8, **kw)
+        .choices[0]
+        .message.content
+        for kw in (GREEDY, dict(hot, extra_body={"ignore_eos": True, "min_p": 1.0}))
+    ]
+    assert answers[0] == answers[1]
+
+
 def test_chat(server: Server, oai: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     resp = oai.chat.completions.create(
