@@ -19,6 +19,10 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# logit_bias: token id -> a bias added to its logit before sampling, as OpenAI's API bounds it.
+# Entries travel in the step's buffer (core/step_layout.py, LOGIT_BIAS_CAPACITY for all rows).
+MAX_LOGIT_BIAS = 256
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 class ParameterError(ValueError):
@@ -43,7 +47,9 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables top-p; min_p keeps
     the tokens at least min_p times as likely as the most likely one (0 disables it; applied
-    after temperature and before top-k / top-p, as vLLM does). `seed` makes a
+    after temperature and before top-k / top-p, as vLLM does). `logit_bias` maps token ids to a
+    bias in [-100, 100] added to their logits before anything else (greedy too); logprobs stay
+    those of the model's own distribution. `seed` makes a
     request's sampled tokens reproducible whatever else runs beside it. `logprobs` (0 or 1) returns
     the log-probability of each sampled token under the model's unscaled distribution.
     """
@@ -60,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +111,7 @@ class SamplingParams:
                 f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)",
             )
         self._validate_stops()
+        self._validate_logit_bias()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name}={getattr(self, name)!r} must be a boolean")
@@ -136,11 +144,40 @@ class SamplingParams:
                     f"[0, 2**31)",
                 )
 
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ParameterError(
+                "logit_bias", f"logit_bias={bias!r:.200} must map token ids to numbers"
+            )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ParameterError(
+                "logit_bias",
+                f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+            )
+        for t, b in bias.items():
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise ParameterError("logit_bias", f"logit_bias key {t!r:.50} is not a token id")
+            if not _is_number(b) or not -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE:
+                raise ParameterError(
+                    "logit_bias",
+                    f"logit_bias[{t}]={b!r:.50} must be a number in [-100, 100]",
+                )
+
     def check_vocab(self, vocab_size: int) -> None:
-        """The stop token ids are ids of the model's vocabulary (ParameterError otherwise)."""
+        """The stop token ids and logit_bias keys are ids of the model's vocabulary
+        (ParameterError otherwise)."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ParameterError(
                 "stop_token_ids",
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+            )
+        bad = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise ParameterError(
+                "logit_bias",
+                f"logit_bias keys {bad[:5]} are outside the vocabulary [0, {vocab_size})",
             )

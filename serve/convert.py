@@ -38,8 +38,6 @@ def check_model(ctx: ServeContext, model: str | None) -> None:
 def check_unsupported(req: SamplingFields) -> None:
     """Reject what we parse but do not implement (the penalties and top_logprobs are bounded to
     their neutral value in protocol.py)."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != (req.n or 1):
         raise bad_request(
@@ -149,6 +147,8 @@ def sampling_params(
             stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            # keys are digit strings (protocol.py); SamplingParams checks the id range
+            logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None,
         )
     return SamplingParams(
         max_tokens=max_tokens,

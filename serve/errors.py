@@ -132,6 +132,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
             return bad_request(
                 "the request body must be a JSON object (with Content-Type: application/json)"
             )
+        if "[key]" in loc:  # a bad key of a mapping (logit_bias): name the mapping, not the
+            loc = loc[: max(loc.index("[key]") - 1, 1)]  # client's key, which may be any text
         tags = [i for i, x in enumerate(loc) if _is_union_tag(x)]
         field = ".".join(str(x) for x in loc[: tags[0] if tags else len(loc)])
         msg = str(e.get("msg"))

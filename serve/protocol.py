@@ -5,8 +5,8 @@ boolean, `1e10` not an integer), no NaN or infinity, numbers within what the eng
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
 never gets silently different behaviour; `user` is accepted because it changes no output. Fields
 implemented only at their neutral value say so in their range (penalties 0, ...), so
-/openapi.json describes what is accepted; logit_bias, echo with logprobs, suffix and tools are
-checked in convert.py. Sampling fields are nullable because some clients send null for "default".
+/openapi.json describes what is accepted; echo with logprobs, suffix and tools are checked in
+convert.py. Sampling fields are nullable because some clients send null for "default".
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from nori_jax.prompts import lone_surrogate
 from nori_jax.sampling_params import (
     INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -45,6 +47,14 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]  # 0: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
 N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
 Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
+# OpenAI's logit_bias: token ids (as JSON object keys, strings) -> a bias in [-100, 100]
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+        Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
 
 
 class _Body(BaseModel):
@@ -68,7 +78,7 @@ class SamplingFields(_Body):
     stop: Stop = None
     presence_penalty: Zero | None = None
     frequency_penalty: Zero | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None  # an end-user id for the caller's own records: no effect on output
     # vLLM extensions
     top_k: TopK | None = None

@@ -156,6 +156,23 @@ def test_top_k_one_tiny_top_p_and_min_p_one_equal_greedy(llm):
     assert free != greedy  # at temperature 2 the same seed strays without a filter
 
 
+def test_logit_bias_steers_its_own_request_only(llm):
+    prompts = _prompts(3, seed=5)
+    plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    banned = plain[1][0]
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={banned: -100}),
+        SamplingParams(
+            max_tokens=8, temperature=0.9, seed=4, ignore_eos=True, logit_bias={77: 100}
+        ),
+    ]
+    outs = llm.generate(prompts, params)
+    assert outs[0].token_ids == plain[0]  # a neighbour without a bias is untouched
+    assert banned not in outs[1].token_ids and outs[1].token_ids != plain[1]
+    assert outs[2].token_ids == [77] * 8
+
+
 def test_logprobs_are_log_probabilities_of_sampled_tokens(llm):
     out = llm.generate(
         [[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
@@ -255,6 +272,10 @@ def test_bad_prompts_raise_value_error(text_llm, prompt, params, match):
         (dict(min_p=1.5), "min_p=1.5"),
         (dict(min_p=float("nan")), "min_p=nan"),
         (dict(min_p="0.1"), "min_p='0.1'"),
+        (dict(logit_bias={5: 101}), r"logit_bias\[5\]=101"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias key -1"),
+        (dict(logit_bias={i: 1.0 for i in range(257)}), "257 entries"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, match):

@@ -32,14 +32,15 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _settings(n: int) -> list[SamplingParams]:
-    """Greedy, random and filtered (top-k / top-p, min-p) rows, max_tokens that do and do not
-    divide by K."""
+    """Greedy, random and filtered (top-k / top-p, min-p) rows, a logit_bias, max_tokens that do
+    and do not divide by K."""
     kinds = [
         dict(temperature=0.0),
         dict(temperature=1.0, seed=3, logprobs=0),
         dict(temperature=0.8, top_k=20, top_p=0.9, seed=11),
         dict(temperature=0.9, seed=7),
         dict(temperature=1.1, min_p=0.1, seed=5),
+        dict(temperature=0.0, logit_bias={5: 3.0, 9: -100.0, 77: 1.5}),
     ]
     return [SamplingParams(max_tokens=9 + 5 * (i % 3), **kinds[i % len(kinds)]) for i in range(n)]
 

@@ -40,6 +40,8 @@ class PlanBuilder:
         self.top_p = np.ones(rows, np.float32)
         self.top_k = np.zeros(rows, np.int32)
         self.min_p = np.zeros(rows, np.float32)
+        # slot -> (token ids, biases) of the slots whose request has a logit_bias
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.seeds = np.zeros(rows, np.int32)
 
     def apply(self, events: list[BatchEvent]) -> None:
@@ -55,11 +57,33 @@ class PlanBuilder:
                 self.seeds[s] = ev.seed
                 self.top_k[s] = normalize_top_k(ev.top_k, self.vocab_size)
                 self.min_p[s] = ev.min_p
+                self.logit_bias.pop(s, None)
+                if ev.logit_bias:
+                    self.logit_bias[s] = (
+                        np.fromiter(ev.logit_bias.keys(), np.int32, len(ev.logit_bias)),
+                        np.fromiter(ev.logit_bias.values(), np.float32, len(ev.logit_bias)),
+                    )
             elif isinstance(ev, Release):
                 # Zero the row so a stale page id can never be read through a later occupant.
                 self.page_table[ev.slot] = 0
+                self.logit_bias.pop(ev.slot, None)
             else:
                 raise TypeError(f"unknown batch event {ev!r}")
+
+    def _write_logit_bias(self, view, row_slots: np.ndarray) -> None:
+        """The (row, token, bias) entries of the step's rows whose request has a logit_bias; the
+        rest of the field stays zero (a bias of 0.0 to row 0, token 0: no change)."""
+        rows = np.flatnonzero(np.isin(row_slots, list(self.logit_bias)))
+        if not len(rows):
+            return
+        tokens = [self.logit_bias[int(row_slots[r])][0] for r in rows]
+        values = [self.logit_bias[int(row_slots[r])][1] for r in rows]
+        n = sum(len(t) for t in tokens)
+        if n > view("bias_rows").shape[0]:  # the scheduler's admission keeps this from happening
+            raise AssertionError(f"{n} logit_bias entries in one step")
+        view("bias_rows")[:n] = np.repeat(rows, [len(t) for t in tokens])
+        view("bias_tokens")[:n] = np.concatenate(tokens)
+        view("bias_values")[:n] = np.concatenate(values)
 
     def _write_pages(self, slot: int, start: int, pages: list[int]) -> None:
         if not pages:
@@ -138,6 +162,8 @@ class PlanBuilder:
         program, filtered = choose_program(
             temperature[:nrows], top_p[:nrows], top_k[:nrows], s, min_p[:nrows]
         )
+        if self.logit_bias:
+            self._write_logit_bias(view, out.row_slots)
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
         filter_rows[: len(filtered)] = filtered

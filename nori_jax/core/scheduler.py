@@ -41,6 +41,7 @@ from nori_jax.core.scheduler_output import (
     SchedulerOutput,
 )
 from nori_jax.core.slot_counters import SlotCounters
+from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY
 from nori_jax.core.step_plan import token_buckets
 
 
@@ -87,6 +88,9 @@ class Scheduler:
         # _leave_running) rather than gathered from a thousand requests every step. Replaced,
         # never written in place: `schedule` holds the step's snapshot while it preempts.
         self._running_slots = np.zeros(0, np.int64)
+        # logit_bias entries of the running requests: they share the step buffer's room
+        # (LOGIT_BIAS_CAPACITY), so a request is admitted only while its entries fit.
+        self._logit_bias_entries = 0
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -183,13 +187,22 @@ class Scheduler:
     def _admit_arrived(self) -> None:
         cfg = self.config
         while self.arrived and len(self.running) < cfg.max_num_seqs:
+            if not self._logit_bias_fits(self.arrived[0]):
+                break
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
             self.slots.acquire(req, cfg.max_model_len)
             p = req.params
             self._events.append(
                 Acquire(
-                    req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p
+                    req.slot,
+                    list(req.pages),
+                    p.temperature,
+                    p.top_p,
+                    p.top_k,
+                    req.seed,
+                    p.min_p,
+                    p.logit_bias,
                 )
             )
             self._join_running(req)
@@ -223,6 +236,11 @@ class Scheduler:
         """`req` (its slot just acquired) joins the running batch, newest."""
         self.running.append(req)
         self._running_slots = np.append(self._running_slots, req.slot)
+        self._logit_bias_entries += _num_logit_bias(req)
+
+    def _logit_bias_fits(self, req: Request) -> bool:
+        n = _num_logit_bias(req)
+        return not n or self._logit_bias_entries + n <= LOGIT_BIAS_CAPACITY
 
     def _leave_running(self, req: Request) -> None:
         """`req` leaves the running batch and its slot."""
@@ -230,6 +248,7 @@ class Scheduler:
         del self.running[i]
         slots = self._running_slots
         self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
+        self._logit_bias_entries -= _num_logit_bias(req)
         self._release_slot(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -407,6 +426,11 @@ class Scheduler:
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
             assert req.num_pending_tokens == 0, "admitted with a sample in flight"
+            if not self._logit_bias_fits(req):
+                # The running requests' logit_bias entries fill the step's room: wait for some
+                # to finish; requests without (or with fewer) entries go past it meanwhile.
+                i += 1
+                continue
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
             hashes = self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
@@ -442,7 +466,14 @@ class Scheduler:
             p = req.params
             self._events.append(
                 Acquire(
-                    req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p
+                    req.slot,
+                    list(req.pages),
+                    p.temperature,
+                    p.top_p,
+                    p.top_k,
+                    req.seed,
+                    p.min_p,
+                    p.logit_bias,
                 )
             )
             self.counters.prefix_cache_queries += req.num_tokens
@@ -769,6 +800,8 @@ class Scheduler:
         assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
         assert self._running_slots.tolist() == slots, "running slots out of step with running"
         assert c.num_free + len(self.running) == self.config.max_num_seqs
+        assert self._logit_bias_entries == sum(map(_num_logit_bias, self.running))
+        assert self._logit_bias_entries <= LOGIT_BIAS_CAPACITY
         for r in self.running:
             s = r.slot
             assert r.status is RequestStatus.RUNNING and c.requests[s] is r
@@ -783,3 +816,7 @@ class Scheduler:
         for r in list(self.handed_off) + list(self.arrived):
             assert r.status is RequestStatus.TRANSFER and r.slot is None
         assert not self.handed_off or self.hand_off
+
+
+def _num_logit_bias(req: Request) -> int:
+    return len(req.params.logit_bias or ())

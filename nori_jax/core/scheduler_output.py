@@ -26,6 +26,7 @@ class Acquire:
     top_k: int  # 0 = off
     seed: int
     min_p: float = 0.0  # 0 = off
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,9 @@ import numpy as np
 
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "prev_index")
 FIELD_ALIGN = 64  # int32 elements: 256 bytes
+# logit_bias entries (row, token, bias) of one step, all rows together: the scheduler admits a
+# request only while the running requests' entries fit (scheduler.py), so none is ever dropped.
+LOGIT_BIAS_CAPACITY = 2048
 # input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
 # padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
 # device (sampled by the previous step) the row of that step whose sample it is, else -1.
@@ -82,6 +85,10 @@ class StepLayout:
             # A multi-step launch (StepPlan.num_steps > 1): how many of its decode steps the
             # row computes; its later steps write the null page and their samples are dropped.
             ("decode_steps", (s,), np.int32),
+            # logit_bias entries: a bias added to logits[row, token]; unused entries add 0.0.
+            ("bias_rows", (LOGIT_BIAS_CAPACITY,), np.int32),
+            ("bias_tokens", (LOGIT_BIAS_CAPACITY,), np.int32),
+            ("bias_values", (LOGIT_BIAS_CAPACITY,), np.float32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], len(TOKEN_FIELDS) * self.token_capacity

@@ -164,6 +164,7 @@ def _sample_row(program, logits, row, sample_index):
         row["seeds"][:r],
         sample_index[:r],
         row["filter_rows"],  # indices of rows < R, then padding (S), which the sampler drops
+        (row["bias_rows"], row["bias_tokens"], row["bias_values"]),
         program=program,
     )
 

@@ -174,3 +174,68 @@ def test_a_step_of_few_rows_needs_only_the_programs_listed_for_them(rows):
         top_k = np.where(np.arange(rows) < filtering, 5, 0).astype(np.int32)
         assert choose_program(t, np.ones(rows, np.float32), top_k, 1024)[0] in listed
     assert len(listed) == len(set(listed))
+
+
+def _bias(n: int, entries: list[tuple[int, int, float]], capacity: int = 16):
+    """The step's logit_bias fields: (row, token, bias) entries, the rest adding 0.0."""
+    rows, ids, values = (np.zeros(capacity, t) for t in (np.int32, np.int32, np.float32))
+    for i, (r, t, b) in enumerate(entries):
+        rows[i], ids[i], values[i] = r, t, b
+    return jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(values)
+
+
+def _draw_biased(rows, bias, program: SamplerProgram | None = None):
+    n = len(rows["temperature"])
+    top_k = np.asarray(rows["top_k"], np.int32)
+    chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n, rows["min_p"])
+    filter_rows = np.full(n, n, np.int32)
+    filter_rows[: len(filtered)] = filtered
+    tokens, logprobs = _sampler(program or chosen)(
+        jnp.asarray(np.broadcast_to(LOGITS, (n, VOCAB))),
+        jnp.asarray(rows["temperature"]),
+        jnp.asarray(rows["top_p"]),
+        jnp.asarray(top_k),
+        jnp.asarray(rows["min_p"]),
+        jnp.asarray(rows["seeds"], jnp.int32),
+        jnp.asarray(rows["sample_index"], jnp.int32),
+        jnp.asarray(filter_rows),
+        bias,
+    )
+    return np.asarray(tokens), np.asarray(logprobs)
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_and_keeps_raw_logprobs():
+    rows = rows_of(4, temperature=0.0)
+    rows["temperature"][2:] = 1.0
+    rows["top_k"][3] = 3  # a filtering row: the bias applies before its top-k
+    bias = _bias(4, [(0, 0, -100.0), (1, 7, 100.0), (2, 11, 100.0), (3, 10, 50.0)])
+    tokens, logprobs = _draw_biased(rows, bias)
+    # row 0: the argmax banned -> the runner-up; 1: a +100 token wins greedy; 2 and 3 sampled
+    assert tokens.tolist() == [1, 7, 11, 10]
+    log_z = np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    np.testing.assert_allclose(logprobs, LOGITS[tokens] - log_z, rtol=1e-5)  # before the bias
+    plain, _ = _draw_biased(rows, _bias(4, []))
+    assert plain.tolist()[:2] == [0, 0]  # without entries (all adding 0.0) nothing moves
+
+
+def test_logit_bias_distribution_matches_the_exact_computation():
+    """A moderate bias reshapes the distribution: softmax(logits + bias), then top-p on it."""
+    bias_of = {3: 1.5, 0: -1.0, 9: 2.0}
+    rows = rows_of(DRAWS, temperature=1.0, top_p=0.9)
+    entries = [(r, t, b) for r in range(DRAWS) for t, b in bias_of.items()]
+    tokens, _ = _draw_biased(rows, _bias(DRAWS, entries, capacity=len(entries)))
+    z = LOGITS.astype(np.float64).copy()
+    for t, b in bias_of.items():
+        z[t] += b
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z[order] - z.max())
+    p /= p.sum()
+    keep = np.zeros(VOCAB, bool)
+    keep[order[(np.cumsum(p) - p) < 0.9]] = True
+    expected = np.where(keep, np.exp(z - z.max()), 0.0)
+    expected /= expected.sum()
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert counts[expected == 0].sum() == 0
+    kept = expected > 0
+    result = stats.chisquare(counts[kept], expected[kept] * DRAWS)
+    assert result.pvalue > 1e-4, (counts, np.round(expected * DRAWS, 1), result)

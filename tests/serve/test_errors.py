@@ -105,6 +105,13 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "top_k": -5}, "top_k"),
         ({"prompt": "x", "min_p": 1.5}, "min_p"),
         ({"prompt": "x", "min_p": -0.5}, "min_p"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"512": 1}}, "logit_bias"),  # past the vocabulary
+        ({"prompt": "x", "logit_bias": {"99999999999": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"7" * 5000: 1}}, "logit_bias"),  # not echoed back
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(257)}}, "logit_bias"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "logprobs": 5}, "logprobs"),
         ({"prompt": "x", "seed": -1}, "seed"),
@@ -114,7 +121,8 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
     ],
 )
 def test_bad_values(c: httpx.Client, body: dict, param: str) -> None:
-    assert_error(c.post("/v1/completions", json=body), 400, param)
+    err = assert_error(c.post("/v1/completions", json=body), 400, param)
+    assert len(err["message"]) < 1000, err  # nothing of the client's echoed at length
 
 
 def test_prompt_too_long(c: httpx.Client) -> None:

@@ -164,6 +164,37 @@ def test_min_p_one_is_greedy_through_the_server(oai: openai.OpenAI) -> None:
     assert answers[0] == answers[1]
 
 
+def test_logit_bias_through_the_official_client(oai: openai.OpenAI) -> None:
+    """OpenAI's logit_bias (token id strings -> [-100, 100]): +100 on one token makes a hot
+    sampler write only it; -100 on greedy's first token moves greedy off it."""
+    hot = oai.completions.create(
+        model=MODEL_NAME,
+        prompt="dice",
+        max_tokens=6,
+        temperature=1.5,
+        seed=2,
+        logit_bias={"77": 100},
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    choice = hot.choices[0]
+    assert len(choice.logprobs.tokens) == 6
+    assert choice.logprobs.token_logprobs[0] < 0.0  # the model's own logprob, not the biased one
+    ids = oai.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, logit_bias={"77": 100}, **GREEDY
+    )
+    greedy = oai.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, **GREEDY)
+    assert ids.choices[0].text != greedy.choices[0].text
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=4,
+        logit_bias={"77": 100},
+        **GREEDY,
+    )
+    assert chat.choices[0].message.content == ids.choices[0].text
+
+
 def test_chat(server: Server, oai: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     resp = oai.chat.completions.create(
