@@ -48,8 +48,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables top-p; min_p keeps
     the tokens at least min_p times as likely as the most likely one (0 disables it; applied
     after temperature and before top-k / top-p, as vLLM does). `logit_bias` maps token ids to a
-    bias in [-100, 100] added to their logits before anything else (greedy too); logprobs stay
-    those of the model's own distribution. `seed` makes a
+    bias in [-100, 100] added to their logits before anything else (greedy too; logprobs are
+    then those of the biased logits). `seed` makes a
     request's sampled tokens reproducible whatever else runs beside it. `logprobs` (0 or 1) returns
     the log-probability of each sampled token under the model's unscaled distribution.
     """

@@ -3,7 +3,7 @@
 On XLA:GPU a `lax.cond` copies its predicate to the host and blocks, so the choice of work is made
 on the host instead (core/sampling_modes.py): each step runs one static sampler program.
 
-Per row, on the logits plus the row's logit_bias entries:
+Per row (on logits that already carry the row's logit_bias, `add_logit_bias`):
   - temperature 0: the argmax;
   - otherwise Gumbel-max over logits / temperature, restricted, for rows that filter, to the
     tokens at or above the row's threshold: min-p first (tokens at least min_p times as likely
@@ -24,6 +24,19 @@ import jax.numpy as jnp
 from nori_jax.core.sampling_modes import SamplerProgram
 
 _NEG_INF = -jnp.inf
+
+
+def add_logit_bias(
+    logits: jax.Array, rows: jax.Array, ids: jax.Array, values: jax.Array
+) -> jax.Array:
+    """logits [R, V] + each (row, token, bias) entry of the step (core/step_layout.py).
+
+    Applied once, where the forward pass makes the logits (step_programs.py), so greedy rows,
+    the sampler programs and the logprobs all see the biased logits, and the scatter can write the
+    logits buffer in place: keeping the unbiased logits beside them would copy [R, V] (200 MB at
+    1,024 rows x 49,152) every step. Unused entries add 0.0 (to row 0, token 0); entries of rows
+    past R are dropped."""
+    return logits.at[rows, ids].add(values, mode="drop")
 
 
 def filter_thresholds(
@@ -63,21 +76,17 @@ def sample(
     seeds: jax.Array,  # int32[S]
     sample_index: jax.Array,  # int32[S]
     filter_rows: jax.Array,  # int32[S]: rows to filter first, then S (padding)
-    bias: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # logit_bias (rows, tokens, values)
     *,
     program: SamplerProgram,
 ) -> tuple[jax.Array, jax.Array]:
-    """(tokens int32[S], each token's logprob under the model's unscaled distribution, before
-    any logit_bias, as vLLM reports it, float32[S]).
+    """(tokens int32[S], each token's logprob under the unscaled distribution of `logits`, with
+    their logit_bias if any, float32[S]).
 
     `program` is static (one compiled program each) and must come from `choose_program` over the
     same rows: a filtering row outside `filter_rows` would be sampled unfiltered.
     """
-    raw = logits = logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
     s, vocab = logits.shape
-    if bias is not None:  # entries of rows past S are dropped; unused entries add 0.0
-        rows, ids, values = bias
-        logits = logits.at[rows, ids].add(values, mode="drop")
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if program.kind != "greedy":
         is_random = temperature > 0.0
@@ -95,6 +104,6 @@ def sample(
         noise = _gumbel(seeds, sample_index, vocab)
         drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
         tokens = jnp.where(is_random, drawn, tokens)
-    log_z = jax.nn.logsumexp(raw, axis=-1)
-    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_z
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
     return tokens, logprobs

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nori_jax.core.sampling_modes import GREEDY
-from nori_jax.executor.sampler import sample
+from nori_jax.executor.sampler import add_logit_bias, sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
 
@@ -114,6 +114,7 @@ def _logits(
     logits = model.compute_logits(hidden[row["logits_indices"][:num_rows]])  # [R, V]
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
+    logits = add_logit_bias(logits, row["bias_rows"], row["bias_tokens"], row["bias_values"])
     return logits, kv_pages
 
 
@@ -164,7 +165,6 @@ def _sample_row(program, logits, row, sample_index):
         row["seeds"][:r],
         sample_index[:r],
         row["filter_rows"],  # indices of rows < R, then padding (S), which the sampler drops
-        (row["bias_rows"], row["bias_tokens"], row["bias_values"]),
         program=program,
     )
 

@@ -23,7 +23,7 @@ from nori_jax.core.sampling_modes import (
     normalize_top_k,
     sampler_programs,
 )
-from nori_jax.executor.sampler import sample
+from nori_jax.executor.sampler import add_logit_bias, sample
 
 VOCAB, DRAWS = 12, 6000
 LOGITS = np.asarray([2.0, 1.6, 1.5, 1.1, 0.9, 0.4, 0.3, 0.0, -0.2, -0.5, -1.0, -2.0], np.float32)
@@ -190,8 +190,9 @@ def _draw_biased(rows, bias, program: SamplerProgram | None = None):
     chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n, rows["min_p"])
     filter_rows = np.full(n, n, np.int32)
     filter_rows[: len(filtered)] = filtered
+    logits = jax.jit(add_logit_bias)(jnp.asarray(np.broadcast_to(LOGITS, (n, VOCAB))), *bias)
     tokens, logprobs = _sampler(program or chosen)(
-        jnp.asarray(np.broadcast_to(LOGITS, (n, VOCAB))),
+        logits,
         jnp.asarray(rows["temperature"]),
         jnp.asarray(rows["top_p"]),
         jnp.asarray(top_k),
@@ -199,22 +200,26 @@ def _draw_biased(rows, bias, program: SamplerProgram | None = None):
         jnp.asarray(rows["seeds"], jnp.int32),
         jnp.asarray(rows["sample_index"], jnp.int32),
         jnp.asarray(filter_rows),
-        bias,
     )
-    return np.asarray(tokens), np.asarray(logprobs)
+    return np.asarray(tokens), np.asarray(logprobs), np.asarray(logits)
 
 
-def test_logit_bias_moves_greedy_and_sampled_rows_and_keeps_raw_logprobs():
+def test_logit_bias_moves_greedy_and_sampled_rows_and_their_logprobs():
     rows = rows_of(4, temperature=0.0)
     rows["temperature"][2:] = 1.0
     rows["top_k"][3] = 3  # a filtering row: the bias applies before its top-k
     bias = _bias(4, [(0, 0, -100.0), (1, 7, 100.0), (2, 11, 100.0), (3, 10, 50.0)])
-    tokens, logprobs = _draw_biased(rows, bias)
+    tokens, logprobs, logits = _draw_biased(rows, bias)
     # row 0: the argmax banned -> the runner-up; 1: a +100 token wins greedy; 2 and 3 sampled
     assert tokens.tolist() == [1, 7, 11, 10]
-    log_z = np.log(np.exp(LOGITS.astype(np.float64)).sum())
-    np.testing.assert_allclose(logprobs, LOGITS[tokens] - log_z, rtol=1e-5)  # before the bias
-    plain, _ = _draw_biased(rows, _bias(4, []))
+    biased = np.tile(LOGITS.astype(np.float64), (4, 1))
+    for r, t, b in [(0, 0, -100.0), (1, 7, 100.0), (2, 11, 100.0), (3, 10, 50.0)]:
+        biased[r, t] += b
+    np.testing.assert_allclose(logits, biased, rtol=1e-6)  # the entries, and nothing else
+    log_z = np.log(np.exp(biased - biased.max(1, keepdims=True)).sum(1)) + biased.max(1)
+    expected = biased[np.arange(4), tokens] - log_z  # under the distribution sampled from
+    np.testing.assert_allclose(logprobs, expected, rtol=1e-5, atol=1e-6)
+    plain, _, _ = _draw_biased(rows, _bias(4, []))
     assert plain.tolist()[:2] == [0, 0]  # without entries (all adding 0.0) nothing moves
 
 
@@ -223,7 +228,7 @@ def test_logit_bias_distribution_matches_the_exact_computation():
     bias_of = {3: 1.5, 0: -1.0, 9: 2.0}
     rows = rows_of(DRAWS, temperature=1.0, top_p=0.9)
     entries = [(r, t, b) for r in range(DRAWS) for t, b in bias_of.items()]
-    tokens, _ = _draw_biased(rows, _bias(DRAWS, entries, capacity=len(entries)))
+    tokens, _, _ = _draw_biased(rows, _bias(DRAWS, entries, capacity=len(entries)))
     z = LOGITS.astype(np.float64).copy()
     for t, b in bias_of.items():
         z[t] += b
