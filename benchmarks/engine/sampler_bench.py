@@ -67,6 +67,7 @@ def main() -> None:
                     jnp.asarray(temperature),
                     jnp.asarray(top_p),
                     jnp.zeros(s, jnp.int32),
+                    jnp.zeros(s, jnp.float32),  # min_p off
                     seeds,
                     idx,
                     jnp.asarray(filter_rows),
