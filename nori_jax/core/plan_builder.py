@@ -42,6 +42,7 @@ class PlanBuilder:
         self.min_p = np.zeros(rows, np.float32)
         # slot -> (token ids, biases) of the slots whose request has a logit_bias
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.has_logit_bias = np.zeros(rows, bool)
         self.seeds = np.zeros(rows, np.int32)
 
     def apply(self, events: list[BatchEvent]) -> None:
@@ -58,6 +59,7 @@ class PlanBuilder:
                 self.top_k[s] = normalize_top_k(ev.top_k, self.vocab_size)
                 self.min_p[s] = ev.min_p
                 self.logit_bias.pop(s, None)
+                self.has_logit_bias[s] = bool(ev.logit_bias)
                 if ev.logit_bias:
                     self.logit_bias[s] = (
                         np.fromiter(ev.logit_bias.keys(), np.int32, len(ev.logit_bias)),
@@ -67,17 +69,19 @@ class PlanBuilder:
                 # Zero the row so a stale page id can never be read through a later occupant.
                 self.page_table[ev.slot] = 0
                 self.logit_bias.pop(ev.slot, None)
+                self.has_logit_bias[ev.slot] = False
             else:
                 raise TypeError(f"unknown batch event {ev!r}")
 
     def _write_logit_bias(self, view, row_slots: np.ndarray) -> None:
         """The (row, token, bias) entries of the step's rows whose request has a logit_bias; the
         rest of the field stays zero (a bias of 0.0 to row 0, token 0: no change)."""
-        rows = np.flatnonzero(np.isin(row_slots, list(self.logit_bias)))
+        rows = np.flatnonzero(self.has_logit_bias[row_slots])
         if not len(rows):
             return
-        tokens = [self.logit_bias[int(row_slots[r])][0] for r in rows]
-        values = [self.logit_bias[int(row_slots[r])][1] for r in rows]
+        entries = [self.logit_bias[s] for s in row_slots[rows].tolist()]
+        tokens = [t for t, _ in entries]
+        values = [v for _, v in entries]
         n = sum(len(t) for t in tokens)
         if n > view("bias_rows").shape[0]:  # the scheduler's admission keeps this from happening
             raise AssertionError(f"{n} logit_bias entries in one step")
