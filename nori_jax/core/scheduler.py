@@ -192,19 +192,7 @@ class Scheduler:
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
             self.slots.acquire(req, cfg.max_model_len)
-            p = req.params
-            self._events.append(
-                Acquire(
-                    req.slot,
-                    list(req.pages),
-                    p.temperature,
-                    p.top_p,
-                    p.top_k,
-                    req.seed,
-                    p.min_p,
-                    p.logit_bias,
-                )
-            )
+            self._events.append(_acquire(req))
             self._join_running(req)
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
@@ -463,19 +451,7 @@ class Scheduler:
             if self.hand_off:  # stop at the first token: the pending sample ends its run here
                 c = self.slots
                 c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
-            p = req.params
-            self._events.append(
-                Acquire(
-                    req.slot,
-                    list(req.pages),
-                    p.temperature,
-                    p.top_p,
-                    p.top_k,
-                    req.seed,
-                    p.min_p,
-                    p.logit_bias,
-                )
-            )
+            self._events.append(_acquire(req))
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
             self._join_running(req)
@@ -820,3 +796,11 @@ class Scheduler:
 
 def _num_logit_bias(req: Request) -> int:
     return len(req.params.logit_bias or ())
+
+
+def _acquire(req: Request) -> Acquire:
+    """The batch event of `req` taking its slot: its pages so far and sampling settings."""
+    p = req.params
+    return Acquire(
+        req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p, p.logit_bias
+    )
