@@ -58,9 +58,9 @@ class EngineConfig:
         "xla",
         help="quantized weights in calls of up to 128 tokens: xla (XLA's dot: cuBLASLt's fp8 GEMM, "
         "fused dequantization of int8 / int4) or pallas (the skinny-matmul kernel for fp8, "
-        "int8 and int4 without offsets: fp8 1.2-2.5x cuBLASLt per matmul on the H200, int8 / "
-        "int4 and the engine unmeasured; needs the Pallas attention backend and one device "
-        "per replica)",
+        "int8 and int4 without offsets: on the H200 fp8 1.2-2.5x cuBLASLt per matmul, int4 "
+        "1.1-3.2x XLA's int4 form and the 8B engine with int4 weights about 1.4x; needs the "
+        "Pallas attention backend and one device per replica)",
         choices=QUANTIZED_MATMULS,
         flags=("--quantized-matmul", "--fp8-matmul"),
     )
