@@ -409,14 +409,17 @@ class Scheduler:
         headroom = int(cfg.kv_headroom * self.allocator.num_usable_pages)
         in_flight: set[bytes] | None = None  # built when a request first needs it
         i = 0  # the queue's head, past the requests deferred in this step
+        bias_deferred = False  # a request waits for logit_bias room: none with entries passes it
         while i < len(queue) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = queue[i]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
             assert req.num_pending_tokens == 0, "admitted with a sample in flight"
-            if not self._logit_bias_fits(req):
+            if _num_logit_bias(req) and (bias_deferred or not self._logit_bias_fits(req)):
                 # The running requests' logit_bias entries fill the step's room: wait for some
-                # to finish; requests without (or with fewer) entries go past it meanwhile.
+                # to finish. Requests without entries go past it meanwhile; requests with fewer
+                # do not, or a stream of them could keep its room taken for ever.
+                bias_deferred = True
                 i += 1
                 continue
             # Reuse cached full pages, but always leave at least one token to compute: the step

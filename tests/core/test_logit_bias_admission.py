@@ -71,3 +71,33 @@ def test_requests_past_the_entries_room_wait_and_the_rest_go_by():
     for r in biased + plain:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 4), r.request_id
     assert s.allocator.num_used_pages == 0
+
+
+def test_smaller_biases_do_not_pass_one_that_waits_for_room():
+    """A request waiting for logit_bias room is not starved by later requests whose smaller
+    biases would fit: they wait behind it; requests without a bias still go by."""
+    fit = LOGIT_BIAS_CAPACITY // MAX_LOGIT_BIAS
+    s = make_scheduler(num_pages=256, max_num_seqs=fit + 8, max_num_batched_tokens=1024)
+    running = [
+        make_request(f"b{i}", [10 + i] * 20, 6, logit_bias=_full_bias(i)) for i in range(fit - 1)
+    ]
+    # the room left: MAX_LOGIT_BIAS - 200 = 56 entries
+    running.append(make_request("most", [60] * 20, 6, logit_bias={t: 1.0 for t in range(200)}))
+    big = make_request("big", [70] * 20, 4, logit_bias={t: 1.0 for t in range(100)})
+    small = make_request("small", [80] * 20, 4, logit_bias={5: 1.0})  # 1 entry: would fit
+    plain = make_request("plain", [90] * 20, 4)
+    for r in [*running, big, small, plain]:
+        s.add_request(r)
+    out = s.schedule()
+    assert {r.request_id for r in out.row_requests} == {r.request_id for r in running} | {"plain"}
+    assert [r.request_id for r in s.waiting] == ["big", "small"]
+    s.check_invariants()
+    fake_step(s, out)
+    while s.has_unfinished():
+        out = s.schedule()
+        s.check_invariants()
+        if out is None:
+            break
+        fake_step(s, out)
+    for r in [*running, big, small, plain]:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.params.max_tokens)
