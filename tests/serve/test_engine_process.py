@@ -36,6 +36,8 @@ def server():
 
 
 _EXPECTED: list[list[int]] = []
+_FORCED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={77: 100.0})
+_FORCED_TEXT: list[str] = []  # PROMPTS[1] with _FORCED, in-process
 
 
 def _expected_tokens() -> list[list[int]]:
@@ -43,6 +45,9 @@ def _expected_tokens() -> list[list[int]]:
         llm = LLM.from_config(engine_config())
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         _EXPECTED.extend(o.token_ids for o in llm.generate(PROMPTS, params))
+        forced = llm.generate([PROMPTS[1]], _FORCED)[0]
+        assert forced.token_ids == [77, 77, 77]
+        _FORCED_TEXT.append(forced.text)
     return _EXPECTED
 
 
@@ -53,6 +58,25 @@ def test_greedy_tokens_match_the_in_process_engine(server: Server) -> None:
             c.post("/generate", json={"prompt": p, **GREEDY}).json()["token_ids"] for p in PROMPTS
         ]
     assert got == expected
+
+
+def test_min_p_and_logit_bias_cross_the_process_boundary(server: Server) -> None:
+    """SamplingParams' min_p and logit_bias (a dict with int keys) travel to the core process
+    (msgpack) and act there as in-process: min_p = 1 is greedy, +100 forces its token."""
+    expected = _expected_tokens()
+    body = {"prompt": PROMPTS[0], **GREEDY, "temperature": 2.0, "seed": 3, "min_p": 1.0}
+    oa = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    with client(server) as c:
+        assert c.post("/generate", json=body).json()["token_ids"] == expected[0]
+    forced = oa.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        max_tokens=3,
+        temperature=0.0,
+        logit_bias={"77": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].text == _FORCED_TEXT[0]
 
 
 def test_streams_through_the_openai_client(server: Server) -> None:
