@@ -167,6 +167,12 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--top-k", type=int, default=None, help=f"sample among the k likeliest ({model_first} all)"
     )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help=f"keep tokens at least min_p times as likely as the likeliest ({model_first} 0)",
+    )
     g.add_argument("--sampling-seed", type=int, default=None, help="seed (default: random)")
     add_engine_args(p)
     p.set_defaults(func=run_chat)
@@ -182,7 +188,12 @@ def run_chat(args: argparse.Namespace) -> int:
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use `nori-jax generate` instead")
     sampling, source = sampling_defaults(engine.model.generation_config)
-    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+    }
     sampling.update({k: v for k, v in flags.items() if v is not None})
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.sampling_seed, **sampling)
     logging.getLogger(__name__).info("sampling: %s, from %s and the flags", sampling, source)

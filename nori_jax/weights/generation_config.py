@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-_HF_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+_HF_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
 _GGUF_KEYS = {
     "general.sampling.temp": ("temperature", float),
     "general.sampling.top_p": ("top_p", float),
     "general.sampling.top_k": ("top_k", int),
+    "general.sampling.min_p": ("min_p", float),
 }
 
 

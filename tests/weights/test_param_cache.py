@@ -30,7 +30,8 @@ def two_copies(tmp_path: Path) -> tuple[Path, Path]:
     b = tmp_path / "install-b" / "other-name.gguf"
     a.parent.mkdir()
     b.parent.mkdir()
-    write_tiny_gguf(a, extra_metadata={"general.sampling.temp": 0.5, "general.sampling.top_k": 7})
+    sampling = {"general.sampling.temp": 0.5, "general.sampling.top_k": 7}
+    write_tiny_gguf(a, extra_metadata=sampling | {"general.sampling.min_p": 0.05})
     shutil.copyfile(a, b)  # a plain copy: another path, another mtime
     return a, b
 
@@ -63,6 +64,7 @@ def test_second_install_restores_the_first_ones_entry(param_cache, two_copies):
     # ...and the file's sampling defaults are there for `nori-jax chat`.
     gen = first.model.generation_config
     assert gen["top_k"] == 7 and gen["temperature"] == pytest.approx(0.5)
+    assert gen["min_p"] == pytest.approx(0.05)
 
 
 def test_an_explicit_max_model_len_above_the_models_limit_is_an_error(param_cache, two_copies):
