@@ -24,6 +24,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least min_p times as likely as the likeliest (0: off)",
+    )
+    g.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of the sampling (default: random)"
     )
     g.add_argument(
@@ -42,6 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )

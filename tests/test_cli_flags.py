@@ -120,3 +120,11 @@ def test_top_level_help_imports_no_jax():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "generate" in r.stdout and "chat" in r.stdout and "serve" in r.stdout
+
+
+def test_generate_refuses_a_bad_min_p_before_starting_an_engine():
+    from nori_jax.generate_cli import run_generate
+
+    assert _parse("--min-p", "0.1").min_p == 0.1
+    with pytest.raises(ValueError, match="min_p=2.0"):
+        run_generate(_parse("--min-p", "2"))
