@@ -196,6 +196,29 @@ def test_logit_bias_through_the_official_client(oai: openai.OpenAI) -> None:
     assert chat.choices[0].message.content == ids.choices[0].text
 
 
+def test_choices_with_more_bias_entries_than_a_step_holds_all_finish(
+    oai: openai.OpenAI,
+) -> None:
+    """n = 12 choices of 256 logit_bias entries each (3,072, past the step's 2,048 places): the
+    scheduler runs 8 at a time (max_num_seqs is 16), and every choice finishes forced."""
+    bias = {str(t): -1.0 for t in range(100, 355)} | {"77": 100}
+    resp = oai.completions.create(
+        model=MODEL_NAME,
+        prompt=[5, 6, 7],
+        max_tokens=40,
+        n=12,
+        temperature=1.0,
+        seed=9,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )
+    forced = oai.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=40, logit_bias={"77": 100}, **GREEDY
+    )
+    assert len(resp.choices) == 12
+    assert {c.text for c in resp.choices} == {forced.choices[0].text}
+
+
 def test_chat(server: Server, oai: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     resp = oai.chat.completions.create(
