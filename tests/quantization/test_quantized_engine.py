@@ -104,14 +104,7 @@ def test_fp8_on_the_skinny_matmul_kernel(lookup, greedy):
     the kernel (interpret mode here) in every bucket, with float32's tokens and no recompile."""
     path, _ = lookup
     llm = LLM(str(path), quantization="fp8", quantized_matmul="pallas", **SMALL)
-    loaded = llm.engine.model
-    model = nnx.merge(loaded.graphdef, loaded.state)
-    layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
-    assert layers and all(n.pallas for n in layers)
-    assert all(n._skinny(t, jnp.float32) for n in layers for t in llm.engine.runner.buckets)
-    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
-    assert llm.engine.num_recompiles == 0
+    _every_layer_on_the_kernel_gives_float32s_tokens(llm, jnp.float32, greedy)
     assert llm.get_metrics()["nori:model_config_info"]["quantized_matmul"] == "pallas"
 
 
@@ -121,11 +114,16 @@ def test_int4_on_the_skinny_matmul_kernel(lookup, greedy):
     (interpret mode here), with float32's tokens and no recompile."""
     path, _ = lookup
     llm = LLM(str(path), quantization="int4", quantized_matmul="pallas", **SMALL | BF16)
+    _every_layer_on_the_kernel_gives_float32s_tokens(llm, jnp.bfloat16, greedy)
+
+
+def _every_layer_on_the_kernel_gives_float32s_tokens(llm, activation_dtype, greedy):
     loaded = llm.engine.model
     model = nnx.merge(loaded.graphdef, loaded.state)
     layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
     assert layers and all(n.pallas for n in layers)
-    assert all(n._skinny(t, jnp.bfloat16) for n in layers for t in llm.engine.runner.buckets)
+    buckets = llm.engine.runner.buckets
+    assert all(n._skinny(t, activation_dtype) for n in layers for t in buckets)
     p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
     assert llm.engine.num_recompiles == 0
