@@ -28,7 +28,7 @@ SCALE_AFTER_DOT_MAX_TOKENS = 64
 # (pallas_kernels/skinny_matmul) when the model asks for Pallas matmuls (quantized_matmul=
 # "pallas"): on the H200, cuBLASLt's fp8 GEMM read the weight at 0.5-0.8 TB/s at 16-128 tokens,
 # slower than bf16; the kernel at 1.2-1.8 TB/s (docs/benchmarks.md, "The skinny matmul"). Its
-# int8 / int4 forms are not measured yet.
+# int4 form is 1.1-3.2x XLA's int4 form per matmul and made the 8B engine 1.47x faster.
 SKINNY_MAX_TOKENS = 128
 
 
@@ -114,21 +114,14 @@ class QuantizedLinear(nnx.Module):
         return jax.lax.dot_general(x, self.weight().astype(x.dtype), _CONTRACT_IN)
 
     def _skinny(self, num_tokens: int, x_dtype) -> bool:
-        """A call of few tokens on a model that runs Pallas matmuls: the skinny matmul (the weight
-        streamed once) instead of XLA's dot, for fp8 (fp8 x fp8 wgmma, against cuBLASLt) and for
-        weight-only int8 / int4 with 16-bit tokens (the weight converted in registers; a
-        per-channel scale after, group scales inside). Not for offset layouts (GGUF Q4_1)."""
+        """A call of few tokens on a model that runs Pallas matmuls, of a mode the skinny matmul
+        takes (`skinny_matmul_takes`), whose shape fits its tiles."""
         out_features, in_features = self.qvalue.shape
         scheme = self.scheme
-        weight_only = (
-            scheme.mode in ("int8", "int4")
-            and not scheme.offset
-            and x_dtype in (jnp.bfloat16, jnp.float16)
-        )
         itemsize = 0.5 if scheme.mode == "int4" else 1
         return (
             self.pallas
-            and (scheme.mode == "fp8" or weight_only)
+            and skinny_matmul_takes(scheme, x_dtype)
             and num_tokens <= SKINNY_MAX_TOKENS
             and skinny_matmul_fits(
                 num_tokens, in_features, out_features, itemsize, scheme.group_size
@@ -146,6 +139,20 @@ class QuantizedLinear(nnx.Module):
             and self.scheme.group_size is None
             and num_tokens <= SCALE_AFTER_DOT_MAX_TOKENS
         )
+
+
+def skinny_matmul_takes(scheme: WeightQuantization, x_dtype) -> bool:
+    """Whether the skinny matmul (the weight streamed once) replaces XLA's dot for layers of
+    `scheme` with `x_dtype` tokens: fp8 (fp8 x fp8 wgmma, against cuBLASLt) and weight-only
+    int8 / int4 with 16-bit tokens (the weight converted in registers; a per-channel scale
+    after, group scales inside). Not offset layouts (GGUF Q4_1)."""
+    if scheme.mode == "fp8":
+        return True
+    return (
+        scheme.mode in ("int8", "int4")
+        and not scheme.offset
+        and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16)
+    )
 
 
 def linear_weight(
@@ -166,8 +173,8 @@ def linear_weight(
 
 def use_pallas_matmuls(model: nnx.Module) -> None:
     """Let the model's quantized layers run Pallas matmul kernels where one exists for their mode
-    (fp8: the skinny matmul in calls of few tokens). One device only: under tensor parallelism
-    XLA partitions the dots, which it cannot do to a kernel call."""
+    (the skinny matmul in calls of few tokens, `skinny_matmul_takes`). One device only: under
+    tensor parallelism XLA partitions the dots, which it cannot do to a kernel call."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, QuantizedLinear):
             node.pallas = True

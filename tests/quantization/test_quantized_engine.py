@@ -115,6 +115,7 @@ def test_int4_on_the_skinny_matmul_kernel(lookup, greedy):
     path, _ = lookup
     llm = LLM(str(path), quantization="int4", quantized_matmul="pallas", **SMALL | BF16)
     _every_layer_on_the_kernel_gives_float32s_tokens(llm, jnp.bfloat16, greedy)
+    assert llm.get_metrics()["nori:model_config_info"]["quantized_matmul"] == "pallas"
 
 
 def _every_layer_on_the_kernel_gives_float32s_tokens(llm, activation_dtype, greedy):
