@@ -118,6 +118,12 @@ def _is_union_tag(part: str | int) -> bool:
 _NO_TYPE_MATCHES = "no accepted type matches this value"
 
 
+def _is_type_mismatch(error_type: str) -> bool:
+    """pydantic's complaint that a value is not of a union member's type at all ("string_type",
+    "int_parsing", ...), as opposed to a check on the content of a value that is."""
+    return error_type.endswith(("_type", "_parsing")) or error_type == "is_instance_of"
+
+
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """One 400 for all of pydantic's complaints (`ValidationError.errors()`, FastAPI's or
     pydantic's own), `param` naming the first field at fault."""
@@ -137,18 +143,26 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         tags = [i for i, x in enumerate(loc) if _is_union_tag(x)]
         field = ".".join(str(x) for x in loc[: tags[0] if tags else len(loc)])
         msg = str(e.get("msg"))
-        if e.get("type") == "extra_forbidden":
+        kind = str(e.get("type"))
+        if kind == "extra_forbidden":
             msg = "this field is not supported by this server"
-        if e.get("type") == "value_error":  # a validator's ValueError (protocol.unicode_text)
+        if kind == "value_error":  # a validator's ValueError (protocol.unicode_text)
             msg = msg.removeprefix("Value error, ")
-            checks.setdefault(field, msg)
-        by_field.setdefault(field, []).append(msg)
+        if tags and not _is_type_mismatch(kind):
+            # A union member whose type matched and whose content a check refused: its
+            # complaint, at its place inside the value ("prompt.0", "stop.3").
+            inner = [str(x) for x in loc[tags[0] :] if not _is_union_tag(x)]
+            checks.setdefault(field, f"{'.'.join([field, *inner])}: {msg}")
+        elif kind == "value_error":
+            checks.setdefault(field, f"{field}: {msg}" if field else msg)
+        by_field.setdefault(field, []).append(f"{field}: {msg}" if field else msg)
     parts = []
     for field, msgs in by_field.items():
         # A union field reports each member's complaint; one line says it better: the member
         # whose type matched and whose content a check refused, else that no type matched.
-        msg = msgs[0] if len(msgs) == 1 else checks.get(field, _NO_TYPE_MATCHES)
-        parts.append(f"{field}: {msg}" if field else msg)
+        parts.append(
+            msgs[0] if len(msgs) == 1 else checks.get(field, f"{field}: {_NO_TYPE_MATCHES}")
+        )
     param = next(iter(by_field), None) or None
     return bad_request("; ".join(parts[:5]) or "invalid request body", param)
 

@@ -125,6 +125,27 @@ def test_bad_values(c: httpx.Client, body: dict, param: str) -> None:
     assert len(err["message"]) < 1000, err  # nothing of the client's echoed at length
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        # a union field says which check the value of the member that matched failed, and where
+        ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 items"),
+        (
+            {"prompt": "x", "stop": ["ok", "x" * 257]},
+            "stop",
+            "stop.1: Value should have at most 256",
+        ),
+        ({"prompt": [3, -5]}, "prompt", "prompt.1: Input should be greater than or equal to 0"),
+        ({"prompt": [[1], [2**40]]}, "prompt", "prompt.1.0: Input should be less than or equal"),
+        # no member's type matches at all
+        ({"prompt": {"a": 1}}, "prompt", "prompt: no accepted type matches this value"),
+    ],
+)
+def test_union_fields_say_what_failed(c: httpx.Client, body: dict, param: str, message: str):
+    err = assert_error(c.post("/v1/completions", json=body), 400, param)
+    assert message in err["message"], err
+
+
 def test_prompt_too_long(c: httpx.Client) -> None:
     assert_error(c.post("/v1/completions", json={"prompt": "x" * 256}), 400, "prompt")
     assert_error(c.post("/v1/completions", json={"prompt": [7] * 300}), 400, "prompt")
