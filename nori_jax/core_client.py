@@ -96,7 +96,7 @@ class _CoreProcess:
     ):
         env = replica_env(config, replica)  # before any socket: its ValueError leaves nothing
         self.paths = [os.path.join(directory, f"{name}-{n}") for name in ("in", "out")]
-        self.to_core = zctx.socket(zmq.PUSH)
+        self.to_core = _requests_socket(zctx)
         self.to_core.bind(f"ipc://{self.paths[0]}")
         self.from_core = zctx.socket(zmq.PULL)
         self.from_core.bind(f"ipc://{self.paths[1]}")
@@ -144,13 +144,24 @@ class _CoreProcess:
                 pass
 
 
+def _requests_socket(zctx: zmq.Context) -> zmq.Socket:
+    """The socket that carries requests and aborts to the core, with no high-water mark: while
+    the core runs a long step it reads nothing, and ZeroMQ's default (1,000 messages) would
+    refuse the rest of a burst (thousands of requests, or n = 64 choices each). Its size stays
+    bounded by the requests this server has in flight; the core's own admission refuses past
+    max_num_waiting."""
+    sock = zctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    return sock
+
+
 class _SharedCore:
     """The engine core another API server started (`--api-server-count`): this one binds its own
     pair of sockets, which the core connects to (and reconnects to after a restart), and watches
     the process by the id its Ready message gave."""
 
     def __init__(self, zctx: zmq.Context, input_addr: str, output_addr: str):
-        self.to_core = zctx.socket(zmq.PUSH)
+        self.to_core = _requests_socket(zctx)
         self.to_core.bind(input_addr)
         self.from_core = zctx.socket(zmq.PULL)
         self.from_core.bind(output_addr)
@@ -457,7 +468,12 @@ class EngineCoreClient(StreamingClient):
             self._streams[rid] = out_stream
             self._acks[rid] = ack
             self._processor.add(rid, text, token_ids, params, tuple(request.eos_token_ids), stream)
-        self._send_bytes(data)
+        if (why := self._send_bytes(data)) is not None:
+            with self._lock:
+                self._streams.pop(rid, None)
+                self._acks.pop(rid, None)
+                self._processor.drop(rid)
+            raise EngineStoppedError(f"could not reach the engine core: {why}")
         try:
             await asyncio.wrap_future(ack)
         except asyncio.CancelledError:
@@ -486,12 +502,15 @@ class EngineCoreClient(StreamingClient):
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))
 
-    def _send_bytes(self, data: bytes) -> None:
+    def _send_bytes(self, data: bytes) -> str | None:
+        """Send without blocking; why it could not be sent, or None."""
         with self._send_lock:
             try:
                 self._core.to_core.send(data, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # closed, restarting, or the core stopped reading
+            except zmq.ZMQError as e:  # closed or restarting
                 logger.warning("could not reach the engine core: %s", e)
+                return str(e)
+        return None
 
     # ---- the reader thread ------------------------------------------------------------------
 

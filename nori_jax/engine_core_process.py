@@ -147,6 +147,7 @@ def run_engine_core(
         raise ValueError(f"{len(input_addrs)} input and {len(output_addrs)} output addresses")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)  # a burst queues while a step runs (core_client.py)
     for addr in input_addrs:  # one socket fair-queues every client's messages
         inputs.connect(addr)
     clients = _Clients(ctx, output_addrs)

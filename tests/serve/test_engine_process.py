@@ -8,6 +8,7 @@ process and serves again (the restart counted in /metrics).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -22,6 +23,7 @@ from openai import OpenAI
 from serve_harness import MODEL_NAME, Server, client, engine_config, running_server
 
 from nori_jax import LLM, SamplingParams
+from nori_jax.async_engine import EngineStoppedError
 from nori_jax.core_client import EngineCoreClient
 from nori_jax.engine_core_process import AddRequests
 
@@ -129,6 +131,51 @@ def test_the_core_process_refuses_a_bad_request_alone(server: Server) -> None:
     assert engine.pid == pid and engine.is_healthy
     with client(server) as c:
         assert c.post("/generate", json={"prompt": [5, 6], **GREEDY}).status_code == 200
+
+
+def test_a_burst_sent_while_the_core_reads_nothing_is_served_whole(server: Server) -> None:
+    """While the core runs a long step it reads no requests; a burst bigger than ZeroMQ's default
+    high-water mark (1,000 messages) must queue, not be dropped (each dropped request used to
+    hang until its client gave up). The core is stopped (SIGSTOP) while 2,500 requests are
+    sent, then resumed: every one finishes."""
+    engine: EngineCoreClient = server.engine
+    pid, count = engine.pid, 2500
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def one(i: int) -> int:
+        stream = await engine.add_request([5, 6, 7 + i % 50], params, stream=False)
+        return len([o async for o in stream][-1].token_ids)
+
+    async def burst() -> list[int]:
+        tasks = [asyncio.create_task(one(i)) for i in range(count)]
+        deadline = time.monotonic() + 60
+        while engine.num_in_flight < count:  # all sent (or, before the fix, some dropped)
+            assert time.monotonic() < deadline, engine.num_in_flight
+            await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGCONT)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        lengths = asyncio.run(burst())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert lengths == [1] * count
+    assert engine.num_in_flight == 0 and engine.pid == pid
+
+
+def test_a_request_that_cannot_be_sent_is_refused_not_left_waiting(
+    server: Server, monkeypatch
+) -> None:
+    """A send the socket refuses (closed mid-restart) fails the request at once with
+    EngineStoppedError (HTTP 503) and leaves nothing registered, instead of waiting forever for
+    an acknowledgement that cannot come."""
+    engine: EngineCoreClient = server.engine
+    monkeypatch.setattr(engine, "_send_bytes", lambda data: "Socket operation on non-socket")
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(EngineStoppedError, match="could not reach the engine core"):
+        asyncio.run(asyncio.wait_for(engine.add_request([5, 6], params), 10))
+    assert engine.num_in_flight == 0 and not engine._acks
 
 
 def test_engine_process_death_fails_every_request_in_flight(server: Server) -> None:
