@@ -126,6 +126,8 @@ class RequestStream:
             later.new_text = item.new_text + later.new_text
             if later.new_logprobs is not None:
                 later.new_logprobs = (item.new_logprobs or []) + later.new_logprobs
+            if later.new_top_logprobs is not None:
+                later.new_top_logprobs = (item.new_top_logprobs or []) + later.new_top_logprobs
             item = later
         self.finished = item.finished
         return item

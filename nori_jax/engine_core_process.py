@@ -250,6 +250,7 @@ def split_outputs(
     for mine in rows:
         ids = [out.request_ids[r] for r in mine]
         logprobs = {rid: out.logprobs[rid] for rid in ids if rid in out.logprobs}
+        top = {rid: out.top_logprobs[rid] for rid in ids if rid in out.top_logprobs}
         parts.append(
             EngineCoreOutputs(
                 ids,
@@ -259,6 +260,7 @@ def split_outputs(
                 out.first_tokens,
                 out.stats,
                 out.transfers,
+                top,
             )
         )
     return parts

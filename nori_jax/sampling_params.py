@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-# Logprob of the sampled token is the only logprob the step returns (one number per row).
-MAX_LOGPROBS = 1
+# logprobs: the sampled token's logprob (0) and up to this many most likely tokens with theirs
+# (vLLM's default max_logprobs; the step returns that many for each row that asks).
+MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 # Stop strings are matched against each new piece of text of the request, stop token ids against
@@ -50,8 +51,9 @@ class SamplingParams:
     after temperature and before top-k / top-p, as vLLM does). `logit_bias` maps token ids to a
     bias in [-100, 100] added to their logits before anything else (greedy too; logprobs are
     then those of the biased logits). `seed` makes a
-    request's sampled tokens reproducible whatever else runs beside it. `logprobs` (0 or 1) returns
-    the log-probability of each sampled token under the model's unscaled distribution.
+    request's sampled tokens reproducible whatever else runs beside it. `logprobs` returns the
+    log-probability of each sampled token under the model's unscaled distribution (after
+    logit_bias), and with logprobs = k >= 1 also the k most likely tokens with theirs.
     """
 
     max_tokens: int = 16
@@ -108,7 +110,8 @@ class SamplingParams:
         ):
             raise ParameterError(
                 "logprobs",
-                f"logprobs={self.logprobs!r} must be 0 or {MAX_LOGPROBS} (sampled token only)",
+                f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}] (0: the "
+                "sampled token's logprob only; k: also the k most likely tokens)",
             )
         self._validate_stops()
         self._validate_logit_bias()

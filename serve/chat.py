@@ -13,6 +13,7 @@ from nori_jax.core.outputs import RequestOutput
 from serve import convert, generation
 from serve.choices import Choices
 from serve.context import get_context
+from serve.errors import bad_request
 from serve.protocol import ChatCompletionRequest
 from serve.responses import chat_logprobs, new_logprobs, stage_metrics, usage, whole_answer
 from serve.streaming import SSE_DONE, sse, stream_events
@@ -43,14 +44,18 @@ class ChatCompletion(generation.GenerationRoute):
         return self.body.max_tokens, "max_tokens"
 
     def logprobs(self) -> int | None:
-        return 0 if self.body.logprobs else None
+        if self.body.top_logprobs is not None and not self.body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.body.top_logprobs or 0) if self.body.logprobs else None
 
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for index, out in enumerate(outs):
             logprobs = None
             if self.body.logprobs:
-                logprobs = chat_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs)
+                logprobs = chat_logprobs(
+                    self.ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs
+                )
             choices.append(
                 {
                     "index": index,
@@ -78,7 +83,9 @@ class ChatCompletion(generation.GenerationRoute):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
             if want_logprobs:
-                logprobs = chat_logprobs(ctx.tokenizer, out.new_token_ids, new_logprobs(out))
+                logprobs = chat_logprobs(
+                    ctx.tokenizer, out.new_token_ids, new_logprobs(out), out.new_top_logprobs
+                )
             if out.new_text or logprobs:
                 yield sse(chunk(index, {"content": out.new_text}, None, logprobs))
             if out.finished:

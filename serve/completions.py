@@ -63,7 +63,9 @@ class Completion(generation.GenerationRoute):
         for index, out in enumerate(outs):
             logprobs = None
             if out.logprobs is not None:
-                logprobs = completion_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs, 0)
+                logprobs = completion_logprobs(
+                    self.ctx.tokenizer, out.token_ids, out.logprobs, 0, out.top_logprobs
+                )
             choices.append(_choice(index, self._echo + out.text, logprobs, out.finish_reason))
         return whole_answer(head, "text_completion", choices, outs)
 
@@ -82,7 +84,11 @@ class Completion(generation.GenerationRoute):
             logprobs = None
             if want_logprobs:
                 logprobs = completion_logprobs(
-                    ctx.tokenizer, out.new_token_ids, new_logprobs(out), text_offsets[index]
+                    ctx.tokenizer,
+                    out.new_token_ids,
+                    new_logprobs(out),
+                    text_offsets[index],
+                    out.new_top_logprobs,
                 )
             text_offsets[index] += len(out.new_text)
             finish = out.finish_reason if out.finished else None

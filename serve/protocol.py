@@ -116,7 +116,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None  # None: up to the model length
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # the sampled token only
+    # the most likely tokens per position, with `logprobs: true`
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM extensions
     add_generation_prompt: bool = True

@@ -40,30 +40,71 @@ def token_strings(tok: Tokenizer | None, token_ids: list[int]) -> list[str]:
     return [tok.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
+TopLogprobs = list[list[tuple[int, float]]]  # per token: (token id, logprob), best first
+
+
 def completion_logprobs(
-    tok: Tokenizer | None, token_ids: list[int], logprobs: list[float], text_offset: int
+    tok: Tokenizer | None,
+    token_ids: list[int],
+    logprobs: list[float],
+    text_offset: int,
+    top: TopLogprobs | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs object; only the sampled token's logprob (top_logprobs: null)."""
+    """OpenAI's legacy logprobs object. `top_logprobs` (with logprobs >= 1): per token, a
+    mapping of the most likely tokens' strings to their logprobs, and the sampled token's
+    (so up to logprobs + 1 entries, as OpenAI and vLLM answer); null with logprobs = 0. Tokens
+    that decode to one string (byte pieces of a character, U+FFFD) share an entry, which holds
+    the likeliest's logprob, or the sampled token's if it is one of them."""
     tokens = token_strings(tok, token_ids)
     offsets = []
     for t in tokens:
         offsets.append(text_offset)
         text_offset += len(t)
+    top_maps = None
+    if top is not None:
+        top_maps = []
+        for token, lp, pairs in zip(tokens, logprobs, top, strict=True):
+            mapping: dict[str, float] = {}
+            strings = token_strings(tok, [i for i, _ in pairs])
+            for string, value in zip(strings, (v for _, v in pairs), strict=True):
+                mapping.setdefault(string, value)  # tokens of one string: the likeliest's
+            mapping[token] = lp  # the sampled token's own, as token_logprobs says
+            top_maps.append(mapping)
     return {
         "tokens": tokens,
         "token_logprobs": logprobs,
-        "top_logprobs": None,
+        "top_logprobs": top_maps,
         "text_offset": offsets,
     }
 
 
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 def chat_logprobs(
-    tok: Tokenizer | None, token_ids: list[int], logprobs: list[float]
+    tok: Tokenizer | None,
+    token_ids: list[int],
+    logprobs: list[float],
+    top: TopLogprobs | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's chat logprobs: per token its string, logprob and bytes, and `top_logprobs`, the
+    `top_logprobs` most likely tokens (empty without them)."""
+    tops = top if top is not None else [[] for _ in token_ids]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(token_strings(tok, token_ids), logprobs, strict=True)
+            _chat_entry(t, lp)
+            | {
+                "top_logprobs": [
+                    _chat_entry(s, v)
+                    for s, v in zip(
+                        token_strings(tok, [i for i, _ in pairs]),
+                        (v for _, v in pairs),
+                        strict=True,
+                    )
+                ]
+            }
+            for t, lp, pairs in zip(token_strings(tok, token_ids), logprobs, tops, strict=True)
         ]
     }
 

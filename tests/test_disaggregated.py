@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 SCRIPT = textwrap.dedent(
@@ -37,6 +38,10 @@ SCRIPT = textwrap.dedent(
 
     def tokens(llm):
         return [o.token_ids for o in llm.generate(prompts, params)]
+
+    def top_of(llm):
+        top = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+        return llm.generate([prompts[2]], top)[0].top_logprobs
 
     def kv_of(llm, schedulers_and_runners, prompt):
         # Run one request alone; return its KV, token by token, from the pages that held it.
@@ -60,6 +65,7 @@ SCRIPT = textwrap.dedent(
 
     single = LLM("tiny-llama", **kw)
     report["single"] = tokens(single)
+    report["single_top"] = top_of(single)
     kv_single = kv_of(single, [(single.engine.scheduler, single.engine.runner)], fresh)
 
     layouts = {"pd-1-1": "pd-1-1", "pd-2-2": "pd-2-2",
@@ -106,6 +112,8 @@ SCRIPT = textwrap.dedent(
             out["async"] = asyncio.run(serve_one())
         out["recompiles"] = llm.engine.num_recompiles
         out["metrics"] = llm.get_metrics()
+        if name == "pd-1-1":  # after the metrics, which count this layout's transfers
+            out["top"] = top_of(llm)
         report[name] = out
     # Multi-step decode on the decode side (the prefill side hands each request off first).
     llm = LLM("tiny-llama", mesh="pd-1-1", num_scheduler_steps=4, **kw)
@@ -154,6 +162,17 @@ def test_decode_pages_hold_the_kv_computed_in_place(report, layout):
 def test_nothing_compiles_after_warm_up(report, layout):
     r = report[layout]
     assert r["recompiles"] == 0 and r["metrics"]["nori:recompiles_total"] == 0
+
+
+def test_top_logprobs_cross_from_the_prefill_to_the_decode_side(report):
+    """The first token's top logprobs come from the prefill side, the rest from the decode side:
+    together those of the single-device engine."""
+    want, got = report["single_top"], report["pd-1-1"]["top"]
+    assert len(got) == len(want) == 6
+    assert [[t for t, _ in p] for p in got] == [[t for t, _ in p] for p in want]
+    np.testing.assert_allclose(
+        [[v for _, v in p] for p in got], [[v for _, v in p] for p in want], atol=1e-5
+    )
 
 
 def test_multi_step_decode_on_the_decode_side_gives_the_same_tokens(report):

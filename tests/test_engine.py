@@ -189,6 +189,43 @@ def test_logprobs_are_log_probabilities_of_sampled_tokens(llm):
     )
     expected = ref[np.arange(8), out.token_ids]
     np.testing.assert_allclose(out.logprobs, expected, rtol=1e-4, atol=1e-4)
+    # logprobs=1 also gives the most likely token: greedy's own, with the same logprob
+    assert [[t for t, _ in top] for top in out.top_logprobs] == [[t] for t in out.token_ids]
+    np.testing.assert_allclose([top[0][1] for top in out.top_logprobs], out.logprobs, atol=1e-6)
+
+
+def test_top_logprobs_against_the_reference(llm):
+    """logprobs=k: the k most likely tokens of every position with their logprobs, against a
+    float32 reference of the same checkpoint, for a sampled request (the sampler program) beside
+    greedy ones with and without logprobs, each its own k."""
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [40, 41], [11, 12, 13, 14, 15]]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=20, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True),
+    ]
+    outs = llm.generate(prompts, params)
+    assert outs[2].top_logprobs is None and outs[3].top_logprobs is None
+    assert outs[3].logprobs is not None
+    from model_harness import PagedSequence, load
+
+    for prompt, p, out in zip(prompts[:2], params[:2], outs[:2], strict=True):
+        n = len(prompt)
+        logits = PagedSequence(load(llm.engine.model.source)).feed(prompt + out.token_ids[:-1])
+        logits = logits[n - 1 :].astype(np.float64)
+        ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        assert len(out.top_logprobs) == 6
+        for j, top in enumerate(out.top_logprobs):
+            assert len(top) == p.logprobs
+            ids = [t for t, _ in top]
+            np.testing.assert_allclose([v for _, v in top], ref[j, ids], atol=1e-4)
+            assert sorted(ref[j, ids], reverse=True) == list(ref[j, ids])  # best first
+            assert ref[j, ids[-1]] >= np.sort(ref[j])[-p.logprobs] - 1e-4  # none better left out
+        # the sampled token's logprob is its entry where it is among the top
+        for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+            assert dict(top).get(t, lp) == pytest.approx(lp, abs=1e-6)
+    assert llm.engine.num_recompiles == 0  # the top-logprobs programs were compiled and warmed
 
 
 def test_stop_token_ids_and_eos(llm):

@@ -85,6 +85,31 @@ def test_tokens_equal_one_step_per_launch(one_step, multi_step, num_requests):
     assert multi_step.engine.core.scheduler.allocator.num_used_pages == 0
 
 
+def test_top_logprobs_run_one_step_a_launch(one_step, multi_step):
+    """A request with top logprobs makes its steps single launches (the top-logprobs program
+    follows a single step's forward pass), with one step's tokens and top logprobs; once it
+    finishes, the others decode multi-step again."""
+    prompts = _prompts(3, seed=5)
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.9, seed=7, logprobs=3),
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=0),
+    ]
+    expected, one_outs = _run(one_step, prompts, params)
+    core = multi_step.engine.core
+    launches, multi = core.step_times.steps, core.step_times.multi_step_launches
+    got, outs = _run(multi_step, prompts, params)
+    assert got == expected
+    for a, b in zip(outs[0].top_logprobs, one_outs[0].top_logprobs, strict=True):
+        assert len(a) == 3 and [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+    multi = core.step_times.multi_step_launches - multi
+    assert multi > 0  # after the request with top logprobs finished
+    # its 6 tokens came from single launches: at least that many besides the multi-step ones
+    assert core.step_times.steps - launches - multi >= 6
+    assert multi_step.engine.num_recompiles == 0
+
+
 def test_a_stop_token_inside_a_launch_ends_the_output_there(one_step, multi_step):
     prompt = _prompts(1, seed=21)[0]
     free, _ = _run(one_step, [prompt], [SamplingParams(max_tokens=16, temperature=0.0)])
@@ -119,7 +144,7 @@ def test_the_multi_step_buffers_keep_their_addresses(multi_step):
         states = [runner._step_state, runner._samples_state, runner._all_samples_state]
         return [x.unsafe_buffer_pointer() for x in states + list(runner.kv_pages)]
 
-    assert runner._all_samples_state.shape == (K, 2, runner.layout.max_num_seqs)
+    assert runner._all_samples_state.shape == (K, 2, runner.layout.samples_width)
     before = addresses()
     launches = multi_step.engine.core.step_times.multi_step_launches
     _run(multi_step, _prompts(3, seed=5), _settings(3))

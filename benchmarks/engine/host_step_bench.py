@@ -93,7 +93,7 @@ def main() -> None:
         t1 = time.perf_counter()
         plan = builder.build(scheduled)
         t2 = time.perf_counter()
-        tokens, logprobs = ex.fetch(ex.launch(plan))
+        tokens, logprobs, _ = ex.fetch(ex.launch(plan))
         t3 = time.perf_counter()
         upd = scheduler.update(scheduled, tokens, logprobs)
         t4 = time.perf_counter()

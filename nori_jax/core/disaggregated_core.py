@@ -257,6 +257,7 @@ class DisaggregatedCore:
             {k: v for o in outs for k, v in o.logprobs.items()},
             [f for o in outs for f in o.finished],
             [f for o in outs for f in o.first_tokens],
+            top_logprobs={k: v for o in outs for k, v in o.top_logprobs.items()},
         )
         merged.transfers, self._transfers = self._transfers, []
         stats = [o.stats for o in outs if o.stats is not None]

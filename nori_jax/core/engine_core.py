@@ -221,9 +221,9 @@ class EngineCore:
         t3 = t4 = t2
         out = EngineCoreOutputs.empty()
         if done is not None:
-            tokens, logprobs = self.executor.fetch(done[1])
+            samples = self.executor.fetch(done[1])  # tokens, logprobs[, top logprobs]
             t3 = time.perf_counter()
-            out = self._outputs(self.scheduler.update(done[0], tokens, logprobs))
+            out = self._outputs(self.scheduler.update(done[0], *samples))
             t4 = time.perf_counter()
         out.finished.extend(pending.failed)
         st = self.step_times
@@ -285,6 +285,7 @@ class EngineCore:
                 FirstToken(r.request_id, r.times.first_token - r.times.arrival)
                 for r in upd.first_tokens
             ],
+            top_logprobs=upd.top_logprobs,
         )
 
     def _stats(self, num_tokens: int, schedule_s: float, step_s: float, steps: int) -> StepStats:

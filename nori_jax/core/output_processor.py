@@ -30,6 +30,7 @@ class _Stream:
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # logprobs >= 1
     released: list[str] = dataclasses.field(default_factory=list)  # text pieces handed out
     held: str = ""  # text not yet released: it may be the start of a stop string
     max_stop_len: int = 0
@@ -79,6 +80,8 @@ class OutputProcessor:
             s.detok = self._detokenizer(s)
         if params.logprobs is not None:
             s.logprobs = []
+        if params.logprobs:
+            s.top_logprobs = []
         self._streams[request_id] = s
         # Never stopped while running either: a stream stops only through its detokenizer or
         # its stop strings, and without a detokenizer a final-only stream checks neither.
@@ -107,6 +110,7 @@ class OutputProcessor:
         ended: dict[str, str] = {}
         lp = outs.logprobs
         lp_used: dict[str, int] = {}  # logprobs taken per request (several tokens: multi-step)
+        top = outs.top_logprobs
         plain = self._plain
         if self._at_finish == len(streams):
             rows = ()  # every stream takes its tokens from its finish: nothing per row
@@ -126,6 +130,9 @@ class OutputProcessor:
                 lp_used[rid] = j + 1
                 values = lp.get(rid)
                 s.logprobs.append(values[j] if values is not None and j < len(values) else 0.0)
+                if s.top_logprobs is not None:
+                    pairs = top.get(rid)
+                    s.top_logprobs.append(pairs[j] if pairs is not None and j < len(pairs) else [])
             if s.detok is not None:
                 f = finished.get(rid)
                 try:
@@ -205,6 +212,8 @@ class OutputProcessor:
             logprobs=s.logprobs,
             metrics=f.metrics,
             error=error,
+            new_top_logprobs=_new(s.top_logprobs, s.num_reported),
+            top_logprobs=s.top_logprobs,
         )
         if s.detok is not None or error:
             out._text = "".join(s.released)
@@ -251,6 +260,7 @@ class OutputProcessor:
         if not new_ids and not text:
             return None
         new_lp = s.logprobs[s.num_reported :] if s.logprobs is not None else None
+        new_top = _new(s.top_logprobs, s.num_reported)
         s.num_reported = len(s.token_ids)
         s.num_pieces_reported = len(s.released)
         return RequestOutput(
@@ -262,6 +272,7 @@ class OutputProcessor:
             new_logprobs=new_lp,
             finished=False,
             finish_reason=None,
+            new_top_logprobs=new_top,
         )
 
     @staticmethod
@@ -285,6 +296,10 @@ class OutputProcessor:
         self._plain.pop(request_id, None)
         if s is not None and s.ids_at_finish:
             self._at_finish -= 1
+
+
+def _new(values: list | None, reported: int) -> list | None:
+    return values[reported:] if values is not None else None
 
 
 def _failed_output(f: FinishedRequest, e: Exception) -> RequestOutput:

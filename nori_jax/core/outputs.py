@@ -96,6 +96,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     first_tokens: list[FirstToken]
     stats: StepStats | None = None
     transfers: list[KVTransfer] = []  # disaggregated engines: KV moves that landed or failed
+    # For the requests with logprobs >= 1: per token gained, its (token id, logprob) pairs
+    top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -121,6 +123,11 @@ class RequestOutput:
     logprobs: list[float] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # finish_reason "error": why the engine failed this request alone
+    # logprobs >= 1: per token of new_token_ids (new_top_logprobs) and, on the finished output,
+    # of the whole output (top_logprobs), its `logprobs` most likely (token id, logprob) pairs,
+    # best first, of the distribution the sampled token's logprob is taken from.
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     _text: str | None = dataclasses.field(default=None, repr=False)
     _decode: Callable[[], str] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -41,7 +41,7 @@ from nori_jax.core.scheduler_output import (
     SchedulerOutput,
 )
 from nori_jax.core.slot_counters import SlotCounters
-from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY
+from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY, TOP_LOGPROBS_ROWS
 from nori_jax.core.step_plan import token_buckets
 
 
@@ -66,6 +66,9 @@ class StepUpdate:
     logprobs: dict[str, list[float]]
     finished: list[Request]  # finished by these samples (stop token, length)
     first_tokens: list[Request]  # requests whose first output token this was
+    # For the requests with logprobs >= 1: per token gained, its `logprobs` most likely
+    # (token id, logprob) pairs, best first.
+    top_logprobs: dict[str, list[list[tuple[int, float]]]] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler:
@@ -91,6 +94,9 @@ class Scheduler:
         # logit_bias entries of the running requests: they share the step buffer's room
         # (LOGIT_BIAS_CAPACITY), so a request is admitted only while its entries fit.
         self._logit_bias_entries = 0
+        # Running requests with logprobs >= 1: each needs one of the step's TOP_LOGPROBS_ROWS
+        # places, so a request is admitted only while one is free.
+        self._top_logprobs_requests = 0
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -187,7 +193,7 @@ class Scheduler:
     def _admit_arrived(self) -> None:
         cfg = self.config
         while self.arrived and len(self.running) < cfg.max_num_seqs:
-            if not self._logit_bias_fits(self.arrived[0]):
+            if not self._logit_bias_fits(self.arrived[0]) or not self._top_fits(self.arrived[0]):
                 break
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
@@ -225,10 +231,14 @@ class Scheduler:
         self.running.append(req)
         self._running_slots = np.append(self._running_slots, req.slot)
         self._logit_bias_entries += _num_logit_bias(req)
+        self._top_logprobs_requests += _wants_top(req)
 
     def _logit_bias_fits(self, req: Request) -> bool:
         n = _num_logit_bias(req)
         return not n or self._logit_bias_entries + n <= LOGIT_BIAS_CAPACITY
+
+    def _top_fits(self, req: Request) -> bool:
+        return not _wants_top(req) or self._top_logprobs_requests < TOP_LOGPROBS_ROWS
 
     def _leave_running(self, req: Request) -> None:
         """`req` leaves the running batch and its slot."""
@@ -237,6 +247,7 @@ class Scheduler:
         slots = self._running_slots
         self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
         self._logit_bias_entries -= _num_logit_bias(req)
+        self._top_logprobs_requests -= _wants_top(req)
         self._release_slot(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -272,6 +283,8 @@ class Scheduler:
             and not self.num_waiting
             and not self.arrived
             and not self.hand_off
+            # top logprobs run in a program of their own after a single step's forward pass
+            and not c.wants_top_logprobs[decodes].any()
         ):
             steps = self._multi_step_pages(decodes)
             if steps is not None:
@@ -410,6 +423,7 @@ class Scheduler:
         in_flight: set[bytes] | None = None  # built when a request first needs it
         i = 0  # the queue's head, past the requests deferred in this step
         bias_deferred = False  # a request waits for logit_bias room: none with entries passes it
+        top_deferred = False  # the same for a top-logprobs place
         while i < len(queue) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = queue[i]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
@@ -420,6 +434,10 @@ class Scheduler:
                 # to finish. Requests without entries go past it meanwhile; requests with fewer
                 # do not, or a stream of them could keep its room taken for ever.
                 bias_deferred = True
+                i += 1
+                continue
+            if _wants_top(req) and (top_deferred or not self._top_fits(req)):
+                top_deferred = True  # every place is taken: as for logit_bias above
                 i += 1
                 continue
             # Reuse cached full pages, but always leave at least one token to compute: the step
@@ -570,6 +588,7 @@ class Scheduler:
             num_tokens=nd + sum(n for _, n in prefills),
             num_steps=self.config.num_scheduler_steps if decode_steps is not None else 1,
             decode_steps=decode_steps,
+            top_rows=np.flatnonzero(samples & c.wants_top_logprobs[row_slots]).astype(np.int32),
         )
 
     def _advance(self, slot: int, n: int, row: int) -> bool:
@@ -585,9 +604,15 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
 
     def update(
-        self, out: SchedulerOutput, next_tokens: np.ndarray, logprobs: np.ndarray | None = None
+        self,
+        out: SchedulerOutput,
+        next_tokens: np.ndarray,
+        logprobs: np.ndarray | None = None,
+        top: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepUpdate:
-        """Apply a step's sampled tokens (`next_tokens[i]` is row i's sample).
+        """Apply a step's sampled tokens (`next_tokens[i]` is row i's sample; `logprobs[i]` its
+        logprob; `top` the (token ids, logprobs) [P, TOP_LOGPROBS] of the step's top-logprobs
+        places, `out.top_rows`).
 
         The step already advanced every request's progress when it was planned; this delivers
         the samples. A request finished meanwhile (stop string, abort) is skipped; one preempted
@@ -595,7 +620,7 @@ class Scheduler:
         waits. A multi-step launch's samples are `next_tokens[step, row]` (`_update_steps`).
         """
         if out.decode_steps is not None:
-            return self._update_steps(out, next_tokens, logprobs)
+            return self._update_steps(out, next_tokens, logprobs, top)
         c, now = self.slots, time.monotonic()
         slots = out.row_slots
         live = c.epoch[slots] == out.row_epochs  # still in the slot it was planned in
@@ -625,6 +650,8 @@ class Scheduler:
                 req, lp = reqs[rows[j]], float(logprobs[rows[j]])
                 req.output_logprobs.append(lp)
                 update.logprobs[req.request_id] = [lp]
+        if top is not None and len(out.top_rows):
+            self._deliver_top(out, top[0][None], top[1][None], np.ones(len(reqs), int), update)
 
         # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
         ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
@@ -665,7 +692,11 @@ class Scheduler:
         return update
 
     def _update_steps(
-        self, out: SchedulerOutput, next_tokens: np.ndarray, logprobs: np.ndarray | None
+        self,
+        out: SchedulerOutput,
+        next_tokens: np.ndarray,
+        logprobs: np.ndarray | None,
+        top: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepUpdate:
         """`update` for a multi-step launch: row i's samples are `next_tokens[:steps[i], i]`, cut
         after the first that finishes its request (a stop token or EOS; max_tokens and the
@@ -730,6 +761,8 @@ class Scheduler:
                 lps = logprobs[:n, rows[j]].astype(float).tolist()
                 req.output_logprobs.extend(lps)
                 update.logprobs[req.request_id] = lps
+        if top is not None and len(out.top_rows):
+            self._deliver_top(out, top[0], top[1], take, update)
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
         # Finishes: rows that stopped, reached their length, or were preempted (checked alone).
@@ -742,6 +775,28 @@ class Scheduler:
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
         return update
+
+    @staticmethod
+    def _deliver_top(
+        out: SchedulerOutput,
+        ids: np.ndarray,
+        values: np.ndarray,
+        take: np.ndarray,
+        update: StepUpdate,
+    ) -> None:
+        """The top logprobs of the step's places (`ids`, `values`: [steps, P, TOP_LOGPROBS])
+        to their rows' requests, `take[row]` steps each, `logprobs` pairs per token. Before
+        this step's finishes: a request that finished earlier (abort, stop string) gets none."""
+        reqs = out.row_requests
+        for p, i in enumerate(out.top_rows.tolist()):
+            req = reqs[i]
+            if req.is_finished:
+                continue
+            k, n = req.params.logprobs, int(take[i])
+            top_ids, top_values = ids[:n, p, :k].tolist(), values[:n, p, :k].astype(float).tolist()
+            pairs = [list(zip(a, b, strict=True)) for a, b in zip(top_ids, top_values, strict=True)]
+            req.output_top_logprobs.extend(pairs)
+            update.top_logprobs[req.request_id] = pairs
 
     def _register_full_pages(self, slots: np.ndarray) -> None:
         """Publish pages filled by launched steps. Their tokens are all known on the host by now,
@@ -781,6 +836,8 @@ class Scheduler:
         assert c.num_free + len(self.running) == self.config.max_num_seqs
         assert self._logit_bias_entries == sum(map(_num_logit_bias, self.running))
         assert self._logit_bias_entries <= LOGIT_BIAS_CAPACITY
+        assert self._top_logprobs_requests == sum(map(_wants_top, self.running))
+        assert self._top_logprobs_requests <= TOP_LOGPROBS_ROWS
         for r in self.running:
             s = r.slot
             assert r.status is RequestStatus.RUNNING and c.requests[s] is r
@@ -799,6 +856,10 @@ class Scheduler:
 
 def _num_logit_bias(req: Request) -> int:
     return len(req.params.logit_bias or ())
+
+
+def _wants_top(req: Request) -> bool:
+    return bool(req.params.logprobs)
 
 
 def _acquire(req: Request) -> Acquire:

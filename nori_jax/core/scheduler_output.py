@@ -77,6 +77,9 @@ class SchedulerOutput:
     # context ends it first). One step: num_steps 1, decode_steps None.
     num_steps: int = 1
     decode_steps: np.ndarray | None = None  # int32[D]
+    # The sampling rows of requests with logprobs >= 1, in the order of the step's top-logprobs
+    # places (core/step_layout.py, `top_rows`): place p's top tokens are row top_rows[p]'s.
+    top_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_decodes(self) -> int:

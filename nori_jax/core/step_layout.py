@@ -25,11 +25,18 @@ import math
 
 import numpy as np
 
+from nori_jax.sampling_params import MAX_LOGPROBS
+
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "prev_index")
 FIELD_ALIGN = 64  # int32 elements: 256 bytes
 # logit_bias entries (row, token, bias) of one step, all rows together: the scheduler admits a
 # request only while the running requests' entries fit (scheduler.py), so none is ever dropped.
 LOGIT_BIAS_CAPACITY = 2048
+# Top logprobs: the rows of one step that get the TOP_LOGPROBS most likely tokens with their
+# logprobs (requests with logprobs >= 1); the scheduler admits such a request only while a place
+# is free (scheduler.py). Their (token, logprob) pairs come back after the rows' samples.
+TOP_LOGPROBS_ROWS = 64
+TOP_LOGPROBS = MAX_LOGPROBS  # per place: a request takes any number up to it
 # input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
 # padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
 # device (sampled by the previous step) the row of that step whose sample it is, else -1.
@@ -89,6 +96,8 @@ class StepLayout:
             ("bias_rows", (LOGIT_BIAS_CAPACITY,), np.int32),
             ("bias_tokens", (LOGIT_BIAS_CAPACITY,), np.int32),
             ("bias_values", (LOGIT_BIAS_CAPACITY,), np.float32),
+            # rows whose top logprobs the step computes, in place order; unused: max_num_seqs
+            ("top_rows", (TOP_LOGPROBS_ROWS,), np.int32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], len(TOKEN_FIELDS) * self.token_capacity
@@ -96,6 +105,12 @@ class StepLayout:
             fields.append(Field(name, offset, shape, dtype))
             offset += _aligned(math.prod(shape))
         return tuple(fields)
+
+    @functools.cached_property
+    def samples_width(self) -> int:
+        """Columns of the step's samples (int32[2, W]: token ids, then float32 logprob bits):
+        one per row, then TOP_LOGPROBS for each place of `top_rows`."""
+        return self.max_num_seqs + TOP_LOGPROBS_ROWS * TOP_LOGPROBS
 
     @functools.cached_property
     def size(self) -> int:
@@ -111,9 +126,11 @@ class StepLayout:
         return self._by_name[name]
 
     def new_step(self) -> np.ndarray:
-        """A zeroed step buffer; prev_index starts at -1 (every id known)."""
+        """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs
+        places unused (max_num_seqs)."""
         buf = np.zeros(self.size, np.int32)
         self.tokens(buf)[TOKEN_FIELDS.index("prev_index")] = -1
+        self.view(buf, "top_rows")[:] = self.max_num_seqs
         return buf
 
     def tokens(self, buf: np.ndarray, bucket: int | None = None) -> np.ndarray:

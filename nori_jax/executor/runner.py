@@ -45,7 +45,7 @@ from nori_jax.core.sampling_modes import (
     multi_step_programs,
     sampler_programs,
 )
-from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
+from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, TOP_LOGPROBS_ROWS, StepLayout
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
@@ -61,6 +61,7 @@ from nori_jax.executor.step_programs import (
     sample_from_logits,
     stage,
     stage_and_peek,
+    top_logprobs_from_logits,
 )
 from nori_jax.models.linear import MODEL
 from nori_jax.weights.loader import LoadedModel
@@ -97,6 +98,8 @@ def _program_name(kind: str, key) -> str:
     (compiled_programs)."""
     if kind == "sampler":
         return f"sampler {key[0].name} ({key[1]} rows)"
+    if kind == "top":
+        return f"top logprobs ({key} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     if kind in ("stage", "stage+peek", "peek"):
@@ -176,6 +179,15 @@ class ModelRunner:
             )
             for program in {p for p, _ in self.sampler_keys}
         }
+        # The top logprobs of a step whose plan asks for them, per logit rows R.
+        self.top_keys = sorted({logit_rows(layout.max_num_seqs, t) for t in self.buckets})
+        self._top_fn = jax.jit(
+            functools.partial(top_logprobs_from_logits, layout),
+            static_argnums=(0,),
+            donate_argnums=(1,),
+            keep_unused=True,
+            out_shardings=self._replicated,
+        )
         self._stage_fn = jax.jit(stage, donate_argnums=(0,), out_shardings=self._replicated)
         self._peek_fn = jax.jit(peek, out_shardings=self._replicated)
         self._stage_peek_fn = jax.jit(
@@ -228,13 +240,13 @@ class ModelRunner:
         self.copy_back_early = True
         # The device buffers every step reads and writes in place (module docstring: their
         # addresses never change, so XLA's CUDA graphs launch without an update).
-        s, vocab = layout.max_num_seqs, cfg.vocab_size
+        s, w, vocab = layout.max_num_seqs, layout.samples_width, cfg.vocab_size
         self._step_state = put(layout.new_step(), self._replicated)
-        self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
+        self._samples_state = put(np.zeros((2, w), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
         k = num_scheduler_steps
         self._all_samples_state = (
-            put(np.zeros((k, 2, s), np.int32), self._replicated) if self.multi_step_keys else None
+            put(np.zeros((k, 2, w), np.int32), self._replicated) if self.multi_step_keys else None
         )
         # The last launch's samples while only the runner's buffer holds them (no copy yet).
         self._unpeeked: LaunchedSamples | None = None
@@ -255,12 +267,12 @@ class ModelRunner:
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_abs = [as_abstract(x) for x in self._params]
         kv_abs = [as_abstract(x) for x in self.kv_pages]
-        s, i32 = self.layout.max_num_seqs, jnp.int32
-        prev_abs = self._abstract((2, s), i32)
+        s, w, i32 = self.layout.max_num_seqs, self.layout.samples_width, jnp.int32
+        prev_abs = self._abstract((2, w), i32)
         step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
-        all_abs = self._abstract((self.num_scheduler_steps, 2, s), i32)
+        all_abs = self._abstract((self.num_scheduler_steps, 2, w), i32)
         # (key, how to lower it), the model's programs first: they take longest to compile.
         to_lower = [
             (("forward", t), lambda t=t: self._forward_fn.lower(
@@ -275,6 +287,9 @@ class ModelRunner:
                 r, prev_abs, logits_abs, step_abs))
             for p, r in self.sampler_keys
         ] + [
+            (("top", r), lambda r=r: self._top_fn.lower(r, prev_abs, logits_abs, step_abs))
+            for r in self.top_keys
+        ] + [
             (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
             (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
             (("stage+peek", None), lambda: self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)),
@@ -288,10 +303,12 @@ class ModelRunner:
 
         options = self.compiler_options = program_options.for_weights(self.model.quantization)
         logger.info(
-            "compiling %d token buckets %s, %d sampler and %d multi-step programs%s",
+            "compiling %d token buckets %s, %d sampler, %d top-logprobs and %d multi-step "
+            "programs%s",
             len(self.buckets),
             self.buckets,
             len(self.sampler_keys),
+            len(self.top_keys),
             len(self.multi_step_keys),
             f" with XLA options {options}" if options else "",
         )
@@ -369,8 +386,8 @@ class ModelRunner:
         # A sampler program runs the same on any logits: each runs once on the last bucket's,
         # without another forward pass (which costs seconds per layer with interpret-mode
         # kernels on CPU).
-        for program, r in self._samplers:
-            self._samples_state = self._direct["sampler", (program, r)](
+        for key in [("sampler", k) for k in self._samplers] + [("top", r) for r in self.top_keys]:
+            self._samples_state = self._direct[key](
                 [self._samples_state, self._logits_state, self._step_state]
             )[0]
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
@@ -422,6 +439,10 @@ class ModelRunner:
         self._peek_now(handle)
         return handle.array
 
+    def _top_rows(self, step: np.ndarray) -> np.ndarray:
+        """The step's top-logprobs places (max_num_seqs where unused)."""
+        return self.layout.view(step, "top_rows")
+
     def _launch(
         self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
     ) -> LaunchedSamples:
@@ -456,9 +477,14 @@ class ModelRunner:
             handle = self._unpeeked = LaunchedSamples("multi-step")
         else:
             self._samples_state, self._logits_state = out[:2]
+            rows = logit_rows(self.layout.max_num_seqs, bucket)
             if program != GREEDY:  # the forward pass sampled greedily; this step needs more
-                rows = logit_rows(self.layout.max_num_seqs, bucket)
                 self._samples_state = self._direct["sampler", (program, rows)](
+                    [self._samples_state, self._logits_state, self._step_state]
+                )[0]
+            # Read from the buffer, so a follower of a multi-host engine runs it too.
+            if self._top_rows(step)[0] < self.layout.max_num_seqs:
+                self._samples_state = self._direct["top", rows](
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
             handle = self._unpeeked = LaunchedSamples()
@@ -484,15 +510,25 @@ class ModelRunner:
                 [self._samples_buffer(handle.source)]
             )[0]
 
-    def fetch(self, handle: LaunchedSamples | jax.Array) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S]), or
-        [K, S] each for a multi-step launch."""
+    def fetch(
+        self, handle: LaunchedSamples | jax.Array
+    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S], (top token
+        ids int32[P, TOP_LOGPROBS], their logprobs float32[P, TOP_LOGPROBS])), with a leading
+        [K] on each for a multi-step launch."""
         if isinstance(handle, LaunchedSamples):
             self._peek_now(handle)
             handle = handle.array
         samples = np.asarray(handle)
-        return samples[..., 0, :], samples[..., 1, :].view(np.float32)
+        s = self.layout.max_num_seqs
+        top = samples[..., s:].reshape(*samples.shape[:-1], TOP_LOGPROBS_ROWS, TOP_LOGPROBS)
+        rows = samples[..., :s]
+        return (
+            rows[..., 0, :],
+            rows[..., 1, :].view(np.float32),
+            (top[..., 0, :, :], top[..., 1, :, :].view(np.float32)),
+        )
 
-    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Launch and wait: the synchronous step."""
         return self.fetch(self.launch(plan))

@@ -6,11 +6,15 @@
     forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
         (params: the model's parameters as param_packing.PackedParams passes them)
     sample_from_logits[program, R](samples, logits, step_state) -> samples
+    top_logprobs_from_logits[R](samples, logits, step_state) -> samples (with the top logprobs)
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
-        -> (all_samples int32[K, 2, S], samples, kv_pages)
+        -> (all_samples int32[K, 2, W], samples, kv_pages)
 
-`samples` int32[2, S] packs each row's token (row 0) and its logprob's float32 bits (row 1);
+`samples` int32[2, W] packs each row's token (row 0) and its logprob's float32 bits (row 1) in its
+first S columns, then the top logprobs of the step's `top_rows` (TOP_LOGPROBS token ids and
+logprobs each, core/step_layout.py: W = layout.samples_width), which only a step whose plan has
+such rows computes, in a program of its own after the forward pass and sampler (zeros else);
 `logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
 (`logit_rows`: a bucket of T holds at most T rows). The forward pass samples greedily itself, so a
 greedy step runs no sampler program; another step runs the one `sampling_modes.choose_program`
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nori_jax.core.sampling_modes import GREEDY
+from nori_jax.core.step_layout import TOP_LOGPROBS
 from nori_jax.executor.sampler import add_logit_bias, sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
@@ -78,10 +83,25 @@ def logit_rows(max_num_seqs: int, bucket: int) -> int:
     return min(max_num_seqs, bucket)
 
 
-def _pad_rows(samples, max_num_seqs):
-    """int32[..., 2, R] -> int32[..., 2, S]: what the host reads and the next step's input."""
-    pad = max_num_seqs - samples.shape[-1]
+def _pad_rows(samples, width):
+    """int32[..., 2, R] -> int32[..., 2, width] (S, or W with the top logprobs' room)."""
+    pad = width - samples.shape[-1]
     return jnp.pad(samples, [(0, 0)] * (samples.ndim - 1) + [(0, pad)]) if pad else samples
+
+
+def _top_logprobs(logits, row):
+    """int32[2, P x TOP_LOGPROBS]: for each place of `top_rows` (P of them), the most likely
+    tokens of its row, best first, and their logprobs' bits, under the same distribution as
+    the sampled token's logprob. A place left unused (max_num_seqs) reads the last row: the host
+    drops it. One log-softmax and top-k over P rows, not over the batch."""
+    r, vocab = logits.shape
+    picked = logits[jnp.minimum(row["top_rows"], r - 1)]  # [P, V]
+    k = min(TOP_LOGPROBS, vocab)
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(picked, axis=-1), k)
+    if k < TOP_LOGPROBS:  # a vocabulary smaller than the places: the host never asks for more
+        pad = [(0, 0), (0, TOP_LOGPROBS - k)]
+        values, ids = jnp.pad(values, pad, constant_values=-1e30), jnp.pad(ids, pad)
+    return _pack(ids.reshape(-1), values.reshape(-1))
 
 
 def _logits(
@@ -148,9 +168,10 @@ def forward(
     # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
     # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
     greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
+    samples = _pad_rows(greedy, layout.samples_width)  # no top logprobs: zeros
     if logits.shape[0] < logits_state.shape[0]:  # R < S rows: into the first R
         logits = jax.lax.dynamic_update_slice(logits_state, logits, (0, 0))
-    return _pad_rows(greedy, layout.max_num_seqs), logits, kv_pages
+    return samples, logits, kv_pages
 
 
 def _sample_row(program, logits, row, sample_index):
@@ -170,11 +191,18 @@ def _sample_row(program, logits, row, sample_index):
 
 
 def sample_from_logits(layout, program, rows, samples, logits_state, step):
-    """New `samples` (the forward pass's greedy ones, donated) from the first `rows` logits."""
-    del samples  # its buffer becomes the output's
+    """New `samples` from the first `rows` logits: the forward pass's (donated) with its greedy
+    rows replaced, its top logprobs (of the same logits) kept."""
     row = unpack_rows(layout, step)
     out = _pack(*_sample_row(program, logits_state[:rows], row, row["sample_index"]))
-    return _pad_rows(out, layout.max_num_seqs)
+    return jax.lax.dynamic_update_slice(samples, _pad_rows(out, layout.max_num_seqs), (0, 0))
+
+
+def top_logprobs_from_logits(layout, rows, samples, logits_state, step):
+    """`samples` (donated) with the top logprobs of the step's `top_rows` after its S rows,
+    from the first `rows` logits (those the forward pass wrote)."""
+    top = _top_logprobs(logits_state[:rows], unpack_rows(layout, step))
+    return jax.lax.dynamic_update_slice(samples, top, (0, layout.max_num_seqs))
 
 
 def multi_step(
@@ -199,7 +227,7 @@ def multi_step(
     first `decode_steps[i]` steps; in the later ones its token writes the null page and reads
     its last real length, and its samples are garbage the host drops.
 
-    Returns (samples int32[k, 2, S], the last step's samples int32[2, S] (the next launch's
+    Returns (samples int32[k, 2, W], the last step's samples int32[2, W] (the next launch's
     `prev_samples`), kv_pages).
     """
     model, kv_scales = model_from(graphdef, packed, params, kv_scales)
@@ -235,11 +263,11 @@ def multi_step(
         )
         sampled, logprobs = _sample_row(program, logits, row, row["sample_index"] + i)
         next_ids = jnp.where(is_row, sampled[token_row], 0)
-        return (kv_pages, next_ids), _pack(sampled, logprobs)
+        # no top logprobs: the scheduler plans no multi-step launch for a request that asks
+        return (kv_pages, next_ids), _pad_rows(_pack(sampled, logprobs), layout.samples_width)
 
     del all_samples  # its buffer becomes the first output's
     (kv_pages, _), samples = jax.lax.scan(
         one_step, (kv_pages, _input_ids(tok, prev_samples)), jnp.arange(num_steps, dtype=jnp.int32)
     )
-    samples = _pad_rows(samples, s)
     return samples, samples[-1], kv_pages

@@ -39,6 +39,7 @@ def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"sampler random (8 rows)", "sampler filter-8 (8 rows)"} <= set(programs)
     assert not any(name.startswith("sampler greedy") for name in programs)
     assert {"multi-step bucket 16 greedy", "multi-step bucket 16 filter-8"} <= set(programs)
+    assert {"top logprobs (8 rows)"} <= set(programs)  # lax.top_k of the rows that ask
 
 
 def test_no_data_dependent_control_flow_outside_the_attention(programs):

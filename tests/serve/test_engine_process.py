@@ -18,6 +18,7 @@ import time
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 from openai import OpenAI
 from serve_harness import MODEL_NAME, Server, client, engine_config, running_server
@@ -38,6 +39,7 @@ def server():
 
 
 _EXPECTED: list[list[int]] = []
+_TOP: list[list[list[tuple[int, float]]]] = []  # PROMPTS[2] greedy with logprobs=3, in-process
 _FORCED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={77: 100.0})
 _FORCED_TEXT: list[str] = []  # PROMPTS[1] with _FORCED, in-process
 
@@ -47,6 +49,8 @@ def _expected_tokens() -> list[list[int]]:
         llm = LLM.from_config(engine_config())
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         _EXPECTED.extend(o.token_ids for o in llm.generate(PROMPTS, params))
+        top = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+        _TOP.append(llm.generate([PROMPTS[2]], top)[0].top_logprobs)
         forced = llm.generate([PROMPTS[1]], _FORCED)[0]
         assert forced.token_ids == [77, 77, 77]
         _FORCED_TEXT.append(forced.text)
@@ -79,6 +83,16 @@ def test_min_p_and_logit_bias_cross_the_process_boundary(server: Server) -> None
         extra_body={"ignore_eos": True},
     )
     assert forced.choices[0].text == _FORCED_TEXT[0]
+    # top logprobs come back through msgpack: the in-process engine's pairs
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    async def top() -> list[list[tuple[int, float]]]:
+        stream = await server.engine.add_request(PROMPTS[2], params, stream=False)
+        return [o async for o in stream][-1].top_logprobs
+
+    got, want = asyncio.run(top()), _TOP[0]
+    assert [[t for t, _ in p] for p in got] == [[t for t, _ in p] for p in want]
+    np.testing.assert_allclose([[v for _, v in p] for p in got], [[v for _, v in p] for p in want])
 
 
 def test_streams_through_the_openai_client(server: Server) -> None:

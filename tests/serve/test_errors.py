@@ -113,7 +113,7 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "logit_bias": {"7" * 5000: 1}}, "logit_bias"),  # not echoed back
         ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(257)}}, "logit_bias"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "logprobs": 5}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),  # past MAX_LOGPROBS
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -162,8 +162,11 @@ def test_chat_rejections(c: httpx.Client) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     body = {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "tools")
-    body = {"messages": msgs, "top_logprobs": 3, "logprobs": True}
+    body = {"messages": msgs, "top_logprobs": 21, "logprobs": True}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "top_logprobs")
+    body = {"messages": msgs, "top_logprobs": 3}  # without logprobs: true, as OpenAI refuses it
+    err = assert_error(c.post("/v1/chat/completions", json=body), 400, "top_logprobs")
+    assert "logprobs" in err["message"]
     body = {"messages": msgs, "chat_template_kwargs": {"messages": []}}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "messages")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,6 +106,50 @@ def test_completion_token_ids_and_logprobs(server: Server, oai: openai.OpenAI) -
     assert len(lp.tokens) == len(lp.token_logprobs) == 6
     assert all(x <= 0.0 for x in lp.token_logprobs)
     assert resp.choices[0].text == generate(server, "Hello", 6)["text"]
+
+
+def test_top_logprobs_through_the_official_client(oai: openai.OpenAI) -> None:
+    """Chat's logprobs + top_logprobs and the completions route's logprobs = k, whole and
+    streamed: k most likely tokens per position, best first; greedy's token is the first."""
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi!"}], max_tokens=5)
+    whole = oai.chat.completions.create(**chat, logprobs=True, top_logprobs=4, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 5
+    for entry in content:
+        tops = entry.top_logprobs
+        assert len(tops) == 4
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert (tops[0].token, tops[0].logprob) == (entry.token, entry.logprob)
+        assert all(t.bytes == list(t.token.encode()) for t in tops)
+    stream = oai.chat.completions.create(
+        **chat, logprobs=True, top_logprobs=4, stream=True, **GREEDY
+    )
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    # the same tokens and logprobs (to float32 noise: the second run's prompt hits the prefix
+    # cache, whose attention sums in another order)
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in content
+    ]
+    np.testing.assert_allclose(
+        [[t.logprob for t in e.top_logprobs] for e in streamed],
+        [[t.logprob for t in e.top_logprobs] for e in content],
+        atol=1e-5,
+    )
+    # logprobs without top_logprobs: empty lists, as OpenAI answers
+    plain = oai.chat.completions.create(**chat, logprobs=True, **GREEDY)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+
+    resp = oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, logprobs=3, **GREEDY)
+    lp = resp.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 4 and top[token] == logprob  # the top 3, and the sampled token
+        assert max(top.values()) == logprob  # greedy
 
 
 def test_stop_string(server: Server, oai: openai.OpenAI) -> None:
@@ -466,6 +512,15 @@ def test_async_engine_in_process(server: Server) -> None:
         assert len(merged) == 1 and merged[0].finished
         assert merged[0].new_token_ids == merged[0].token_ids == outs[-1].token_ids
         assert merged[0].new_text == merged[0].text == outs[-1].text
+        # ... their logprobs and top logprobs too, one per token
+        top = dataclasses.replace(params, logprobs=2)
+        stream = await server.engine.add_request("in process", top)
+        while server.engine.num_in_flight:
+            await asyncio.sleep(0.01)
+        (merged,) = [out async for out in stream]
+        assert len(merged.new_logprobs) == len(merged.new_top_logprobs) == 6
+        assert merged.new_top_logprobs == merged.top_logprobs
+        assert [p[0][0] for p in merged.top_logprobs] == merged.token_ids  # greedy: the top one
         return outs[-1].token_ids, free
 
     ids, free = asyncio.run(run())
