@@ -201,22 +201,30 @@ def write_kv_reference(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # int32[T]
     kv_scales: jax.Array | None = None,  # f32[2] (fp8 pages; None: the default scales)
+    unique_indices: bool = False,
 ) -> jax.Array:
-    """Scatter the step's K/V into their slots. Padding tokens target page 0 and may collide."""
+    """Scatter the step's K/V into their slots. Padding tokens target page 0 and may collide.
+
+    `unique_indices` tells XLA the slots are distinct, which lets its GPU scatter store instead
+    of updating atomically (a sub-word value is otherwise a compare-and-swap loop on its word).
+    Only the padding tokens break the promise, all into page 0, whose contents are garbage by
+    design. Not yet measured on the GPU: the engine does not set it (benchmarks/kernels/
+    kv_write_bench.py has the forms with it)."""
     _check_write_inputs(kv_pages, k, v, slot_mapping, kv_scales)
     page_size = kv_pages.shape[3]
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
     k, v = _stored(kv_pages, k, v, kv_scales)
+    how = dict(mode="promise_in_bounds", unique_indices=unique_indices)
     if v_transposed(kv_pages.dtype):
         # K rows as usual; V as a column of V^T (values_view), D values a page_size apart.
-        kv_pages = kv_pages.at[pages, :, K_INDEX, offsets, :].set(k, mode="promise_in_bounds")
+        kv_pages = kv_pages.at[pages, :, K_INDEX, offsets, :].set(k, **how)
         view = values_view(kv_pages).at[pages, :, V_INDEX, :, offsets]
-        return view.set(v, mode="promise_in_bounds").reshape(kv_pages.shape)
+        return view.set(v, **how).reshape(kv_pages.shape)
     kv = jnp.stack([k, v], axis=2)  # [T, Hkv, 2, D]
     # Advanced indices on axes 0 and 3 are separated by slices, so the indexed dims go first: the
     # update has shape [T, Hkv, 2, D], exactly `kv`.
-    return kv_pages.at[pages, :, :, offsets, :].set(kv, mode="promise_in_bounds")
+    return kv_pages.at[pages, :, :, offsets, :].set(kv, **how)
 
 
 def _as_words(x: jax.Array, per_word: int) -> jax.Array:
@@ -230,6 +238,7 @@ def write_kv_packed(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # int32[T]
     kv_scales: jax.Array | None = None,  # f32[2] (fp8 pages; None: the default scales)
+    unique_indices: bool = False,  # as write_kv_reference's
 ) -> jax.Array:
     """write_kv_reference's pages, with the scatter moving 32-bit words instead of 16-bit (or
     8-bit) values: the pages and the update bitcast to u32 (head_dim / 2 words per row for bf16)
@@ -246,8 +255,9 @@ def write_kv_packed(
     itemsize = jnp.dtype(kv_pages.dtype).itemsize
     per_word = 4 // itemsize if itemsize < 4 else 1
     if per_word == 1 or kv_pages.shape[-1] % per_word:
-        return write_kv_reference(kv_pages, k, v, slot_mapping, kv_scales)
+        return write_kv_reference(kv_pages, k, v, slot_mapping, kv_scales, unique_indices)
     k, v = _stored(kv_pages, k, v, kv_scales)
+    how = dict(mode="promise_in_bounds", unique_indices=unique_indices)
 
     def from_words(words):  # [..., D / per_word] u32 back to the pages' dtype and shape
         out = lax.bitcast_convert_type(words, kv_pages.dtype)  # [..., D / per_word, per_word]
@@ -259,14 +269,15 @@ def write_kv_packed(
             _as_words(k, per_word),
             _as_words(v, per_word),
             slot_mapping,
+            unique_indices=unique_indices,
         )
         return from_words(words)
     page_size = kv_pages.shape[3]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     words = _as_words(kv_pages, per_word).at[pages, :, K_INDEX, offsets, :]
-    kv_pages = from_words(words.set(_as_words(k, per_word), mode="promise_in_bounds"))
+    kv_pages = from_words(words.set(_as_words(k, per_word), **how))
     view = values_view(kv_pages).at[pages, :, V_INDEX, :, offsets]
-    return view.set(v, mode="promise_in_bounds").reshape(kv_pages.shape)
+    return view.set(v, **how).reshape(kv_pages.shape)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

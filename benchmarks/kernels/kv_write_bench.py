@@ -14,12 +14,13 @@ contiguous row per (token, kv head, K or V), in bf16 or in words (measured no fa
 library, since merging the kv-head axis into the rows would defeat its tensor-parallel sharding).
 `--fp8`: e4m3 pages of 64 tokens, whose V is stored transposed (kv_layout.py): "5d" writes K's
 rows and V's columns value by value, "5d_u32" K's rows as 32-bit words and V's columns value by
-value (what the engine runs).
+value (what the engine runs). "_unique": the same scatter with `unique_indices=True`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -66,6 +67,9 @@ FORMS = {
     "rows": write_rows,
     "5d_u32": write_kv_packed,
     "rows_u32": rows_u32,
+    # the same scatters told their slots are distinct (kv_layout.write_kv_reference)
+    "5d_unique": functools.partial(write_kv_reference, unique_indices=True),
+    "5d_u32_unique": functools.partial(write_kv_packed, unique_indices=True),
 }
 
 
@@ -122,7 +126,7 @@ def main() -> None:
     s = 64 if args.dry else 1
     ps = 64 if args.fp8 else 16
     dtype = jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16
-    forms = ["5d", "5d_u32"] if args.fp8 else list(FORMS)
+    forms = ["5d", "5d_u32", "5d_unique", "5d_u32_unique"] if args.fp8 else list(FORMS)
     cases = {  # name: (hkv, d, page_size, tokens, valid tokens, decode)
         "decode B=256, 8 kv heads x 128": (8, 128, ps, 256 // s, 250 // s, True),
         "prefill 8192, 8 kv heads x 128": (8, 128, ps, 8192 // s, 8190 // s, False),
@@ -144,14 +148,14 @@ def main() -> None:
             rows.append(row)
     with open(os.path.join(args.out, "kv_write_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"\n{'case':34s} {'form':9s} {'us/call':>8s} {'GB/s':>6s} exact  kernels (us)")
+    print(f"\n{'case':34s} {'form':13s} {'us/call':>8s} {'GB/s':>6s} exact  kernels (us)")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:34s} {r['form']:9s} ERROR {r['error'][:80]}")
+            print(f"{r['case']:34s} {r['form']:13s} ERROR {r['error'][:80]}")
             continue
         gbs = r["mb"] * 1e3 / r["us"] if r["us"] else 0
         ks = ", ".join(f"{k} {v:.1f}" for k, v in r["kernels"].items())
-        print(f"{r['case']:34s} {r['form']:9s} {r['us']:8.1f} {gbs:6.0f} {r['exact']!s:5s}  {ks}")
+        print(f"{r['case']:34s} {r['form']:13s} {r['us']:8.1f} {gbs:6.0f} {r['exact']!s:5s}  {ks}")
 
 
 if __name__ == "__main__":

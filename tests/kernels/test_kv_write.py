@@ -57,9 +57,11 @@ def test_packed_scatter_writes_every_slot_like_a_loop(page_size, num_kv_heads, h
         expected[page, :, 1, offset] = np.asarray(v[tok])
 
     for write in (write_kv_packed, write_kv_reference):
-        got = np.asarray(jnp.stack(split_kv(write(pages, k, v, jnp.asarray(slots))), axis=2))
-        # Page 0 takes the padding tokens' colliding writes: garbage by design (kv_layout.py).
-        np.testing.assert_array_equal(got[1:], expected[1:])
+        for unique in (False, True):  # the slots are distinct but in page 0 (padding)
+            written = write(pages, k, v, jnp.asarray(slots), unique_indices=unique)
+            got = np.asarray(jnp.stack(split_kv(written), axis=2))
+            # Page 0 takes the padding tokens' colliding writes: garbage by design (kv_layout.py).
+            np.testing.assert_array_equal(got[1:], expected[1:])
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
