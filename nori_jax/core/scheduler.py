@@ -619,8 +619,8 @@ class Scheduler:
         after this step was planned still receives its token (it is part of its output), then
         waits. A multi-step launch's samples are `next_tokens[step, row]` (`_update_steps`).
         """
-        if out.decode_steps is not None:
-            return self._update_steps(out, next_tokens, logprobs, top)
+        if out.decode_steps is not None:  # never with top logprobs (none planned multi-step)
+            return self._update_steps(out, next_tokens, logprobs)
         c, now = self.slots, time.monotonic()
         slots = out.row_slots
         live = c.epoch[slots] == out.row_epochs  # still in the slot it was planned in
@@ -651,7 +651,7 @@ class Scheduler:
                 req.output_logprobs.append(lp)
                 update.logprobs[req.request_id] = [lp]
         if top is not None and len(out.top_rows):
-            self._deliver_top(out, top[0][None], top[1][None], np.ones(len(reqs), int), update)
+            self._deliver_top(out, *top, update)
 
         # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
         ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
@@ -692,11 +692,7 @@ class Scheduler:
         return update
 
     def _update_steps(
-        self,
-        out: SchedulerOutput,
-        next_tokens: np.ndarray,
-        logprobs: np.ndarray | None,
-        top: tuple[np.ndarray, np.ndarray] | None = None,
+        self, out: SchedulerOutput, next_tokens: np.ndarray, logprobs: np.ndarray | None
     ) -> StepUpdate:
         """`update` for a multi-step launch: row i's samples are `next_tokens[:steps[i], i]`, cut
         after the first that finishes its request (a stop token or EOS; max_tokens and the
@@ -761,8 +757,6 @@ class Scheduler:
                 lps = logprobs[:n, rows[j]].astype(float).tolist()
                 req.output_logprobs.extend(lps)
                 update.logprobs[req.request_id] = lps
-        if top is not None and len(out.top_rows):
-            self._deliver_top(out, top[0], top[1], take, update)
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
         # Finishes: rows that stopped, reached their length, or were preempted (checked alone).
@@ -778,23 +772,20 @@ class Scheduler:
 
     @staticmethod
     def _deliver_top(
-        out: SchedulerOutput,
-        ids: np.ndarray,
-        values: np.ndarray,
-        take: np.ndarray,
-        update: StepUpdate,
+        out: SchedulerOutput, ids: np.ndarray, values: np.ndarray, update: StepUpdate
     ) -> None:
-        """The top logprobs of the step's places (`ids`, `values`: [steps, P, TOP_LOGPROBS])
-        to their rows' requests, `take[row]` steps each, `logprobs` pairs per token. Before
-        this step's finishes: a request that finished earlier (abort, stop string) gets none."""
+        """The top logprobs of the step's places (`ids`, `values`: [P, TOP_LOGPROBS]) to their
+        rows' requests, each its own `logprobs` pairs. Before this step's finishes: a request
+        that finished earlier (abort, stop string) gets none."""
         reqs = out.row_requests
         for p, i in enumerate(out.top_rows.tolist()):
             req = reqs[i]
             if req.is_finished:
                 continue
-            k, n = req.params.logprobs, int(take[i])
-            top_ids, top_values = ids[:n, p, :k].tolist(), values[:n, p, :k].astype(float).tolist()
-            pairs = [list(zip(a, b, strict=True)) for a, b in zip(top_ids, top_values, strict=True)]
+            k = req.params.logprobs
+            pairs = [
+                list(zip(ids[p, :k].tolist(), values[p, :k].astype(float).tolist(), strict=True))
+            ]
             req.output_top_logprobs.extend(pairs)
             update.top_logprobs[req.request_id] = pairs
 
