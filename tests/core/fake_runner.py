@@ -199,6 +199,26 @@ def fake_step(s: Scheduler, out: SchedulerOutput):
     return s.update(out, s._fake.execute(plan))
 
 
+def finish_counting(s: Scheduler, out: SchedulerOutput, count, on_plan=None) -> int:
+    """Step `out` and every later step synchronously until nothing is left, checking the
+    invariants; the most `count(s.running)` was after any schedule. `on_plan(plan)` sees each
+    plan but the first."""
+    s.check_invariants()
+    fake_step(s, out)
+    most = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        s.check_invariants()
+        if out is None:
+            break
+        plan = build(s, out)
+        if on_plan is not None:
+            on_plan(plan)
+        most = max(most, count(s.running))
+        fake_step(s, out)
+    return most
+
+
 def run_to_completion(
     s: Scheduler,
     requests: list[Request],

@@ -4,7 +4,14 @@ only while the running requests' entries fit, letting the requests without entri
 
 from __future__ import annotations
 
-from fake_runner import build, expected_output, fake_step, make_request, make_scheduler
+from fake_runner import (
+    build,
+    expected_output,
+    fake_step,
+    finish_counting,
+    make_request,
+    make_scheduler,
+)
 
 from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY
 from nori_jax.sampling_params import MAX_LOGIT_BIAS
@@ -55,18 +62,13 @@ def test_requests_past_the_entries_room_wait_and_the_rest_go_by():
     assert running == {f"b{i}" for i in range(fit)} | {"p0", "p1"}
     assert [r.request_id for r in s.waiting] == [f"b{fit}", f"b{fit + 1}"]
     assert len(_entries(build(s, out))) == fit * MAX_LOGIT_BIAS
-    s.check_invariants()
-    fake_step(s, out)
-    most = 0
-    while s.has_unfinished():
-        out = s.schedule()
-        s.check_invariants()
-        if out is None:
-            break
-        entries = _entries(build(s, out))
-        assert len(entries) <= LOGIT_BIAS_CAPACITY
-        most = max(most, sum(bool(r.params.logit_bias) for r in s.running))
-        fake_step(s, out)
+
+    def fits(plan):
+        assert len(_entries(plan)) <= LOGIT_BIAS_CAPACITY
+
+    most = finish_counting(
+        s, out, lambda running: sum(bool(r.params.logit_bias) for r in running), fits
+    )
     assert most == fit
     for r in biased + plain:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 4), r.request_id
