@@ -29,6 +29,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 class ChatCompletion(generation.GenerationRoute):
     id_prefix = "chatcmpl"
     prompt_param = "messages"
+    top_logprobs_param = "top_logprobs"
     body: ChatCompletionRequest
 
     def check(self) -> None:

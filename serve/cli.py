@@ -77,6 +77,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="larger request bodies are refused with 413 before they are read",
     )
     g.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=ServerSettings.max_logprob_entries,
+        metavar="N",
+        help="a request's n x max_tokens x (top logprobs + 1) at most this (400 past it): its "
+        "answer holds every top-logprob pair",
+    )
+    g.add_argument(
         "--body-timeout",
         type=float,
         default=ServerSettings.body_timeout_s,
@@ -160,6 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_size,
+        max_logprob_entries=args.max_logprob_entries,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
         api_server=0 if count > 1 else None,

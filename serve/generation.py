@@ -27,7 +27,7 @@ from nori_jax.sampling_params import ParameterError, SamplingParams
 from serve import convert
 from serve.choices import Choices
 from serve.context import ServeContext
-from serve.errors import parameter_error
+from serve.errors import bad_request, parameter_error
 from serve.streaming import EngineStreamingResponse
 
 
@@ -35,6 +35,7 @@ class GenerationRoute(abc.ABC):
     id_prefix: str  # of the request id: "cmpl", "chatcmpl", "gen"
     media_type: str = "text/event-stream"  # of a streamed answer
     prompt_param: str = "prompt"  # the field a prompt error names
+    top_logprobs_param: str = "logprobs"  # the field that asks for top logprobs
 
     def __init__(self, ctx: ServeContext, body: Any):
         self.ctx, self.body = ctx, body
@@ -69,7 +70,17 @@ class GenerationRoute(abc.ABC):
     def sampling_params(self, prompt_len: int) -> SamplingParams:
         asked, param = self.max_tokens()
         budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
-        return convert.sampling_params(self.body, budget, self.logprobs())
+        logprobs = self.logprobs()
+        if logprobs:  # every top-logprob pair of the answer is held until it is sent
+            entries, most = self.n * budget * (logprobs + 1), self.ctx.settings.max_logprob_entries
+            if entries > most:
+                raise bad_request(
+                    f"n x {param} x ({self.top_logprobs_param} + 1) = {self.n} x {budget} x "
+                    f"{logprobs + 1} = {entries} logprob entries; this server answers at most "
+                    f"{most} per request (--max-logprob-entries)",
+                    self.top_logprobs_param,
+                )
+        return convert.sampling_params(self.body, budget, logprobs)
 
     def prepare(self) -> tuple[list[int], SamplingParams]:
         """Everything before the engine: the checks, the prompt's token ids, the budget and the

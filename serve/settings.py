@@ -14,6 +14,9 @@ class ServerSettings:
     retry_after_s: int = 1  # the Retry-After header of a 429 (waiting queue full)
     drain_timeout_s: float = 30.0  # shutdown waits this long for requests in flight
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413, unread
+    # A request's n x max_tokens x (top logprobs + 1) at most this (a 400 past it): its answer
+    # holds every pair, about 0.5 KB each as Python objects and JSON (262,144: ~140 MB)
+    max_logprob_entries: int = 2**18
     body_timeout_s: float = 30.0  # a request body must arrive within this (408)
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)
     api_server: int | None = None  # which of several API server processes this is (None: one)
@@ -29,6 +32,8 @@ class ServerSettings:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1")
+        if self.max_logprob_entries < 1:
+            raise ValueError(f"max_logprob_entries={self.max_logprob_entries} must be >= 1")
         for name in ("body_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

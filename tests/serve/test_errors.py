@@ -146,6 +146,23 @@ def test_union_fields_say_what_failed(c: httpx.Client, body: dict, param: str, m
     assert message in err["message"], err
 
 
+def test_answers_too_big_in_top_logprobs_are_refused(c: httpx.Client) -> None:
+    """n x max_tokens x (top logprobs + 1) past the server's bound (2**18 by default) is a 400
+    naming the field that asks for them, with the product; within it, an answer."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20}
+    err = assert_error(
+        c.post("/v1/chat/completions", json=chat | {"n": 64, "max_tokens": 200}),
+        400,
+        "top_logprobs",
+    )
+    assert "64 x 200 x 21 = 268800" in err["message"], err
+    body = {"prompt": "x", "logprobs": 20, "n": 64, "max_tokens": 196}  # 263,424: one token over
+    err = assert_error(c.post("/v1/completions", json=body), 400, "logprobs")
+    assert "64 x 196 x 21 = 263424" in err["message"], err
+    ok = c.post("/v1/completions", json={"prompt": "x", "logprobs": 3, "n": 2, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"]) == 2
+
+
 def test_prompt_too_long(c: httpx.Client) -> None:
     assert_error(c.post("/v1/completions", json={"prompt": "x" * 256}), 400, "prompt")
     assert_error(c.post("/v1/completions", json={"prompt": [7] * 300}), 400, "prompt")
