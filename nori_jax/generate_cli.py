@@ -35,6 +35,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens"
     )
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="after each text, a line per token: its logprob and, with K >= 1, the K likeliest "
+        "tokens with theirs (at most 20)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
@@ -51,6 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
     config = engine_config_from_args(args)
     if not config.distributed.is_leader:  # a multi-host follower: process 0 has the prompts
@@ -62,4 +71,24 @@ def run_generate(args: argparse.Namespace) -> int:
     with exit_when_a_follower_is_lost():
         for out in llm.generate(prompts, params):
             print(out.text)
+            if out.logprobs is not None:
+                print(logprob_lines(llm.tokenizer, out))
     return 0
+
+
+def logprob_lines(tokenizer, out) -> str:
+    """One line per output token: the token (quoted), its logprob, then the likeliest tokens
+    with theirs where the request asked for them."""
+
+    def show(token_id: int) -> str:
+        text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
+        return repr(text) if tokenizer else f"<{token_id}>"
+
+    tops = out.top_logprobs or [[] for _ in out.token_ids]
+    lines = []
+    for token_id, logprob, top in zip(out.token_ids, out.logprobs, tops, strict=True):
+        line = f"  {show(token_id)}\t{logprob:.4f}"
+        if top:
+            line += "\t| " + ", ".join(f"{show(t)} {v:.4f}" for t, v in top)
+        lines.append(line)
+    return "\n".join(lines)

@@ -128,3 +128,25 @@ def test_generate_refuses_a_bad_min_p_before_starting_an_engine():
     assert _parse("--min-p", "0.1").min_p == 0.1
     with pytest.raises(ValueError, match="min_p=2.0"):
         run_generate(_parse("--min-p", "2"))
+
+
+def test_generate_logprobs_lines_and_bound():
+    from nori_jax.core.outputs import RequestOutput
+    from nori_jax.generate_cli import logprob_lines, run_generate
+
+    with pytest.raises(ValueError, match="logprobs=21"):
+        run_generate(_parse("--logprobs", "21"))  # refused before an engine starts
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return {7: "a", 8: "b", 9: "c"}[ids[0]]
+
+    out = RequestOutput("r", None, [1], [], "", None, True, "length", token_ids=[7, 8])
+    out.logprobs = [-0.5, -1.0]
+    assert logprob_lines(Tok(), out) == "  'a'\t-0.5000\n  'b'\t-1.0000"
+    out.top_logprobs = [[(7, -0.5), (9, -2.0)], [(9, -0.25), (8, -1.0)]]
+    assert logprob_lines(Tok(), out).splitlines() == [
+        "  'a'\t-0.5000\t| 'a' -0.5000, 'c' -2.0000",
+        "  'b'\t-1.0000\t| 'c' -0.2500, 'b' -1.0000",
+    ]
+    assert logprob_lines(None, out).startswith("  <7>\t-0.5000")
