@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
 from nori_jax.heap_freeze import heap_frozen
-from serve import chat, completions, generate
+from serve import chat, completions, generate, tokenize
 from serve.context import ServeContext, get_context
 from serve.errors import install_error_handlers
 from serve.guards import RequestGuard
@@ -82,7 +82,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     # The API key and the body's bounds are checked before anything is parsed (serve/guards.py).
     app.add_middleware(RequestGuard, settings=settings)
-    for router in (open_routes, models_router, completions.router, chat.router, generate.router):
+    routers = (open_routes, models_router, completions.router, chat.router, generate.router)
+    for router in (*routers, tokenize.router):
         app.include_router(router)
     install_openapi(app)
     return app

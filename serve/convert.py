@@ -65,6 +65,11 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 def check_chat(ctx: ServeContext, req: ChatCompletionRequest) -> None:
     if req.tools:
         raise bad_request("tools are not supported", "tools")
+    check_chat_template(ctx)
+
+
+def check_chat_template(ctx: ServeContext) -> None:
+    """The model can render messages: it has a tokenizer and a chat template."""
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer, so it cannot chat", "messages")
     if ctx.tokenizer.chat_template is None:
@@ -89,9 +94,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt(
+    ctx: ServeContext, req: ChatCompletionRequest, add_special_tokens: bool = False
+) -> list[int]:
     """Render the messages through the chat template and encode them (blocking: run it off the
-    event loop). Messages far too long for the model are refused before rendering."""
+    event loop). Messages far too long for the model are refused before rendering. `req` is any
+    body with `messages`, `add_generation_prompt` and `chat_template_kwargs`."""
     tok = ctx.tokenizer
     assert tok is not None  # check_chat
     messages = chat_messages(req)
@@ -109,7 +117,7 @@ def chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
     except ValueError as e:
         raise bad_request(f"the rendered chat prompt {e}", "chat_template_kwargs") from None
     check_text_length(tok, text, ctx.max_model_len)
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def max_new_tokens(

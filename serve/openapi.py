@@ -43,7 +43,7 @@ class StageMetrics(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None
+    top_logprobs: list[dict[str, float]] | None  # per token, with logprobs >= 1
     text_offset: list[int]
 
 
@@ -64,11 +64,17 @@ class CompletionResponse(BaseModel):
     metrics: StageMetrics
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any]
+    top_logprobs: list[ChatTopLogprob]
 
 
 class ChatLogprobs(BaseModel):
@@ -118,6 +124,17 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class Health(BaseModel):
     status: Literal["ok", "unhealthy"]
     reason: str | None = None
@@ -127,6 +144,8 @@ _ANSWERS = {  # path -> the model of its 200 JSON body
     "/v1/completions": CompletionResponse,
     "/v1/chat/completions": ChatCompletionResponse,
     "/generate": GenerateResponse,
+    "/tokenize": TokenizeResponse,
+    "/detokenize": DetokenizeResponse,
     "/v1/models": ModelList,
     "/health": Health,
 }
@@ -144,6 +163,7 @@ _STATUS = {
     "503": "the engine is not serving: shutting down or restarting (see Retry-After)",
     "504": "the request ran past the server's request timeout",
 }
+_TOKENIZING = ("/tokenize", "/detokenize")  # no engine: never 429, 500, 503 or 504
 _GENERATION = {  # path -> the media type of its stream
     "/v1/completions": "text/event-stream",
     "/v1/chat/completions": "text/event-stream",
@@ -182,6 +202,8 @@ def _build(app: FastAPI) -> dict[str, Any]:
                 responses["503"] = {"description": _STATUS["503"], "content": _json_ref("Health")}
             elif path in ("/metrics", "/openapi.json"):
                 codes = []
+            elif path in _TOKENIZING:
+                codes = ["400", "401", "404", "408", "413"]
             elif path in _GENERATION:
                 codes = list(_STATUS)
                 ok = responses["200"]["content"]

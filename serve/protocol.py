@@ -45,6 +45,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]  # 0: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
+MAX_DETOKENIZE_IDS = 2**20  # /detokenize: ids per request (the body's size bounds them too)
 N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
 Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
 # OpenAI's logit_bias: token ids (as JSON object keys, strings) -> a bias in [-100, 100]
@@ -122,6 +123,23 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """/tokenize (vLLM's extension route): a text `prompt`, or chat `messages` rendered as the
+    chat route renders them; one of the two."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
 
 
 class GenerateRequest(_Body):

@@ -106,3 +106,19 @@ def running_server(
 
 def client(server: Server, **kwargs: Any) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=60, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def post_raw(c: httpx.Client, path: str, body: bytes) -> httpx.Response:
+    return c.post(path, content=body, headers={"Content-Type": "application/json"})

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serve_harness import MODEL_NAME, Server, client, running_server
+from serve_harness import MODEL_NAME, Server, assert_error, client, post_raw, running_server
 
 from serve.convert import chat_prompt
 from serve.errors import ApiError
@@ -44,22 +44,6 @@ def server():
 def c(server: Server):
     with client(server, headers=AUTH) as http:
         yield http
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
-def post_raw(c: httpx.Client, path: str, body: bytes) -> httpx.Response:
-    return c.post(path, content=body, headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
