@@ -41,8 +41,8 @@ from nori_jax.core.scheduler_output import (
     SchedulerOutput,
 )
 from nori_jax.core.slot_counters import SlotCounters
-from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY, TOP_LOGPROBS_ROWS
 from nori_jax.core.step_plan import token_buckets
+from nori_jax.core.step_room import step_rooms
 
 
 class QueueFullError(RuntimeError):
@@ -91,12 +91,10 @@ class Scheduler:
         # _leave_running) rather than gathered from a thousand requests every step. Replaced,
         # never written in place: `schedule` holds the step's snapshot while it preempts.
         self._running_slots = np.zeros(0, np.int64)
-        # logit_bias entries of the running requests: they share the step buffer's room
-        # (LOGIT_BIAS_CAPACITY), so a request is admitted only while its entries fit.
-        self._logit_bias_entries = 0
-        # Running requests with logprobs >= 1: each needs one of the step's TOP_LOGPROBS_ROWS
-        # places, so a request is admitted only while one is free.
-        self._top_logprobs_requests = 0
+        # The step buffer's shared room (logit_bias entries, top-logprobs places): a request is
+        # admitted only while what it needs of each fits (step_room.py).
+        self._rooms = step_rooms()
+        self._top_places = self._rooms[1]
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -193,7 +191,7 @@ class Scheduler:
     def _admit_arrived(self) -> None:
         cfg = self.config
         while self.arrived and len(self.running) < cfg.max_num_seqs:
-            if not self._logit_bias_fits(self.arrived[0]) or not self._top_fits(self.arrived[0]):
+            if not all(room.fits(self.arrived[0]) for room in self._rooms):
                 break
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
@@ -230,15 +228,8 @@ class Scheduler:
         """`req` (its slot just acquired) joins the running batch, newest."""
         self.running.append(req)
         self._running_slots = np.append(self._running_slots, req.slot)
-        self._logit_bias_entries += _num_logit_bias(req)
-        self._top_logprobs_requests += _wants_top(req)
-
-    def _logit_bias_fits(self, req: Request) -> bool:
-        n = _num_logit_bias(req)
-        return not n or self._logit_bias_entries + n <= LOGIT_BIAS_CAPACITY
-
-    def _top_fits(self, req: Request) -> bool:
-        return not _wants_top(req) or self._top_logprobs_requests < TOP_LOGPROBS_ROWS
+        for room in self._rooms:
+            room.used += room.need(req)
 
     def _leave_running(self, req: Request) -> None:
         """`req` leaves the running batch and its slot."""
@@ -246,8 +237,8 @@ class Scheduler:
         del self.running[i]
         slots = self._running_slots
         self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
-        self._logit_bias_entries -= _num_logit_bias(req)
-        self._top_logprobs_requests -= _wants_top(req)
+        for room in self._rooms:
+            room.used -= room.need(req)
         self._release_slot(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -284,7 +275,7 @@ class Scheduler:
             and not self.arrived
             and not self.hand_off
             # top logprobs run in a program of their own after a single step's forward pass
-            and not c.wants_top_logprobs[decodes].any()
+            and not (self._top_places.used and c.wants_top_logprobs[decodes].any())
         ):
             steps = self._multi_step_pages(decodes)
             if steps is not None:
@@ -422,22 +413,22 @@ class Scheduler:
         headroom = int(cfg.kv_headroom * self.allocator.num_usable_pages)
         in_flight: set[bytes] | None = None  # built when a request first needs it
         i = 0  # the queue's head, past the requests deferred in this step
-        bias_deferred = False  # a request waits for logit_bias room: none with entries passes it
-        top_deferred = False  # the same for a top-logprobs place
+        # Per room: a request waits for it, so none that needs it passes that request.
+        deferred = [False] * len(self._rooms)
         while i < len(queue) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = queue[i]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
             assert req.num_pending_tokens == 0, "admitted with a sample in flight"
-            if _num_logit_bias(req) and (bias_deferred or not self._logit_bias_fits(req)):
-                # The running requests' logit_bias entries fill the step's room: wait for some
-                # to finish. Requests without entries go past it meanwhile; requests with fewer
-                # do not, or a stream of them could keep its room taken for ever.
-                bias_deferred = True
-                i += 1
-                continue
-            if _wants_top(req) and (top_deferred or not self._top_fits(req)):
-                top_deferred = True  # every place is taken: as for logit_bias above
+            # The running requests fill a room this request needs: it waits for some to finish.
+            # Requests that need none of that room go past it meanwhile; requests that need
+            # less do not, or a stream of them could keep the room taken for ever.
+            waits = [
+                room.need(req) > 0 and (deferred[j] or not room.fits(req))
+                for j, room in enumerate(self._rooms)
+            ]
+            if any(waits):
+                deferred = [a or b for a, b in zip(deferred, waits, strict=True)]
                 i += 1
                 continue
             # Reuse cached full pages, but always leave at least one token to compute: the step
@@ -588,8 +579,14 @@ class Scheduler:
             num_tokens=nd + sum(n for _, n in prefills),
             num_steps=self.config.num_scheduler_steps if decode_steps is not None else 1,
             decode_steps=decode_steps,
-            top_rows=np.flatnonzero(samples & c.wants_top_logprobs[row_slots]).astype(np.int32),
+            top_rows=self._top_rows(samples, row_slots),
         )
+
+    def _top_rows(self, samples: np.ndarray, row_slots: np.ndarray) -> np.ndarray:
+        """The sampling rows of requests with logprobs >= 1 (none running: no pass over rows)."""
+        if not self._top_places.used:
+            return np.zeros(0, np.int32)
+        return np.flatnonzero(samples & self.slots.wants_top_logprobs[row_slots]).astype(np.int32)
 
     def _advance(self, slot: int, n: int, row: int) -> bool:
         """Advance a planned chunk of n tokens; True if it ends on the last token (samples)."""
@@ -825,10 +822,8 @@ class Scheduler:
         assert len(set(slots)) == len(slots) and None not in slots, "slots shared or missing"
         assert self._running_slots.tolist() == slots, "running slots out of step with running"
         assert c.num_free + len(self.running) == self.config.max_num_seqs
-        assert self._logit_bias_entries == sum(map(_num_logit_bias, self.running))
-        assert self._logit_bias_entries <= LOGIT_BIAS_CAPACITY
-        assert self._top_logprobs_requests == sum(map(_wants_top, self.running))
-        assert self._top_logprobs_requests <= TOP_LOGPROBS_ROWS
+        for room in self._rooms:
+            room.check(self.running)
         for r in self.running:
             s = r.slot
             assert r.status is RequestStatus.RUNNING and c.requests[s] is r
@@ -843,14 +838,6 @@ class Scheduler:
         for r in list(self.handed_off) + list(self.arrived):
             assert r.status is RequestStatus.TRANSFER and r.slot is None
         assert not self.handed_off or self.hand_off
-
-
-def _num_logit_bias(req: Request) -> int:
-    return len(req.params.logit_bias or ())
-
-
-def _wants_top(req: Request) -> bool:
-    return bool(req.params.logprobs)
 
 
 def _acquire(req: Request) -> Acquire:
