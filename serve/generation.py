@@ -71,23 +71,22 @@ class GenerationRoute(abc.ABC):
         asked, param = self.max_tokens()
         budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
         logprobs = self.logprobs()
-        if logprobs is not None:  # every logprob of the answer is held until it is sent
+        if logprobs:  # every top-logprob pair of the answer is held until it is sent
             self._check_logprob_entries(logprobs, budget, param)
         return convert.sampling_params(self.body, budget, logprobs)
 
     def _check_logprob_entries(self, k: int, budget: int, budget_param: str) -> None:
-        """n x max_tokens x (k + 1) logprobs (each token's and its k likeliest) at most the
-        server's bound: a whole answer holds them all, about 0.5 KB each."""
+        """n x max_tokens x (k + 1) logprobs (each token's and its k likeliest, k >= 1) at most
+        the server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled
+        tokens' logprobs alone, k = 0, stay unbounded, as they were before top logprobs.)"""
         entries, most = self.n * budget * (k + 1), self.ctx.settings.max_logprob_entries
-        if entries <= most:
-            return
-        field = self.top_logprobs_param if k else "logprobs"
-        ask = f"({field} + 1)" if k else "1"
-        raise bad_request(
-            f"n x {budget_param} x {ask} = {self.n} x {budget} x {k + 1} = {entries} logprob "
-            f"entries; this server answers at most {most} per request (--max-logprob-entries)",
-            field,
-        )
+        if entries > most:
+            raise bad_request(
+                f"n x {budget_param} x ({self.top_logprobs_param} + 1) = {self.n} x {budget} x "
+                f"{k + 1} = {entries} logprob entries; this server answers at most {most} per "
+                "request (--max-logprob-entries)",
+                self.top_logprobs_param,
+            )
 
     def prepare(self) -> tuple[list[int], SamplingParams]:
         """Everything before the engine: the checks, the prompt's token ids, the budget and the
