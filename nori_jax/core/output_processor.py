@@ -205,7 +205,7 @@ class OutputProcessor:
             prompt_token_ids=s.prompt_token_ids,
             new_token_ids=new_ids,
             new_text="".join(s.released[s.num_pieces_reported :]) if s.stream else "",
-            new_logprobs=s.logprobs[s.num_reported :] if s.logprobs is not None else None,
+            new_logprobs=_new(s.logprobs, s.num_reported),
             finished=True,
             finish_reason=reason,
             token_ids=s.token_ids,
@@ -259,7 +259,7 @@ class OutputProcessor:
         text = "".join(s.released[s.num_pieces_reported :])
         if not new_ids and not text:
             return None
-        new_lp = s.logprobs[s.num_reported :] if s.logprobs is not None else None
+        new_lp = _new(s.logprobs, s.num_reported)
         new_top = _new(s.top_logprobs, s.num_reported)
         s.num_reported = len(s.token_ids)
         s.num_pieces_reported = len(s.released)
@@ -299,6 +299,7 @@ class OutputProcessor:
 
 
 def _new(values: list | None, reported: int) -> list | None:
+    """The per-token values (logprobs, top logprobs) not yet handed out, if the request has them."""
     return values[reported:] if values is not None else None
 
 
