@@ -52,6 +52,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    metrics: StageMetrics | None = None  # with n > 1: each choice's own (one request each)
 
 
 class CompletionResponse(BaseModel):
@@ -61,7 +62,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    metrics: StageMetrics
+    metrics: StageMetrics | None = None  # the request's, with n = 1 (else per choice)
 
 
 class ChatTopLogprob(BaseModel):
@@ -91,6 +92,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    metrics: StageMetrics | None = None  # with n > 1: each choice's own (one request each)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -100,7 +102,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    metrics: StageMetrics
+    metrics: StageMetrics | None = None  # the request's, with n = 1 (else per choice)
 
 
 class GenerateResponse(BaseModel):

@@ -382,6 +382,14 @@ def test_n_choices_sample_with_consecutive_seeds_and_share_the_prompt(
         assert c.model_extra["metrics"]["e2e_latency"] > 0  # each choice's own timings
     assert len({c.text for c in resp.choices}) > 1
     assert "metrics" not in resp.model_extra  # per choice instead
+    with client(server) as c:  # as /openapi.json says
+        schemas = c.get("/openapi.json").json()["components"]["schemas"]
+    for answer, choice in (
+        ("CompletionResponse", "CompletionChoice"),
+        ("ChatCompletionResponse", "ChatChoice"),
+    ):
+        assert "metrics" not in schemas[answer]["required"]
+        assert "metrics" in schemas[choice]["properties"]
     # The prompt's four full pages were computed once: the other three choices read them.
     assert delta["nori:prefix_cache_hits_total"] >= 3 * 64
 
