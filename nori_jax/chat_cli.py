@@ -173,6 +173,12 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"keep tokens at least min_p times as likely as the likeliest ({model_first} 0)",
     )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help=f"penalize the conversation's tokens, in [0.01, 100] ({model_first} 1: off)",
+    )
     g.add_argument("--sampling-seed", type=int, default=None, help="seed (default: random)")
     add_engine_args(p)
     p.set_defaults(func=run_chat)
@@ -193,6 +199,7 @@ def run_chat(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "top_k": args.top_k,
         "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
     }
     sampling.update({k: v for k, v in flags.items() if v is not None})
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.sampling_seed, **sampling)

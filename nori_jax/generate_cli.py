@@ -30,6 +30,31 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="keep tokens at least min_p times as likely as the likeliest (0: off)",
     )
     g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted once from every generated token's logit, in [-2, 2] (0: off)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted per time a token was generated, in [-2, 2] (0: off)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divides the positive logits (multiplies the negative ones) of the prompt's and "
+        "output's tokens, in [0.01, 100] (1: off)",
+    )
+    g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="no EOS or stop before this many tokens",
+    )
+    g.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of the sampling (default: random)"
     )
     g.add_argument(
@@ -57,6 +82,10 @@ def run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,

@@ -24,6 +24,11 @@ MAX_STOP_TOKEN_IDS = 64
 # Entries travel in the step's buffer (core/step_layout.py, LOGIT_BIAS_CAPACITY for all rows).
 MAX_LOGIT_BIAS = 256
 MAX_LOGIT_BIAS_VALUE = 100.0
+# Penalties on tokens already in the request (vLLM's formulas, sampler.apply_penalties): OpenAI's
+# range for presence / frequency; repetition divides a positive logit and multiplies a negative
+# one, bounded so that neither can overflow float32 (logits are within a few hundred).
+MAX_PRESENCE_PENALTY = 2.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class ParameterError(ValueError):
@@ -69,6 +74,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Does sampling depend on the request's earlier tokens (a penalty is on)?"""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +131,7 @@ class SamplingParams:
             )
         self._validate_stops()
         self._validate_logit_bias()
+        self._validate_penalties()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name}={getattr(self, name)!r} must be a boolean")
@@ -146,6 +163,25 @@ class SamplingParams:
                     f"stop_token_ids={self.stop_token_ids!r:.200} must hold token ids in "
                     f"[0, 2**31)",
                 )
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PRESENCE_PENALTY <= v <= MAX_PRESENCE_PENALTY:
+                raise ParameterError(name, f"{name}={v!r:.50} must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if not _is_number(r) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            raise ParameterError(
+                "repetition_penalty",
+                f"repetition_penalty={r!r:.50} must be a number in "
+                f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1: off)",
+            )
+        m = self.min_tokens
+        if not _is_int(m) or not 0 <= m <= self.max_tokens:
+            raise ParameterError(
+                "min_tokens",
+                f"min_tokens={m!r:.50} must be an integer in [0, max_tokens={self.max_tokens}]",
+            )
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -168,5 +168,9 @@ def sampling_params(
         stop=req.stop,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
         **extra,
     )

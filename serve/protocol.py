@@ -3,10 +3,10 @@
 Strict, as the OpenAI API defines its types: no coercion (`"4"` is not a number, `"yes"` not a
 boolean, `1e10` not an integer), no NaN or infinity, numbers within what the engine's arrays hold.
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
-never gets silently different behaviour; `user` is accepted because it changes no output. Fields
-implemented only at their neutral value say so in their range (penalties 0, ...), so
-/openapi.json describes what is accepted; echo with logprobs, suffix and tools are checked in
-convert.py. Sampling fields are nullable because some clients send null for "default".
+never gets silently different behaviour; `user` is accepted because it changes no output. Each
+field's range is in its type, so /openapi.json describes what is accepted; echo with logprobs,
+suffix and tools are checked in convert.py. Sampling fields are nullable because some clients
+send null for "default".
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from nori_jax.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
+    MAX_PRESENCE_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
 )
 from serve.choices import MAX_N
 
@@ -47,7 +50,10 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]  # 0: off
 Seed = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MAX_DETOKENIZE_IDS = 2**20  # /detokenize: ids per request (the body's size bounds them too)
 N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
-Zero = Annotated[float, Field(ge=0.0, le=0.0)]  # penalties: none
+# OpenAI's presence / frequency penalties; vLLM's repetition penalty (1: off) and min_tokens
+Penalty = Annotated[float, Field(ge=-MAX_PRESENCE_PENALTY, le=MAX_PRESENCE_PENALTY)]
+RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # OpenAI's logit_bias: token ids (as JSON object keys, strings) -> a bias in [-100, 100]
 LogitBias = Annotated[
     dict[
@@ -77,13 +83,15 @@ class SamplingFields(_Body):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: Stop = None
-    presence_penalty: Zero | None = None
-    frequency_penalty: Zero | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None  # an end-user id for the caller's own records: no effect on output
     # vLLM extensions
     top_k: TopK | None = None
     min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: MinTokens | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -154,4 +162,8 @@ class GenerateRequest(_Body):
     min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: MinTokens | None = None
     ignore_eos: bool = False

@@ -175,7 +175,10 @@ class DisaggregatedCore:
         sched = core.scheduler
         while sched.handed_off:
             req = sched.handed_off[0]
-            if not req.pages:  # preempted before its first token landed: nothing to move
+            # Preempted before its first token landed: nothing to move. With penalties: the
+            # decode side's counts are built from the tokens its own steps see, so it computes
+            # the prompt again rather than taking the moved KV.
+            if not req.pages or req.params.has_penalties:
                 self._recompute(sched, req)
                 continue
             candidates = [

@@ -140,7 +140,7 @@ class OutputProcessor:
                         s.held += s.detok.add(tok)
                     # Checked token by token: a multi-step launch brings several tokens of a
                     # request at once, and the output ends at the one that completes the stop.
-                    if s.params.stop and self._cut_at_stop_string(s):
+                    if s.params.stop and self._matches_stop(s) and self._cut_at_stop_string(s):
                         s.stopped = True
                         ended[rid] = "stop"
                 except Exception as e:  # noqa: BLE001 - one request's failure stays its own
@@ -195,7 +195,8 @@ class OutputProcessor:
         if s.detok is not None:
             if not s.stopped:  # a stop string's cut text is final; else check the tail once
                 s.held += s.detok.flush()
-                self._cut_at_stop_string(s)
+                if self._matches_stop(s):
+                    self._cut_at_stop_string(s)
             s.released.append(s.held)
             s.held = ""
         new_ids = s.token_ids[s.num_reported :] if s.stream else []
@@ -274,6 +275,12 @@ class OutputProcessor:
             finish_reason=None,
             new_top_logprobs=new_top,
         )
+
+    @staticmethod
+    def _matches_stop(s: _Stream) -> bool:
+        """Are stop strings matched yet? Only once more than `min_tokens` tokens are out (vLLM's
+        rule): text from before then is released unchecked."""
+        return len(s.token_ids) > s.params.min_tokens
 
     @staticmethod
     def _cut_at_stop_string(s: _Stream) -> bool:

@@ -12,7 +12,13 @@ import numpy as np
 
 from nori_jax.core.sampling_modes import choose_program, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
-from nori_jax.core.step_layout import TOKEN_FIELDS, StepLayout
+from nori_jax.core.step_layout import (
+    PENALTY_FRESH,
+    PENALTY_PLACES,
+    PENALTY_SAMPLES,
+    TOKEN_FIELDS,
+    StepLayout,
+)
 from nori_jax.core.step_plan import StepPlan, pick_bucket
 
 _INPUT_IDS, _POSITIONS, _SLOT_MAPPING, _PREV_INDEX = (
@@ -44,6 +50,16 @@ class PlanBuilder:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.has_logit_bias = np.zeros(rows, bool)
         self.seeds = np.zeros(rows, np.int32)
+        # min_tokens: slot -> its banned ids, and the output index from which they are allowed
+        self.min_tokens: dict[int, np.ndarray] = {}
+        self.min_tokens_until = np.zeros(rows, np.int64)
+        # Penalties: each slot's place (-1: none) and each place's settings, written at Acquire;
+        # a place is "fresh" until the step that first carries its new request's row.
+        self.penalty_place = np.full(rows, -1, np.int32)
+        self.place_prompt_len = np.zeros(PENALTY_PLACES, np.int32)
+        self.place_count_from = np.zeros(PENALTY_PLACES, np.int32)
+        self.place_penalties = np.zeros((3, PENALTY_PLACES), np.float32)
+        self.fresh_places = np.zeros(PENALTY_PLACES, bool)
 
     def apply(self, events: list[BatchEvent]) -> None:
         """Bring the persistent batch up to date with the scheduler's changes, in order."""
@@ -65,21 +81,42 @@ class PlanBuilder:
                         np.fromiter(ev.logit_bias.keys(), np.int32, len(ev.logit_bias)),
                         np.fromiter(ev.logit_bias.values(), np.float32, len(ev.logit_bias)),
                     )
+                self.min_tokens.pop(s, None)
+                self.min_tokens_until[s] = 0
+                if ev.min_tokens and ev.min_tokens_stop_ids:
+                    self.min_tokens[s] = np.asarray(ev.min_tokens_stop_ids, np.int32)
+                    self.min_tokens_until[s] = ev.min_tokens
+                self.penalty_place[s] = place = ev.penalty_place
+                if place >= 0:
+                    self.place_prompt_len[place] = ev.prompt_len
+                    self.place_count_from[place] = ev.count_from
+                    self.place_penalties[:, place] = ev.penalties
+                    self.fresh_places[place] = True
             elif isinstance(ev, Release):
                 # Zero the row so a stale page id can never be read through a later occupant.
                 self.page_table[ev.slot] = 0
                 self.logit_bias.pop(ev.slot, None)
                 self.has_logit_bias[ev.slot] = False
+                self.min_tokens.pop(ev.slot, None)
+                self.min_tokens_until[ev.slot] = 0
+                self.penalty_place[ev.slot] = -1
             else:
                 raise TypeError(f"unknown batch event {ev!r}")
 
-    def _write_logit_bias(self, view, row_slots: np.ndarray) -> None:
-        """The (row, token, bias) entries of the step's rows whose request has a logit_bias; the
-        rest of the field stays zero (a bias of 0.0 to row 0, token 0: no change)."""
-        rows = np.flatnonzero(self.has_logit_bias[row_slots])
-        if not len(rows):
-            return
+    def _write_logit_bias(self, view, row_slots: np.ndarray, sample_index: np.ndarray) -> None:
+        """The (row, token, bias) entries of the step's rows whose request has a logit_bias, and
+        a bias of -inf on the banned ids of rows sampling below their min_tokens; the rest of the
+        field stays zero (a bias of 0.0 to row 0, token 0: no change)."""
+        rows = np.flatnonzero(self.has_logit_bias[row_slots]).tolist()
         entries = [self.logit_bias[s] for s in row_slots[rows].tolist()]
+        if self.min_tokens:
+            under = self.min_tokens_until[row_slots] > sample_index[: len(row_slots)]
+            for i in np.flatnonzero(under).tolist():
+                banned = self.min_tokens[int(row_slots[i])]
+                rows.append(i)
+                entries.append((banned, np.full(len(banned), -np.inf, np.float32)))
+        if not rows:
+            return
         tokens = [t for t, _ in entries]
         values = [v for _, v in entries]
         n = sum(len(t) for t in tokens)
@@ -88,6 +125,28 @@ class PlanBuilder:
         view("bias_rows")[:n] = np.repeat(rows, [len(t) for t in tokens])
         view("bias_tokens")[:n] = np.concatenate(tokens)
         view("bias_values")[:n] = np.concatenate(values)
+
+    def _write_penalties(self, view, out: SchedulerOutput) -> None:
+        """Each penalty place's row in this step (if its request has one) and settings; a place
+        whose request is new is marked to be cleared before its first use."""
+        places = self.penalty_place[out.row_slots]
+        rows = np.flatnonzero(places >= 0)
+        if not len(rows):
+            return
+        places = places[rows]
+        view("penalty_rows")[places] = rows
+        view("penalty_flags")[places] = (
+            PENALTY_FRESH * self.fresh_places[places] + PENALTY_SAMPLES * out.row_samples[rows]
+        )
+        self.fresh_places[places] = False
+        view("penalty_prompt_len")[:] = self.place_prompt_len
+        view("penalty_count_from")[:] = self.place_count_from
+        for name, values in zip(
+            ("presence_penalty", "frequency_penalty", "repetition_penalty"),
+            self.place_penalties,
+            strict=True,
+        ):
+            view(name)[:] = values
 
     def _write_pages(self, slot: int, start: int, pages: list[int]) -> None:
         if not pages:
@@ -166,8 +225,10 @@ class PlanBuilder:
         program, filtered = choose_program(
             temperature[:nrows], top_p[:nrows], top_k[:nrows], s, min_p[:nrows]
         )
-        if self.logit_bias:
-            self._write_logit_bias(view, out.row_slots)
+        if self.logit_bias or self.min_tokens:
+            self._write_logit_bias(view, out.row_slots, sample_index)
+        if (self.penalty_place >= 0).any():
+            self._write_penalties(view, out)
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
         filter_rows[: len(filtered)] = filtered

@@ -80,6 +80,7 @@ class Request:
     is_long: bool = False
     slot: int | None = None  # row in the scheduler's BatchSlots while running
     final_token_ids: bool = False  # its FinishedRequest carries output_token_ids (engine_core.py)
+    penalty_place: int | None = None  # while it runs with a penalty (core/step_room.py)
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
@@ -122,6 +123,23 @@ class Request:
             return self._prompt_array[start:end]
         out = np.asarray(self.output_token_ids[max(start - p, 0) : end - p], np.int32)
         return out if start >= p else np.concatenate([self._prompt_array[start:], out])
+
+    @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """The ids it may not sample before `min_tokens` outputs: its stop token ids and, unless
+        it ignores EOS, its EOS ids (none without min_tokens)."""
+        p = self.params
+        if not p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else self.eos_token_ids
+        return tuple(sorted(set(p.stop_token_ids) | set(eos)))
+
+    def reads_prefix_cache(self) -> bool:
+        """May its admission take KV from the prefix cache? Not where its penalties need the
+        tokens the cache would skip: with repetition_penalty (the prompt's tokens count) or with
+        output tokens (resumed after a preemption: they are recounted as they are recomputed)."""
+        p = self.params
+        return not p.has_penalties or (p.repetition_penalty == 1.0 and not self.output_token_ids)
 
     @property
     def last_token(self) -> int:

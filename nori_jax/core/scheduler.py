@@ -94,7 +94,7 @@ class Scheduler:
         # The step buffer's shared room (logit_bias entries, top-logprobs places): a request is
         # admitted only while what it needs of each fits (step_room.py).
         self._rooms = step_rooms()
-        self._top_places = self._rooms[1]
+        self._top_places, self._penalty_places = self._rooms[1], self._rooms[2]
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -196,8 +196,8 @@ class Scheduler:
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
             self.slots.acquire(req, cfg.max_model_len)
-            self._events.append(_acquire(req))
             self._join_running(req)
+            self._events.append(_acquire(req))
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """Finish a live request now (stop string, abort, timeout); frees its pages at once."""
@@ -229,7 +229,7 @@ class Scheduler:
         self.running.append(req)
         self._running_slots = np.append(self._running_slots, req.slot)
         for room in self._rooms:
-            room.used += room.need(req)
+            room.join(req)
 
     def _leave_running(self, req: Request) -> None:
         """`req` leaves the running batch and its slot."""
@@ -238,7 +238,7 @@ class Scheduler:
         slots = self._running_slots
         self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
         for room in self._rooms:
-            room.used -= room.need(req)
+            room.leave(req)
         self._release_slot(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -274,8 +274,11 @@ class Scheduler:
             and not self.num_waiting
             and not self.arrived
             and not self.hand_off
-            # top logprobs run in a program of their own after a single step's forward pass
+            # top logprobs and penalties run in programs of their own after a single step's
+            # forward pass; min_tokens's banned ids are the launch's, not each inner step's
             and not (self._top_places.used and c.wants_top_logprobs[decodes].any())
+            and not (self._penalty_places.used and c.has_penalties[decodes].any())
+            and not (total[is_decode] - c.prompt_len[decodes] < c.min_tokens[decodes]).any()
         ):
             steps = self._multi_step_pages(decodes)
             if steps is not None:
@@ -433,9 +436,11 @@ class Scheduler:
                 continue
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
+            # (A request whose penalties need every token to pass through the step reads none.)
+            reads_cache = req.reads_prefix_cache()
             hashes = self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
-            cached = self.allocator.lookup(hashes)
-            if len(cached) < len(hashes) and cfg.wait_for_shared_prefix:
+            cached = self.allocator.lookup(hashes) if reads_cache else []
+            if reads_cache and len(cached) < len(hashes) and cfg.wait_for_shared_prefix:
                 if in_flight is None:
                     in_flight = self._prompt_pages_in_flight()
                 if hashes[len(cached)] in in_flight:
@@ -463,10 +468,10 @@ class Scheduler:
             if self.hand_off:  # stop at the first token: the pending sample ends its run here
                 c = self.slots
                 c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
+            self._join_running(req)
             self._events.append(_acquire(req))
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
-            self._join_running(req)
             prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
@@ -841,8 +846,22 @@ class Scheduler:
 
 
 def _acquire(req: Request) -> Acquire:
-    """The batch event of `req` taking its slot: its pages so far and sampling settings."""
+    """The batch event of `req` taking its slot (after it joined the running batch): its pages so
+    far and sampling settings."""
     p = req.params
     return Acquire(
-        req.slot, list(req.pages), p.temperature, p.top_p, p.top_k, req.seed, p.min_p, p.logit_bias
+        req.slot,
+        list(req.pages),
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        req.seed,
+        p.min_p,
+        p.logit_bias,
+        min_tokens=p.min_tokens,
+        min_tokens_stop_ids=req.min_tokens_stop_ids,
+        penalty_place=-1 if req.penalty_place is None else req.penalty_place,
+        penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
+        prompt_len=req.num_prompt_tokens,
+        count_from=req.num_tokens,
     )

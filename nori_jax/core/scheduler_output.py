@@ -27,6 +27,16 @@ class Acquire:
     seed: int
     min_p: float = 0.0  # 0 = off
     logit_bias: dict[int, float] | None = None
+    # Banned (a bias of -inf) while the row samples an output index below min_tokens.
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    # Its penalty place (-1: none; core/step_room.py) and (presence, frequency, repetition).
+    penalty_place: int = -1
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    prompt_len: int = 0
+    # Tokens known when it took the slot: those past the prompt are outputs the step recounts as
+    # their recomputation passes (after a preemption); later ones are counted as sampled.
+    count_from: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,8 @@ class SlotCounters:
         self.has_stop_ids = np.zeros(n, bool)
         self.wants_logprobs = np.zeros(n, bool)
         self.wants_top_logprobs = np.zeros(n, bool)  # logprobs >= 1: a top-logprobs place
+        self.has_penalties = np.zeros(n, bool)  # a penalty place
+        self.min_tokens = np.zeros(n, i64)
         self.last_token_time = np.zeros(n, np.float64)
         # Object arrays, so a step gathers its rows' requests (and ids) with one numpy take
         # instead of a Python loop over a thousand rows.
@@ -64,6 +66,8 @@ class SlotCounters:
         self.has_stop_ids[slot] = bool(p.stop_token_ids)
         self.wants_logprobs[slot] = p.logprobs is not None
         self.wants_top_logprobs[slot] = bool(p.logprobs)
+        self.has_penalties[slot] = p.has_penalties
+        self.min_tokens[slot] = p.min_tokens
         self.last_token_time[slot] = req.times.last_token or 0.0
         self.requests[slot] = req
         self.request_ids[slot] = req.request_id

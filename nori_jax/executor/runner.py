@@ -45,7 +45,13 @@ from nori_jax.core.sampling_modes import (
     multi_step_programs,
     sampler_programs,
 )
-from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, TOP_LOGPROBS_ROWS, StepLayout
+from nori_jax.core.step_layout import (
+    PENALTY_PLACES,
+    TOKEN_FIELDS,
+    TOP_LOGPROBS,
+    TOP_LOGPROBS_ROWS,
+    StepLayout,
+)
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
@@ -54,10 +60,12 @@ from nori_jax.executor.mesh import replicated
 from nori_jax.executor.param_packing import PackedParams
 from nori_jax.executor.placement import ReplicatedPut, put
 from nori_jax.executor.step_programs import (
+    count_sampled,
     forward,
     logit_rows,
     multi_step,
     peek,
+    penalize,
     sample_from_logits,
     stage,
     stage_and_peek,
@@ -100,6 +108,8 @@ def _program_name(kind: str, key) -> str:
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "top":
         return f"top logprobs ({key} rows)"
+    if kind in ("penalize", "count"):
+        return "penalties" if kind == "penalize" else "penalty counts"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     if kind in ("stage", "stage+peek", "peek"):
@@ -159,14 +169,13 @@ class ModelRunner:
                 [self._kv_sharding] * cfg.num_layers,
             ),
         )
-        # The random and filtering samplers, per (program, logit rows R) a step of some bucket
-        # can need (the forward pass samples greedily itself).
+        # The sampler programs, per (program, logit rows R) a step of some bucket can need: the
+        # forward pass samples greedily itself, so greedy runs again only on penalized logits.
         self.sampler_keys = sorted(
             {
                 (program, r)
                 for r in {logit_rows(layout.max_num_seqs, t) for t in self.buckets}
                 for program in sampler_programs(layout.max_num_seqs, r)
-                if program != GREEDY
             }
         )
         self._sample_fns = {
@@ -186,6 +195,17 @@ class ModelRunner:
             static_argnums=(0,),
             donate_argnums=(1,),
             keep_unused=True,
+            out_shardings=self._replicated,
+        )
+        # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
+        self._penalize_fn = jax.jit(
+            functools.partial(penalize, layout),
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self._replicated,) * 3,
+        )
+        self._count_fn = jax.jit(
+            functools.partial(count_sampled, layout),
+            donate_argnums=(0,),
             out_shardings=self._replicated,
         )
         self._stage_fn = jax.jit(stage, donate_argnums=(0,), out_shardings=self._replicated)
@@ -244,6 +264,11 @@ class ModelRunner:
         self._step_state = put(layout.new_step(), self._replicated)
         self._samples_state = put(np.zeros((2, w), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
+        # Per penalty place: each token's count among its outputs, and whether its prompt holds
+        # it (64 x 49,152 x 5 bytes = 16 MB for SmolLM2; outside the KV pool's budget, with the
+        # logits, in what gpu_memory_utilization leaves free).
+        self._penalty_counts = put(np.zeros((PENALTY_PLACES, vocab), np.int32), self._replicated)
+        self._penalty_in_prompt = put(np.zeros((PENALTY_PLACES, vocab), bool), self._replicated)
         k = num_scheduler_steps
         self._all_samples_state = (
             put(np.zeros((k, 2, w), np.int32), self._replicated) if self.multi_step_keys else None
@@ -273,6 +298,8 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
         all_abs = self._abstract((self.num_scheduler_steps, 2, w), i32)
+        counts_abs = self._abstract((PENALTY_PLACES, vocab), i32)
+        in_prompt_abs = self._abstract((PENALTY_PLACES, vocab), jnp.bool_)
         # (key, how to lower it), the model's programs first: they take longest to compile.
         to_lower = [
             (("forward", t), lambda t=t: self._forward_fn.lower(
@@ -289,6 +316,10 @@ class ModelRunner:
         ] + [
             (("top", r), lambda r=r: self._top_fn.lower(r, prev_abs, logits_abs, step_abs))
             for r in self.top_keys
+        ] + [
+            (("penalize", None), lambda: self._penalize_fn.lower(
+                logits_abs, counts_abs, in_prompt_abs, step_abs)),
+            (("count", None), lambda: self._count_fn.lower(counts_abs, prev_abs, step_abs)),
         ] + [
             (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
             (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
@@ -391,6 +422,8 @@ class ModelRunner:
                 [self._samples_state, self._logits_state, self._step_state]
             )[0]
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
+        self._penalize_and_count(self._warm_up_step([1]))
+        np.asarray(self._penalty_counts)
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
@@ -443,6 +476,26 @@ class ModelRunner:
         """The step's top-logprobs places (max_num_seqs where unused)."""
         return self.layout.view(step, "top_rows")
 
+    def _penalty_rows(self, step: np.ndarray) -> np.ndarray:
+        """The step's penalty places' rows (max_num_seqs where a place has none)."""
+        return self.layout.view(step, "penalty_rows")
+
+    def _penalize(self) -> None:
+        self._logits_state, self._penalty_counts, self._penalty_in_prompt = self._direct[
+            "penalize", None
+        ]([self._logits_state, self._penalty_counts, self._penalty_in_prompt, self._step_state])
+
+    def _count(self) -> None:
+        self._penalty_counts = self._direct["count", None](
+            [self._penalty_counts, self._samples_state, self._step_state]
+        )[0]
+
+    def _penalize_and_count(self, step: np.ndarray) -> None:
+        """Warm-up: both penalty programs once, on `step` staged (places unused: no change)."""
+        self._step_state = self._direct["stage", None]([self._step_state, self._put_step(step)])[0]
+        self._penalize()
+        self._count()
+
     def _launch(
         self, bucket: int, step: np.ndarray, program: SamplerProgram, num_steps: int = 1
     ) -> LaunchedSamples:
@@ -478,10 +531,17 @@ class ModelRunner:
         else:
             self._samples_state, self._logits_state = out[:2]
             rows = logit_rows(self.layout.max_num_seqs, bucket)
-            if program != GREEDY:  # the forward pass sampled greedily; this step needs more
+            # Read from the buffer, so a follower of a multi-host engine runs them too.
+            penalties = self._penalty_rows(step).min() < self.layout.max_num_seqs
+            if penalties:
+                self._penalize()
+            # The forward pass sampled greedily; this step needs more, or penalized logits do.
+            if program != GREEDY or penalties:
                 self._samples_state = self._direct["sampler", (program, rows)](
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
+            if penalties:
+                self._count()
             # Read from the buffer, so a follower of a multi-host engine runs it too.
             if self._top_rows(step)[0] < self.layout.max_num_seqs:
                 self._samples_state = self._direct["top", rows](

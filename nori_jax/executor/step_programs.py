@@ -5,7 +5,9 @@
     stage_and_peek(step_state, fresh, samples) -> (step_state, a copy of the last step's samples)
     forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
         (params: the model's parameters as param_packing.PackedParams passes them)
+    penalize(logits, counts, in_prompt, step_state) -> (logits, counts, in_prompt)
     sample_from_logits[program, R](samples, logits, step_state) -> samples
+    count_sampled(counts, samples, step_state) -> counts
     top_logprobs_from_logits[R](samples, logits, step_state) -> samples (with the top logprobs)
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
@@ -14,7 +16,9 @@
 `samples` int32[2, W] packs each row's token (row 0) and its logprob's float32 bits (row 1) in its
 first S columns, then the top logprobs of the step's `top_rows` (TOP_LOGPROBS token ids and
 logprobs each, core/step_layout.py: W = layout.samples_width), which only a step whose plan has
-such rows computes, in a program of its own after the forward pass and sampler (zeros else);
+such rows computes, in a program of its own after the forward pass and sampler (zeros else).
+A step with penalty places in use (executor/penalties.py) penalizes their rows' logits in place
+after the forward pass, samples them again (greedy rows too), and counts the sampled tokens;
 `logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
 (`logit_rows`: a bucket of T holds at most T rows). The forward pass samples greedily itself, so a
 greedy step runs no sampler program; another step runs the one `sampling_modes.choose_program`
@@ -36,6 +40,7 @@ from flax import nnx
 
 from nori_jax.core.sampling_modes import GREEDY
 from nori_jax.core.step_layout import TOP_LOGPROBS
+from nori_jax.executor.penalties import apply_penalties, count_samples, record_step_tokens
 from nori_jax.executor.sampler import add_logit_bias, sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
 from nori_jax.models.llama import AttentionInputs
@@ -196,6 +201,24 @@ def sample_from_logits(layout, program, rows, samples, logits_state, step):
     row = unpack_rows(layout, step)
     out = _pack(*_sample_row(program, logits_state[:rows], row, row["sample_index"]))
     return jax.lax.dynamic_update_slice(samples, _pad_rows(out, layout.max_num_seqs), (0, 0))
+
+
+def penalize(layout, logits_state, counts, in_prompt, step):
+    """The step's tokens recorded in the penalty places' counts, then the places' rows of the
+    forward pass's logits penalized (all three buffers donated, returned in place). Reads every
+    token slot of the buffer: one program for every bucket (slots past the step's tokens belong
+    to no row)."""
+    row = unpack_rows(layout, step)
+    tok = unpack_tokens(layout, step, layout.token_capacity)
+    counts, in_prompt = record_step_tokens(
+        counts, in_prompt, row, tok["input_ids"], tok["positions"]
+    )
+    return apply_penalties(logits_state, counts, in_prompt, row), counts, in_prompt
+
+
+def count_sampled(layout, counts, samples, step):
+    """The penalty places' counts (donated) with the tokens their rows sampled in this step."""
+    return count_samples(counts, samples[0, : layout.max_num_seqs], unpack_rows(layout, step))
 
 
 def top_logprobs_from_logits(layout, rows, samples, logits_state, step):

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-_HF_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+_HF_KEYS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+}
 _GGUF_KEYS = {
     "general.sampling.temp": ("temperature", float),
     "general.sampling.top_p": ("top_p", float),

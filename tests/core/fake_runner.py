@@ -225,12 +225,14 @@ def run_to_completion(
     max_steps: int = 10_000,
     on_step=None,
     overlap: bool = False,
+    device: FakeDevice | None = None,
 ) -> dict[str, Request]:
     """Run until every request finishes. With `overlap`, plan N+1 is built before plan N's
-    samples are delivered, as the engine's async scheduling does."""
+    samples are delivered, as the engine's async scheduling does. `device`: a FakeDevice of `s`
+    (a subclass that checks more), or a new one."""
     for r in requests:
         s.add_request(r)
-    device = FakeDevice(s)
+    device = device or FakeDevice(s)
     s._fake = device
     done: dict[str, Request] = {}
     in_flight = None

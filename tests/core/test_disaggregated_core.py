@@ -273,3 +273,18 @@ def test_duplicate_ids_are_refused_across_cores():
     core.add_request(request("x", [1, 2, 3]))
     with pytest.raises(ValueError, match="already in use"):
         core.add_request(request("x", [4, 5, 6]))
+
+
+def test_a_request_with_penalties_is_recomputed_on_the_decode_side():
+    """Its decode side builds the penalty counts from the tokens its own steps see, so it
+    computes the prompt there again rather than taking moved KV; the others still move."""
+    core = make_core()
+    reqs = random_requests(4, seed=4)
+    reqs[1] = request("pen", [5, 6, 7, 8], 6, presence_penalty=0.5)
+    tokens, finished, transfers = run(core, reqs)
+    for r in reqs:  # (the fake device ignores penalties: outputs stay its own)
+        assert tokens[r.request_id] == expected_output(r.prompt_token_ids, r.params.max_tokens)
+    assert core.num_recomputed == 1
+    assert sorted(t.request_id for t in transfers) == sorted(
+        r.request_id for r in reqs if r.request_id != "pen"
+    )

@@ -42,6 +42,13 @@ _EXPECTED: list[list[int]] = []
 _TOP: list[list[list[tuple[int, float]]]] = []  # PROMPTS[2] greedy with logprobs=3, in-process
 _FORCED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={77: 100.0})
 _FORCED_TEXT: list[str] = []  # PROMPTS[1] with _FORCED, in-process
+# Penalties and min_tokens, as the OpenAI routes take them (extra_body: vLLM's extensions).
+_PENALIZED = [
+    dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(extra_body={"repetition_penalty": 1.6}),
+    dict(seed=9, temperature=0.8, frequency_penalty=-0.5, extra_body={"repetition_penalty": 0.9}),
+]
+_PENALIZED_TEXT: list[str] = []  # PROMPTS[0] (greedy repeats itself) with each, in-process
 
 
 def _expected_tokens() -> list[list[int]]:
@@ -54,6 +61,11 @@ def _expected_tokens() -> list[list[int]]:
         forced = llm.generate([PROMPTS[1]], _FORCED)[0]
         assert forced.token_ids == [77, 77, 77]
         _FORCED_TEXT.append(forced.text)
+        for kw in _PENALIZED:
+            kw = {**kw, **kw.get("extra_body", {})}
+            kw.pop("extra_body", None)
+            params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, **kw})
+            _PENALIZED_TEXT.append(llm.generate([PROMPTS[0]], params)[0].text)
     return _EXPECTED
 
 
@@ -93,6 +105,37 @@ def test_min_p_and_logit_bias_cross_the_process_boundary(server: Server) -> None
     got, want = asyncio.run(top()), _TOP[0]
     assert [[t for t, _ in p] for p in got] == [[t for t, _ in p] for p in want]
     np.testing.assert_allclose([[v for _, v in p] for p in got], [[v for _, v in p] for p in want])
+
+
+def test_penalties_and_min_tokens_cross_the_process_boundary(server: Server) -> None:
+    """presence / frequency (OpenAI's fields), repetition_penalty and min_tokens (vLLM's) reach
+    the core process and act there as in-process; min_tokens holds a stop string back."""
+    _expected_tokens()
+    oa = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    plain = oa.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0.0
+    ).choices[0]
+    for kw, want in zip(_PENALIZED, _PENALIZED_TEXT, strict=True):
+        got = oa.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, **{"temperature": 0.0, **kw}
+        ).choices[0]
+        assert got.text == want, kw
+    assert _PENALIZED_TEXT[0] != plain.text and _PENALIZED_TEXT[1] != plain.text
+    # A stop string in the first tokens: cut there, or, with min_tokens past it, not matched.
+    stop = plain.text[1:3]
+    cut = oa.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0.0, stop=stop
+    ).choices[0]
+    assert cut.text == plain.text[: plain.text.index(stop)] and cut.finish_reason == "stop"
+    held = oa.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=12,
+        temperature=0.0,
+        stop=stop,
+        extra_body={"min_tokens": 12},
+    ).choices[0]
+    assert held.text == plain.text and held.finish_reason == plain.finish_reason
 
 
 def test_streams_through_the_openai_client(server: Server) -> None:

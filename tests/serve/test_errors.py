@@ -100,7 +100,12 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "logprobs": 21}, "logprobs"),  # past MAX_LOGPROBS
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": [""]}, "stop"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's [-2, 2]
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),  # [0.01, 100]
+        ({"prompt": "x", "repetition_penalty": 1e30}, "repetition_penalty"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),  # past max_tokens
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
     ],
 )
@@ -400,8 +405,8 @@ def test_top_k_beyond_the_vocabulary_is_served(server: Server, c: httpx.Client) 
     ("path", "field"),
     [
         ("/v1/completions", {"response_format": {"type": "json_object"}}),
-        ("/v1/completions", {"min_tokens": 3}),
-        ("/v1/completions", {"repetition_penalty": 1.2}),
+        ("/v1/completions", {"prompt_logprobs": 1}),
+        ("/v1/completions", {"use_beam_search": True}),
         ("/v1/completions", {"guided_choice": ["a", "b"]}),
         ("/v1/chat/completions", {"tool_choice": "auto"}),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}),

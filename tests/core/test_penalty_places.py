@@ -1,0 +1,216 @@
+"""Penalty places and min_tokens on the host side: a request with a penalty holds a place while it
+runs; the device rebuilds the place's counts from what each step carries (clear when fresh, mark
+prompt positions, recount recomputed outputs, count samples). A device that does exactly that, in
+numpy, checks before every sample that the place's counts are the request's true history, through
+chunked prefill, preemption, overlapped steps and the prefix cache."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from fake_runner import (
+    VOCAB,
+    FakeDevice,
+    build,
+    expected_output,
+    finish_counting,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    shared_prefix_requests,
+)
+
+from nori_jax.core.request import Request
+from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_PLACES, PENALTY_SAMPLES
+from nori_jax.sampling_params import SamplingParams
+
+
+class PenaltyDevice(FakeDevice):
+    """A FakeDevice that also keeps the penalty places' counts as the jitted step does
+    (executor/penalties.py) and asserts, for every place whose row samples, that they hold the
+    request's outputs so far (and, with a repetition penalty, its prompt's tokens)."""
+
+    def __init__(self, s):
+        super().__init__(s)
+        self.counts = np.zeros((PENALTY_PLACES, VOCAB), np.int64)
+        self.in_prompt = np.zeros((PENALTY_PLACES, VOCAB), bool)
+        self.checked = 0
+
+    def execute(self, plan):
+        view = lambda name: plan.layout.view(plan.buffer, name)  # noqa: E731
+        rows, flags = view("penalty_rows"), view("penalty_flags")
+        prompt_len, count_from = view("penalty_prompt_len"), view("penalty_count_from")
+        ids = np.where(
+            plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
+        )
+        s = self.s.config.max_num_seqs
+        used = np.flatnonzero(rows < s)
+        assert len(set(rows[used].tolist())) == len(used), "two places on one row"
+        for p in used.tolist():
+            r = int(rows[p])
+            req = plan.scheduled.row_requests[r]
+            assert req.params.has_penalties
+            if flags[p] & PENALTY_FRESH:
+                self.counts[p], self.in_prompt[p] = 0, False
+            for j in range(plan.cu_q_lens[r], plan.cu_q_lens[r + 1]):
+                pos, tok = int(plan.positions[j]), int(ids[j])
+                if pos < prompt_len[p]:
+                    self.in_prompt[p, tok] = True
+                elif pos < count_from[p]:
+                    self.counts[p, tok] += 1
+            if flags[p] & PENALTY_SAMPLES:
+                lo, hi = plan.cu_q_lens[r], plan.cu_q_lens[r + 1]
+                seq = self._before(req, int(plan.kv_lens[r]) - int(hi - lo)) + ids[lo:hi].tolist()
+                truth = np.bincount(seq[req.num_prompt_tokens :], minlength=VOCAB)
+                np.testing.assert_array_equal(self.counts[p], truth, err_msg=req.request_id)
+                if req.params.repetition_penalty != 1.0:
+                    in_prompt = np.zeros(VOCAB, bool)
+                    in_prompt[req.prompt_token_ids] = True
+                    np.testing.assert_array_equal(self.in_prompt[p], in_prompt)
+                self.checked += 1
+        tokens = super().execute(plan)
+        for p in used.tolist():
+            if flags[p] & PENALTY_SAMPLES:
+                self.counts[p, tokens[rows[p]]] += 1
+        return tokens
+
+
+def _penalized(rid: str, prompt: list[int], max_tokens: int, **penalties) -> Request:
+    return Request(
+        rid,
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **penalties),
+        seed=0,
+    )
+
+
+def _mixed(reqs: list[Request]) -> list[Request]:
+    """Every other request with a penalty (all three kinds in turn), the rest without."""
+    kinds = [
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=-0.2, repetition_penalty=0.9),
+    ]
+    return [
+        _penalized(r.request_id, r.prompt_token_ids, r.params.max_tokens, **kinds[i // 2 % 3])
+        if i % 2 == 0
+        else r
+        for i, r in enumerate(reqs)
+    ]
+
+
+def test_counts_are_each_requests_history_through_preemption_and_overlap():
+    for overlap in (False, True):
+        reqs = _mixed(shared_prefix_requests(24, seed=8, max_own=50, max_tokens=(1, 40)))
+        s = make_scheduler(num_pages=20, max_model_len=128, kv_headroom=0.0)
+        device = PenaltyDevice(s)
+        done = run_to_completion(s, reqs, overlap=overlap, device=device)
+        assert s.counters.num_preemptions > 0 and s.counters.prefix_cache_hits > 0
+        assert device.checked > 100
+        for r in reqs:  # (the fake model ignores penalties: outputs stay its own)
+            assert done[r.request_id].output_token_ids == expected_output(
+                r.prompt_token_ids, r.params.max_tokens
+            )
+
+
+def test_a_request_needing_the_tokens_the_cache_skips_reads_no_cached_page():
+    system = list(range(300, 340))  # two full pages of 16
+    s = make_scheduler(num_pages=64)
+    run_to_completion(s, [make_request("warm", system + [5], 2)])
+    hits = s.counters.prefix_cache_hits
+    run_to_completion(s, [_penalized("rep", system + [6], 2, repetition_penalty=1.2)])
+    assert s.counters.prefix_cache_hits == hits  # its prompt's tokens must pass through
+    run_to_completion(s, [_penalized("presence", system + [7], 2, presence_penalty=1.0)])
+    assert s.counters.prefix_cache_hits == hits + 32  # outputs only: the prompt may be cached
+
+
+def test_requests_past_the_places_wait_and_the_rest_go_by():
+    extra = 3
+    s = make_scheduler(num_pages=512, max_num_seqs=PENALTY_PLACES + 8, max_num_batched_tokens=2048)
+    asking = [
+        _penalized(f"q{i}", [10 + i] * 12, 4, presence_penalty=0.1)
+        for i in range(PENALTY_PLACES + extra)
+    ]
+    plain = [make_request(f"p{i}", [200 + i] * 12, 4) for i in range(2)]
+    for r in asking + plain:
+        s.add_request(r)
+    out = s.schedule()
+    running = {r.request_id for r in out.row_requests}
+    assert running == {f"q{i}" for i in range(PENALTY_PLACES)} | {"p0", "p1"}
+    assert [r.request_id for r in s.waiting] == [f"q{PENALTY_PLACES + i}" for i in range(extra)]
+    plan = build(s, out)
+    rows = plan.layout.view(plan.buffer, "penalty_rows")
+    assert sorted(rows.tolist()) == sorted(
+        i for i, r in enumerate(out.row_requests) if r.params.has_penalties
+    )
+    most = finish_counting(s, out, lambda running: sum(r.params.has_penalties for r in running))
+    assert most == PENALTY_PLACES
+    for r in asking + plain:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 4), r.request_id
+    assert s.allocator.num_used_pages == 0
+
+
+def test_min_tokens_bans_the_stop_ids_below_the_minimum_only():
+    """-inf on the request's stop ids and EOS in the step's logit_bias entries while the row
+    samples an output index below min_tokens; none after, none for ignore_eos's EOS."""
+    s = make_scheduler(num_pages=64, max_num_batched_tokens=64)
+    req = Request(
+        "m",
+        [5] * 20,
+        SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3, stop_token_ids=[9, 7]),
+        seed=0,
+        eos_token_ids=(2,),
+    )
+    other = Request(
+        "o",
+        [6] * 4,
+        SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6, ignore_eos=True),
+        seed=0,
+        eos_token_ids=(2,),
+    )
+    s.add_request(req)
+    s.add_request(other)
+    banned = collections.defaultdict(list)  # request id -> per sampling row: its banned ids
+    while s.has_unfinished():
+        out = s.schedule()
+        plan = build(s, out)
+        view = lambda name, plan=plan: plan.layout.view(plan.buffer, name)  # noqa: E731
+        n = int((view("bias_values") != 0).sum())
+        for i, r in enumerate(out.row_requests):
+            mine = view("bias_rows")[:n] == i
+            assert (view("bias_values")[:n][mine] == -np.inf).all()
+            if out.row_samples[i]:
+                banned[r.request_id].append(sorted(view("bias_tokens")[:n][mine].tolist()))
+        s.update(out, _device(s).execute(plan))
+    assert banned["m"] == [[2, 7, 9]] * 3 + [[]] * 3
+    assert banned["o"] == [[]] * 6  # ignore_eos and no stop ids: nothing to ban
+
+
+def _device(s):
+    if not hasattr(s, "_fake"):
+        s._fake = FakeDevice(s)
+    return s._fake
+
+
+def test_no_multi_step_launch_while_a_row_has_penalties_or_is_below_min_tokens():
+    for special in (
+        _penalized("special", [6] * 10, 6, frequency_penalty=0.3),
+        make_request("special", [7] * 10, 12, min_tokens=5),
+    ):
+        s = make_scheduler(num_pages=64, num_scheduler_steps=4, multi_step_max_seqs=8)
+        launches = []  # (steps, the special row's output index or None) per multi-step launch
+
+        def on_step(s, plan, launches=launches):
+            names = [r.request_id for r in plan.scheduled.row_requests]
+            if plan.num_steps > 1:
+                index = plan.layout.view(plan.buffer, "sample_index")
+                launches.append(index[names.index("special")] if "special" in names else None)
+
+        reqs = [make_request("plain", [5] * 10, 16), special]
+        run_to_completion(s, reqs, on_step=on_step)
+        assert launches, "multi-step once the special row is past its condition or done"
+        if special.params.has_penalties:
+            assert launches == [None] * len(launches)
+        else:  # from the launch whose first step samples output 5 on
+            assert min(i for i in launches if i is not None) == 5
