@@ -12,13 +12,7 @@ import numpy as np
 
 from nori_jax.core.sampling_modes import choose_program, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
-from nori_jax.core.step_layout import (
-    PENALTY_FRESH,
-    PENALTY_PLACES,
-    PENALTY_SAMPLES,
-    TOKEN_FIELDS,
-    StepLayout,
-)
+from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_SAMPLES, TOKEN_FIELDS, StepLayout
 from nori_jax.core.step_plan import StepPlan, pick_bucket
 
 _INPUT_IDS, _POSITIONS, _SLOT_MAPPING, _PREV_INDEX = (
@@ -53,13 +47,13 @@ class PlanBuilder:
         # min_tokens: slot -> its banned ids, and the output index from which they are allowed
         self.min_tokens: dict[int, np.ndarray] = {}
         self.min_tokens_until = np.zeros(rows, np.int64)
-        # Penalties: each slot's place (-1: none) and each place's settings, written at Acquire;
-        # a place is "fresh" until the step that first carries its new request's row.
-        self.penalty_place = np.full(rows, -1, np.int32)
-        self.place_prompt_len = np.zeros(PENALTY_PLACES, np.int32)
-        self.place_count_from = np.zeros(PENALTY_PLACES, np.int32)
-        self.place_penalties = np.zeros((3, PENALTY_PLACES), np.float32)
-        self.fresh_places = np.zeros(PENALTY_PLACES, bool)
+        # Penalties, per slot, written at Acquire; a slot is "fresh" (the device clears its
+        # counts) until the step that first carries its new request's row.
+        self.has_penalties = np.zeros(rows, bool)
+        self.prompt_len = np.zeros(rows, np.int32)
+        self.count_from = np.zeros(rows, np.int32)
+        self.penalties = np.zeros((3, rows), np.float32)  # presence, frequency, repetition
+        self.fresh = np.zeros(rows, bool)
 
     def apply(self, events: list[BatchEvent]) -> None:
         """Bring the persistent batch up to date with the scheduler's changes, in order."""
@@ -86,12 +80,10 @@ class PlanBuilder:
                 if ev.min_tokens and ev.min_tokens_stop_ids:
                     self.min_tokens[s] = np.asarray(ev.min_tokens_stop_ids, np.int32)
                     self.min_tokens_until[s] = ev.min_tokens
-                self.penalty_place[s] = place = ev.penalty_place
-                if place >= 0:
-                    self.place_prompt_len[place] = ev.prompt_len
-                    self.place_count_from[place] = ev.count_from
-                    self.place_penalties[:, place] = ev.penalties
-                    self.fresh_places[place] = True
+                self.has_penalties[s] = self.fresh[s] = ev.has_penalties
+                if ev.has_penalties:
+                    self.prompt_len[s], self.count_from[s] = ev.prompt_len, ev.count_from
+                    self.penalties[:, s] = ev.penalties
             elif isinstance(ev, Release):
                 # Zero the row so a stale page id can never be read through a later occupant.
                 self.page_table[ev.slot] = 0
@@ -99,7 +91,7 @@ class PlanBuilder:
                 self.has_logit_bias[ev.slot] = False
                 self.min_tokens.pop(ev.slot, None)
                 self.min_tokens_until[ev.slot] = 0
-                self.penalty_place[ev.slot] = -1
+                self.has_penalties[ev.slot] = False
             else:
                 raise TypeError(f"unknown batch event {ev!r}")
 
@@ -127,26 +119,27 @@ class PlanBuilder:
         view("bias_values")[:n] = np.concatenate(values)
 
     def _write_penalties(self, view, out: SchedulerOutput) -> None:
-        """Each penalty place's row in this step (if its request has one) and settings; a place
-        whose request is new is marked to be cleared before its first use."""
-        places = self.penalty_place[out.row_slots]
-        rows = np.flatnonzero(places >= 0)
+        """The step's rows whose request has a penalty, first in the penalty fields, with their
+        slots and settings; a slot whose request is new is marked to be cleared first."""
+        rows = np.flatnonzero(self.has_penalties[out.row_slots])
         if not len(rows):
             return
-        places = places[rows]
-        view("penalty_rows")[places] = rows
-        view("penalty_flags")[places] = (
-            PENALTY_FRESH * self.fresh_places[places] + PENALTY_SAMPLES * out.row_samples[rows]
+        slots = out.row_slots[rows]
+        n = len(rows)
+        view("penalty_rows")[:n] = rows
+        view("penalty_slots")[:n] = slots
+        view("penalty_flags")[:n] = (
+            PENALTY_FRESH * self.fresh[slots] + PENALTY_SAMPLES * out.row_samples[rows]
         )
-        self.fresh_places[places] = False
-        view("penalty_prompt_len")[:] = self.place_prompt_len
-        view("penalty_count_from")[:] = self.place_count_from
+        self.fresh[slots] = False
+        view("penalty_prompt_len")[:n] = self.prompt_len[slots]
+        view("penalty_count_from")[:n] = self.count_from[slots]
         for name, values in zip(
             ("presence_penalty", "frequency_penalty", "repetition_penalty"),
-            self.place_penalties,
+            self.penalties,
             strict=True,
         ):
-            view(name)[:] = values
+            view(name)[:n] = values[slots]
 
     def _write_pages(self, slot: int, start: int, pages: list[int]) -> None:
         if not pages:
@@ -227,7 +220,7 @@ class PlanBuilder:
         )
         if self.logit_bias or self.min_tokens:
             self._write_logit_bias(view, out.row_slots, sample_index)
-        if (self.penalty_place >= 0).any():
+        if self.has_penalties.any():
             self._write_penalties(view, out)
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter

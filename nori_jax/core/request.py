@@ -80,7 +80,6 @@ class Request:
     is_long: bool = False
     slot: int | None = None  # row in the scheduler's BatchSlots while running
     final_token_ids: bool = False  # its FinishedRequest carries output_token_ids (engine_core.py)
-    penalty_place: int | None = None  # while it runs with a penalty (core/step_room.py)
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)

@@ -94,7 +94,7 @@ class Scheduler:
         # The step buffer's shared room (logit_bias entries, top-logprobs places): a request is
         # admitted only while what it needs of each fits (step_room.py).
         self._rooms = step_rooms()
-        self._top_places, self._penalty_places = self._rooms[1], self._rooms[2]
+        self._top_places = self._rooms[1]
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -277,7 +277,7 @@ class Scheduler:
             # top logprobs and penalties run in programs of their own after a single step's
             # forward pass; min_tokens's banned ids are the launch's, not each inner step's
             and not (self._top_places.used and c.wants_top_logprobs[decodes].any())
-            and not (self._penalty_places.used and c.has_penalties[decodes].any())
+            and not c.has_penalties[decodes].any()
             and not (total[is_decode] - c.prompt_len[decodes] < c.min_tokens[decodes]).any()
         ):
             steps = self._multi_step_pages(decodes)
@@ -860,7 +860,7 @@ def _acquire(req: Request) -> Acquire:
         p.logit_bias,
         min_tokens=p.min_tokens,
         min_tokens_stop_ids=req.min_tokens_stop_ids,
-        penalty_place=-1 if req.penalty_place is None else req.penalty_place,
+        has_penalties=p.has_penalties,
         penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
         prompt_len=req.num_prompt_tokens,
         count_from=req.num_tokens,

@@ -30,8 +30,8 @@ class Acquire:
     # Banned (a bias of -inf) while the row samples an output index below min_tokens.
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()
-    # Its penalty place (-1: none; core/step_room.py) and (presence, frequency, repetition).
-    penalty_place: int = -1
+    # Penalties (presence, frequency, repetition): the device keeps its slot's token counts.
+    has_penalties: bool = False
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
     prompt_len: int = 0
     # Tokens known when it took the slot: those past the prompt are outputs the step recounts as

@@ -37,12 +37,10 @@ LOGIT_BIAS_CAPACITY = 2048
 # is free (scheduler.py). Their (token, logprob) pairs come back after the rows' samples.
 TOP_LOGPROBS_ROWS = 64
 TOP_LOGPROBS = MAX_LOGPROBS  # per place: a request takes any number up to it
-# Penalties (presence, frequency, repetition): a request with any holds one of these places while
-# it runs; the device keeps each place's token counts between steps (executor/penalties.py), and
-# the scheduler admits such a request only while a place is free.
-PENALTY_PLACES = 64
-# penalty_flags bits: the place's new request starts (its counts are cleared first); the place's
-# row samples in this step (its token is counted after sampling).
+# Penalties (presence, frequency, repetition): the device keeps each slot's token counts between
+# steps (executor/penalties.py); a step lists its rows whose request has a penalty, first, with
+# these flags: the slot's request is new (its counts are cleared first); the row samples in this
+# step (its token is counted after sampling).
 PENALTY_FRESH, PENALTY_SAMPLES = 1, 2
 # input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
 # padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
@@ -105,17 +103,18 @@ class StepLayout:
             ("bias_values", (LOGIT_BIAS_CAPACITY,), np.float32),
             # rows whose top logprobs the step computes, in place order; unused: max_num_seqs
             ("top_rows", (TOP_LOGPROBS_ROWS,), np.int32),
-            # Per penalty place: its request's row in this step (max_num_seqs: none), flags,
-            # prompt length (its tokens below it are the prompt's), the position from which its
-            # tokens were sampled on the device (below it, already-generated tokens recomputed
-            # after a preemption are counted as they pass), and its three penalties.
-            ("penalty_rows", (PENALTY_PLACES,), np.int32),
-            ("penalty_flags", (PENALTY_PLACES,), np.int32),
-            ("penalty_prompt_len", (PENALTY_PLACES,), np.int32),
-            ("penalty_count_from", (PENALTY_PLACES,), np.int32),
-            ("presence_penalty", (PENALTY_PLACES,), np.float32),
-            ("frequency_penalty", (PENALTY_PLACES,), np.float32),
-            ("repetition_penalty", (PENALTY_PLACES,), np.float32),
+            # The step's rows whose request has a penalty (then max_num_seqs), and for each its
+            # slot, flags, prompt length (its tokens below it are the prompt's), the position
+            # from which its tokens were sampled on the device (below it, already-generated
+            # tokens recomputed after a preemption are counted as they pass) and its penalties.
+            ("penalty_rows", (s,), np.int32),
+            ("penalty_slots", (s,), np.int32),
+            ("penalty_flags", (s,), np.int32),
+            ("penalty_prompt_len", (s,), np.int32),
+            ("penalty_count_from", (s,), np.int32),
+            ("presence_penalty", (s,), np.float32),
+            ("frequency_penalty", (s,), np.float32),
+            ("repetition_penalty", (s,), np.float32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], len(TOKEN_FIELDS) * self.token_capacity
@@ -144,12 +143,13 @@ class StepLayout:
         return self._by_name[name]
 
     def new_step(self) -> np.ndarray:
-        """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs and
-        penalty places unused (max_num_seqs)."""
+        """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs
+        places and penalty rows unused (max_num_seqs)."""
         buf = np.zeros(self.size, np.int32)
         self.tokens(buf)[TOKEN_FIELDS.index("prev_index")] = -1
         self.view(buf, "top_rows")[:] = self.max_num_seqs
         self.view(buf, "penalty_rows")[:] = self.max_num_seqs
+        self.view(buf, "penalty_slots")[:] = self.max_num_seqs
         return buf
 
     def tokens(self, buf: np.ndarray, bucket: int | None = None) -> np.ndarray:

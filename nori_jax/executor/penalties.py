@@ -1,21 +1,23 @@
 """Presence, frequency and repetition penalties, from token counts the device keeps between steps.
 
-A request with a penalty holds a penalty place while it runs (core/step_room.py); the device keeps,
-per place, how many times each token was generated (`counts` int32[P, V]) and which tokens its
-prompt holds (`in_prompt` bool[P, V]). The host never sends a request's history: each step the
-counts grow on the device from what passes through it.
+The device keeps, per slot of the batch, how many times each token was generated (`counts`
+int32[S, V]) and which tokens the prompt holds (`in_prompt` bool[S, V]): 250 MB at 1,024 slots
+of SmolLM2's 49,152 tokens. The host never sends a request's history: the counts grow on the
+device from what passes through each step. A step lists its rows whose request has a penalty
+first in its penalty fields (core/step_layout.py); a program for a bucket of B such rows
+(`sampling_modes.filter_buckets`) touches B rows of the tables and the logits, not the batch.
 
-    record_step_tokens   before the penalties of a step (program `penalize`): a place whose
-                         request is new is cleared; then each token of the place's row marks
+    record_step_tokens   before the penalties of a step (program `penalties (B rows)`): a slot
+                         whose request is new is cleared; then each token of a listed row marks
                          `in_prompt` (a position inside the prompt) or, for the outputs a resumed
                          request recomputes (positions in [prompt_len, count_from)), adds a count.
-    apply_penalties      then, on the logits of the places' rows, vLLM's formulas.
-    count_samples        after the sampler (program `count`): each place whose row sampled adds
-                         its new token.
+    apply_penalties      then, on the listed rows' logits, vLLM's formulas.
+    count_samples        after the sampler (program `penalty counts`): each listed row that
+                         sampled adds its new token.
 
-So every output token is counted exactly once: when sampled, or, after a preemption gave the
-place back, when its recomputation passes through the step of the place taken on resuming. The
-prefix cache would skip tokens, so a request that needs them takes no cached pages
+So every output token is counted exactly once: when sampled, or, after a preemption freed the
+slot, when its recomputation passes through the step in the slot taken on resuming. The prefix
+cache would skip tokens, so a request that needs them takes no cached pages
 (`Request.reads_prefix_cache`).
 """
 
@@ -27,69 +29,69 @@ import jax.numpy as jnp
 from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_SAMPLES
 
 
-def _drop_unless(keep: jax.Array, index: jax.Array, out_of_range: int) -> jax.Array:
-    """`index` where `keep`, else an index every scatter with mode="drop" ignores."""
-    return jnp.where(keep, index, out_of_range)
-
-
 def record_step_tokens(
-    counts: jax.Array,  # int32[P, V]
-    in_prompt: jax.Array,  # bool[P, V]
+    counts: jax.Array,  # int32[S, V]
+    in_prompt: jax.Array,  # bool[S, V]
     row: dict[str, jax.Array],  # the step's per-row fields (executor/step_inputs.py)
     input_ids: jax.Array,  # int32[C]: the step's token ids (all the token room)
     positions: jax.Array,  # int32[C]
+    num_listed: int,  # B: the penalty fields' first B entries (the rest are padding)
 ) -> tuple[jax.Array, jax.Array]:
-    places, s = counts.shape[0], row["cu_q_lens"].shape[0] - 1
-    place_ids = jnp.arange(places, dtype=jnp.int32)
-    fresh = (row["penalty_flags"] & PENALTY_FRESH) != 0
-    cleared = _drop_unless(fresh, place_ids, places)
+    s = counts.shape[0]  # also the padding value of rows and slots: dropped by every scatter
+    rows, slots = row["penalty_rows"][:num_listed], row["penalty_slots"][:num_listed]
+    fresh = (row["penalty_flags"][:num_listed] & PENALTY_FRESH) != 0
+    cleared = jnp.where(fresh, slots, s)
     counts = counts.at[cleared].set(0, mode="drop")
     in_prompt = in_prompt.at[cleared].set(False, mode="drop")
     # Each token's row: how many rows end at or before it (cu_q_lens: row i's tokens are
-    # [cu[i], cu[i+1]); tokens past the step's last row count S), then that row's place (P:
-    # none). A cumulative sum, not a search: no loop in the program.
+    # [cu[i], cu[i+1]); tokens past the step's last row count S). A cumulative sum, not a
+    # search: no loop in the program. Then the row's entry in the list (B: none).
     ends = jnp.zeros(input_ids.shape[0], jnp.int32).at[row["cu_q_lens"][1:]].add(1, mode="drop")
     token_row = jnp.cumsum(ends)
-    row_place = jnp.full(s + 1, places, jnp.int32).at[row["penalty_rows"]].set(place_ids)
-    row_place = row_place.at[s].set(places)  # unused places point at row S
-    place = row_place[token_row]
-    prompt_len = row["penalty_prompt_len"][jnp.minimum(place, places - 1)]
-    count_from = row["penalty_count_from"][jnp.minimum(place, places - 1)]
-    used = place < places
-    is_prompt = used & (positions < prompt_len)
-    recounted = used & (positions >= prompt_len) & (positions < count_from)
-    in_prompt = in_prompt.at[_drop_unless(is_prompt, place, places), input_ids].set(
-        True, mode="drop"
-    )
-    counts = counts.at[_drop_unless(recounted, place, places), input_ids].add(1, mode="drop")
+    row_entry = jnp.full(s + 1, num_listed, jnp.int32)
+    # (Padding entries write row S, which tokens past the step's rows read: their slot is S too,
+    # so whatever they mark is dropped.)
+    row_entry = row_entry.at[rows].set(jnp.arange(num_listed, dtype=jnp.int32))
+    entry = row_entry[token_row]  # int32[C]
+    pad = lambda x, v: jnp.concatenate([x, jnp.full(1, v, x.dtype)])  # noqa: E731 - entry B
+    slot = pad(slots, s)[entry]
+    prompt_len = pad(row["penalty_prompt_len"][:num_listed], 0)[entry]
+    count_from = pad(row["penalty_count_from"][:num_listed], 0)[entry]
+    is_prompt = positions < prompt_len
+    recounted = (positions >= prompt_len) & (positions < count_from)
+    in_prompt = in_prompt.at[jnp.where(is_prompt, slot, s), input_ids].set(True, mode="drop")
+    counts = counts.at[jnp.where(recounted, slot, s), input_ids].add(1, mode="drop")
     return counts, in_prompt
 
 
 def apply_penalties(
     logits: jax.Array,  # float32[S, V]
-    counts: jax.Array,  # int32[P, V]
-    in_prompt: jax.Array,  # bool[P, V]
+    counts: jax.Array,  # int32[S, V]
+    in_prompt: jax.Array,  # bool[S, V]
     row: dict[str, jax.Array],
+    num_listed: int,
 ) -> jax.Array:
-    """The logits with each place's row penalized, vLLM's order: repetition (a token of the prompt
+    """The logits with each listed row penalized, vLLM's order: repetition (a token of the prompt
     or the output: a positive logit divided by it, a negative one multiplied), then frequency
     (times the token's count) and presence (once for a generated token) subtracted."""
     s = logits.shape[0]
-    rows = row["penalty_rows"]  # S where unused: gathered clipped, dropped on the way back
-    picked = logits[jnp.minimum(rows, s - 1)]  # [P, V]
-    generated = counts > 0
-    rep = row["repetition_penalty"][:, None]
-    seen = in_prompt | generated
+    rows = row["penalty_rows"][:num_listed]  # S where unused: gathered clipped, then dropped
+    slots = jnp.minimum(row["penalty_slots"][:num_listed], s - 1)
+    picked = logits[jnp.minimum(rows, s - 1)]  # [B, V]
+    count = counts[slots]
+    generated = count > 0
+    rep = row["repetition_penalty"][:num_listed, None]
+    seen = in_prompt[slots] | generated
     picked = jnp.where(seen, jnp.where(picked > 0, picked / rep, picked * rep), picked)
-    picked = picked - row["frequency_penalty"][:, None] * counts.astype(jnp.float32)
-    picked = picked - row["presence_penalty"][:, None] * generated.astype(jnp.float32)
+    picked = picked - row["frequency_penalty"][:num_listed, None] * count.astype(jnp.float32)
+    picked = picked - row["presence_penalty"][:num_listed, None] * generated.astype(jnp.float32)
     return logits.at[rows].set(picked, mode="drop")
 
 
 def count_samples(counts: jax.Array, tokens: jax.Array, row: dict[str, jax.Array]) -> jax.Array:
-    """`counts` plus each sampled token (`tokens` int32[S]: the step's samples) of the places
-    whose row sampled in this step."""
-    places, s = counts.shape[0], tokens.shape[0]
+    """`counts` plus each sampled token (`tokens` int32[S]: the step's samples) of the listed
+    rows that sampled in this step."""
+    s = counts.shape[0]
     samples = (row["penalty_flags"] & PENALTY_SAMPLES) != 0
-    place = _drop_unless(samples, jnp.arange(places, dtype=jnp.int32), places)
-    return counts.at[place, tokens[jnp.minimum(row["penalty_rows"], s - 1)]].add(1, mode="drop")
+    slots = jnp.where(samples, row["penalty_slots"], s)
+    return counts.at[slots, tokens[jnp.minimum(row["penalty_rows"], s - 1)]].add(1, mode="drop")

@@ -42,16 +42,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nori_jax.core.sampling_modes import (
     GREEDY,
     SamplerProgram,
+    filter_buckets,
     multi_step_programs,
     sampler_programs,
 )
-from nori_jax.core.step_layout import (
-    PENALTY_PLACES,
-    TOKEN_FIELDS,
-    TOP_LOGPROBS,
-    TOP_LOGPROBS_ROWS,
-    StepLayout,
-)
+from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, TOP_LOGPROBS_ROWS, StepLayout
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
@@ -108,8 +103,10 @@ def _program_name(kind: str, key) -> str:
         return f"sampler {key[0].name} ({key[1]} rows)"
     if kind == "top":
         return f"top logprobs ({key} rows)"
-    if kind in ("penalize", "count"):
-        return "penalties" if kind == "penalize" else "penalty counts"
+    if kind == "penalize":
+        return f"penalties ({key} rows)"
+    if kind == "count":
+        return "penalty counts"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     if kind in ("stage", "stage+peek", "peek"):
@@ -198,9 +195,12 @@ class ModelRunner:
             out_shardings=self._replicated,
         )
         # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
+        # One per bucket of the step's rows with a penalty (the sampler's filter buckets).
+        self.penalty_buckets = filter_buckets(layout.max_num_seqs)
         self._penalize_fn = jax.jit(
             functools.partial(penalize, layout),
-            donate_argnums=(0, 1, 2),
+            static_argnums=(0,),
+            donate_argnums=(1, 2, 3),
             out_shardings=(self._replicated,) * 3,
         )
         self._count_fn = jax.jit(
@@ -264,11 +264,11 @@ class ModelRunner:
         self._step_state = put(layout.new_step(), self._replicated)
         self._samples_state = put(np.zeros((2, w), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
-        # Per penalty place: each token's count among its outputs, and whether its prompt holds
-        # it (64 x 49,152 x 5 bytes = 16 MB for SmolLM2; outside the KV pool's budget, with the
-        # logits, in what gpu_memory_utilization leaves free).
-        self._penalty_counts = put(np.zeros((PENALTY_PLACES, vocab), np.int32), self._replicated)
-        self._penalty_in_prompt = put(np.zeros((PENALTY_PLACES, vocab), bool), self._replicated)
+        # Per slot: each token's count among its request's outputs, and whether its prompt holds
+        # it (1,024 x 49,152 x 5 bytes = 250 MB for SmolLM2; outside the KV pool's budget, like
+        # the logits, in what gpu_memory_utilization leaves free).
+        self._penalty_counts = put(np.zeros((s, vocab), np.int32), self._replicated)
+        self._penalty_in_prompt = put(np.zeros((s, vocab), bool), self._replicated)
         k = num_scheduler_steps
         self._all_samples_state = (
             put(np.zeros((k, 2, w), np.int32), self._replicated) if self.multi_step_keys else None
@@ -298,8 +298,8 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
         all_abs = self._abstract((self.num_scheduler_steps, 2, w), i32)
-        counts_abs = self._abstract((PENALTY_PLACES, vocab), i32)
-        in_prompt_abs = self._abstract((PENALTY_PLACES, vocab), jnp.bool_)
+        counts_abs = self._abstract((s, vocab), i32)
+        in_prompt_abs = self._abstract((s, vocab), jnp.bool_)
         # (key, how to lower it), the model's programs first: they take longest to compile.
         to_lower = [
             (("forward", t), lambda t=t: self._forward_fn.lower(
@@ -317,10 +317,11 @@ class ModelRunner:
             (("top", r), lambda r=r: self._top_fn.lower(r, prev_abs, logits_abs, step_abs))
             for r in self.top_keys
         ] + [
-            (("penalize", None), lambda: self._penalize_fn.lower(
-                logits_abs, counts_abs, in_prompt_abs, step_abs)),
-            (("count", None), lambda: self._count_fn.lower(counts_abs, prev_abs, step_abs)),
+            (("penalize", b), lambda b=b: self._penalize_fn.lower(
+                b, logits_abs, counts_abs, in_prompt_abs, step_abs))
+            for b in self.penalty_buckets
         ] + [
+            (("count", None), lambda: self._count_fn.lower(counts_abs, prev_abs, step_abs)),
             (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
             (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
             (("stage+peek", None), lambda: self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)),
@@ -476,13 +477,14 @@ class ModelRunner:
         """The step's top-logprobs places (max_num_seqs where unused)."""
         return self.layout.view(step, "top_rows")
 
-    def _penalty_rows(self, step: np.ndarray) -> np.ndarray:
-        """The step's penalty places' rows (max_num_seqs where a place has none)."""
-        return self.layout.view(step, "penalty_rows")
+    def _penalty_bucket(self, step: np.ndarray) -> int:
+        """The bucket that holds the step's rows with a penalty (0: none)."""
+        n = int(np.count_nonzero(self.layout.view(step, "penalty_rows") < self.layout.max_num_seqs))
+        return next(b for b in self.penalty_buckets if b >= n) if n else 0
 
-    def _penalize(self) -> None:
+    def _penalize(self, bucket: int) -> None:
         self._logits_state, self._penalty_counts, self._penalty_in_prompt = self._direct[
-            "penalize", None
+            "penalize", bucket
         ]([self._logits_state, self._penalty_counts, self._penalty_in_prompt, self._step_state])
 
     def _count(self) -> None:
@@ -491,9 +493,10 @@ class ModelRunner:
         )[0]
 
     def _penalize_and_count(self, step: np.ndarray) -> None:
-        """Warm-up: both penalty programs once, on `step` staged (places unused: no change)."""
+        """Warm-up: the penalty programs once each, on `step` staged (no row listed: no change)."""
         self._step_state = self._direct["stage", None]([self._step_state, self._put_step(step)])[0]
-        self._penalize()
+        for bucket in self.penalty_buckets:
+            self._penalize(bucket)
         self._count()
 
     def _launch(
@@ -532,9 +535,9 @@ class ModelRunner:
             self._samples_state, self._logits_state = out[:2]
             rows = logit_rows(self.layout.max_num_seqs, bucket)
             # Read from the buffer, so a follower of a multi-host engine runs them too.
-            penalties = self._penalty_rows(step).min() < self.layout.max_num_seqs
+            penalties = self._penalty_bucket(step)
             if penalties:
-                self._penalize()
+                self._penalize(penalties)
             # The forward pass sampled greedily; this step needs more, or penalized logits do.
             if program != GREEDY or penalties:
                 self._samples_state = self._direct["sampler", (program, rows)](

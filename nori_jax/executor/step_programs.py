@@ -5,7 +5,7 @@
     stage_and_peek(step_state, fresh, samples) -> (step_state, a copy of the last step's samples)
     forward[T](params, kv_pages, samples, logits, step_state) -> (samples, logits, kv_pages)
         (params: the model's parameters as param_packing.PackedParams passes them)
-    penalize(logits, counts, in_prompt, step_state) -> (logits, counts, in_prompt)
+    penalize[B](logits, counts, in_prompt, step_state) -> (logits, counts, in_prompt)
     sample_from_logits[program, R](samples, logits, step_state) -> samples
     count_sampled(counts, samples, step_state) -> counts
     top_logprobs_from_logits[R](samples, logits, step_state) -> samples (with the top logprobs)
@@ -17,8 +17,8 @@
 first S columns, then the top logprobs of the step's `top_rows` (TOP_LOGPROBS token ids and
 logprobs each, core/step_layout.py: W = layout.samples_width), which only a step whose plan has
 such rows computes, in a program of its own after the forward pass and sampler (zeros else).
-A step with penalty places in use (executor/penalties.py) penalizes their rows' logits in place
-after the forward pass, samples them again (greedy rows too), and counts the sampled tokens;
+A step with rows whose request has a penalty (executor/penalties.py) penalizes their logits in
+place after the forward pass, samples again (greedy rows too), and counts the sampled tokens;
 `logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
 (`logit_rows`: a bucket of T holds at most T rows). The forward pass samples greedily itself, so a
 greedy step runs no sampler program; another step runs the one `sampling_modes.choose_program`
@@ -203,21 +203,21 @@ def sample_from_logits(layout, program, rows, samples, logits_state, step):
     return jax.lax.dynamic_update_slice(samples, _pad_rows(out, layout.max_num_seqs), (0, 0))
 
 
-def penalize(layout, logits_state, counts, in_prompt, step):
-    """The step's tokens recorded in the penalty places' counts, then the places' rows of the
-    forward pass's logits penalized (all three buffers donated, returned in place). Reads every
-    token slot of the buffer: one program for every bucket (slots past the step's tokens belong
-    to no row)."""
+def penalize(layout, num_listed, logits_state, counts, in_prompt, step):
+    """The step's tokens recorded in its listed penalty rows' counts, then those rows of the
+    forward pass's logits penalized (all three buffers donated, returned in place); one program
+    per bucket of listed rows (`num_listed`, static). Reads every token slot of the buffer, so one
+    program serves every token bucket (slots past the step's tokens belong to no row)."""
     row = unpack_rows(layout, step)
     tok = unpack_tokens(layout, step, layout.token_capacity)
     counts, in_prompt = record_step_tokens(
-        counts, in_prompt, row, tok["input_ids"], tok["positions"]
+        counts, in_prompt, row, tok["input_ids"], tok["positions"], num_listed
     )
-    return apply_penalties(logits_state, counts, in_prompt, row), counts, in_prompt
+    return apply_penalties(logits_state, counts, in_prompt, row, num_listed), counts, in_prompt
 
 
 def count_sampled(layout, counts, samples, step):
-    """The penalty places' counts (donated) with the tokens their rows sampled in this step."""
+    """The penalty counts (donated) with the tokens the listed rows sampled in this step."""
     return count_samples(counts, samples[0, : layout.max_num_seqs], unpack_rows(layout, step))
 
 

@@ -1,8 +1,8 @@
-"""Penalty places and min_tokens on the host side: a request with a penalty holds a place while it
-runs; the device rebuilds the place's counts from what each step carries (clear when fresh, mark
-prompt positions, recount recomputed outputs, count samples). A device that does exactly that, in
-numpy, checks before every sample that the place's counts are the request's true history, through
-chunked prefill, preemption, overlapped steps and the prefix cache."""
+"""Penalties and min_tokens on the host side: the device keeps each slot's token counts and
+rebuilds them from what each step lists (clear a new request's slot, mark prompt positions,
+recount recomputed outputs, count samples). A device that does exactly that, in numpy, checks
+before every sample that the slot's counts are the request's true history, through chunked
+prefill, preemption, overlapped steps and the prefix cache."""
 
 from __future__ import annotations
 
@@ -22,57 +22,60 @@ from fake_runner import (
 )
 
 from nori_jax.core.request import Request
-from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_PLACES, PENALTY_SAMPLES
+from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_SAMPLES
 from nori_jax.sampling_params import SamplingParams
 
 
 class PenaltyDevice(FakeDevice):
-    """A FakeDevice that also keeps the penalty places' counts as the jitted step does
-    (executor/penalties.py) and asserts, for every place whose row samples, that they hold the
-    request's outputs so far (and, with a repetition penalty, its prompt's tokens)."""
+    """A FakeDevice that also keeps the slots' penalty counts as the jitted step does
+    (executor/penalties.py) and asserts, for every listed row that samples, that its slot's
+    counts hold the request's outputs so far (and, with a repetition penalty, its prompt's
+    tokens)."""
 
     def __init__(self, s):
         super().__init__(s)
-        self.counts = np.zeros((PENALTY_PLACES, VOCAB), np.int64)
-        self.in_prompt = np.zeros((PENALTY_PLACES, VOCAB), bool)
+        n = s.config.max_num_seqs
+        self.counts = np.zeros((n, VOCAB), np.int64)
+        self.in_prompt = np.zeros((n, VOCAB), bool)
         self.checked = 0
 
     def execute(self, plan):
         view = lambda name: plan.layout.view(plan.buffer, name)  # noqa: E731
-        rows, flags = view("penalty_rows"), view("penalty_flags")
+        rows, slots, flags = view("penalty_rows"), view("penalty_slots"), view("penalty_flags")
         prompt_len, count_from = view("penalty_prompt_len"), view("penalty_count_from")
         ids = np.where(
             plan.prev_index >= 0, self.prev_tokens[np.maximum(plan.prev_index, 0)], plan.input_ids
         )
-        s = self.s.config.max_num_seqs
-        used = np.flatnonzero(rows < s)
-        assert len(set(rows[used].tolist())) == len(used), "two places on one row"
-        for p in used.tolist():
-            r = int(rows[p])
+        n = int((rows < self.s.config.max_num_seqs).sum())
+        assert (rows[n:] == self.s.config.max_num_seqs).all(), "listed rows come first"
+        expected = [i for i, r in enumerate(plan.scheduled.row_requests) if r.params.has_penalties]
+        assert rows[:n].tolist() == expected
+        assert slots[:n].tolist() == plan.scheduled.row_slots[expected].tolist()
+        for j in range(n):
+            r, slot = int(rows[j]), int(slots[j])
             req = plan.scheduled.row_requests[r]
-            assert req.params.has_penalties
-            if flags[p] & PENALTY_FRESH:
-                self.counts[p], self.in_prompt[p] = 0, False
-            for j in range(plan.cu_q_lens[r], plan.cu_q_lens[r + 1]):
-                pos, tok = int(plan.positions[j]), int(ids[j])
-                if pos < prompt_len[p]:
-                    self.in_prompt[p, tok] = True
-                elif pos < count_from[p]:
-                    self.counts[p, tok] += 1
-            if flags[p] & PENALTY_SAMPLES:
-                lo, hi = plan.cu_q_lens[r], plan.cu_q_lens[r + 1]
+            if flags[j] & PENALTY_FRESH:
+                self.counts[slot], self.in_prompt[slot] = 0, False
+            lo, hi = plan.cu_q_lens[r], plan.cu_q_lens[r + 1]
+            for k in range(lo, hi):
+                pos, tok = int(plan.positions[k]), int(ids[k])
+                if pos < prompt_len[j]:
+                    self.in_prompt[slot, tok] = True
+                elif pos < count_from[j]:
+                    self.counts[slot, tok] += 1
+            if flags[j] & PENALTY_SAMPLES:
                 seq = self._before(req, int(plan.kv_lens[r]) - int(hi - lo)) + ids[lo:hi].tolist()
                 truth = np.bincount(seq[req.num_prompt_tokens :], minlength=VOCAB)
-                np.testing.assert_array_equal(self.counts[p], truth, err_msg=req.request_id)
+                np.testing.assert_array_equal(self.counts[slot], truth, err_msg=req.request_id)
                 if req.params.repetition_penalty != 1.0:
                     in_prompt = np.zeros(VOCAB, bool)
                     in_prompt[req.prompt_token_ids] = True
-                    np.testing.assert_array_equal(self.in_prompt[p], in_prompt)
+                    np.testing.assert_array_equal(self.in_prompt[slot], in_prompt)
                 self.checked += 1
         tokens = super().execute(plan)
-        for p in used.tolist():
-            if flags[p] & PENALTY_SAMPLES:
-                self.counts[p, tokens[rows[p]]] += 1
+        for j in range(n):
+            if flags[j] & PENALTY_SAMPLES:
+                self.counts[slots[j], tokens[rows[j]]] += 1
         return tokens
 
 
@@ -125,30 +128,18 @@ def test_a_request_needing_the_tokens_the_cache_skips_reads_no_cached_page():
     assert s.counters.prefix_cache_hits == hits + 32  # outputs only: the prompt may be cached
 
 
-def test_requests_past_the_places_wait_and_the_rest_go_by():
-    extra = 3
-    s = make_scheduler(num_pages=512, max_num_seqs=PENALTY_PLACES + 8, max_num_batched_tokens=2048)
-    asking = [
-        _penalized(f"q{i}", [10 + i] * 12, 4, presence_penalty=0.1)
-        for i in range(PENALTY_PLACES + extra)
-    ]
-    plain = [make_request(f"p{i}", [200 + i] * 12, 4) for i in range(2)]
-    for r in asking + plain:
+def test_every_running_request_may_have_penalties():
+    """No room to wait for: counts are per slot, so a full batch of penalized requests runs."""
+    s = make_scheduler(num_pages=512, max_num_seqs=72, max_num_batched_tokens=2048)
+    reqs = [_penalized(f"q{i}", [10 + i] * 12, 4, presence_penalty=0.1) for i in range(72)]
+    for r in reqs:
         s.add_request(r)
     out = s.schedule()
-    running = {r.request_id for r in out.row_requests}
-    assert running == {f"q{i}" for i in range(PENALTY_PLACES)} | {"p0", "p1"}
-    assert [r.request_id for r in s.waiting] == [f"q{PENALTY_PLACES + i}" for i in range(extra)]
-    plan = build(s, out)
-    rows = plan.layout.view(plan.buffer, "penalty_rows")
-    assert sorted(rows.tolist()) == sorted(
-        i for i, r in enumerate(out.row_requests) if r.params.has_penalties
-    )
+    assert len(out.row_requests) == 72 and not s.waiting
     most = finish_counting(s, out, lambda running: sum(r.params.has_penalties for r in running))
-    assert most == PENALTY_PLACES
-    for r in asking + plain:
+    assert most == 72
+    for r in reqs:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 4), r.request_id
-    assert s.allocator.num_used_pages == 0
 
 
 def test_min_tokens_bans_the_stop_ids_below_the_minimum_only():

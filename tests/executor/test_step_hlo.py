@@ -37,7 +37,7 @@ def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"bucket 16", "bucket 32"} <= set(programs)
     # greedy sampling is part of every forward pass; its own program samples penalized logits
     assert {"sampler random (8 rows)", "sampler filter-8 (8 rows)"} <= set(programs)
-    assert {"sampler greedy (8 rows)", "penalties", "penalty counts"} <= set(programs)
+    assert {"sampler greedy (8 rows)", "penalties (8 rows)", "penalty counts"} <= set(programs)
     assert {"multi-step bucket 16 greedy", "multi-step bucket 16 filter-8"} <= set(programs)
     assert {"top logprobs (8 rows)"} <= set(programs)  # lax.top_k of the rows that ask
 
