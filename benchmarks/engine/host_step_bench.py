@@ -1,7 +1,7 @@
 """Host work per engine step at N running requests, with a fake device (no JAX, CPU only).
 
     python benchmarks/engine/host_step_bench.py [--requests 1024] [--context 1024] [--steps 100]
-        [--num-scheduler-steps K]
+        [--num-scheduler-steps K] [--penalized SHARE] [--min-tokens N]
 
 Fills N requests of `--context` random prompt tokens, runs until all of them decode, then times
 the engine core's host stages per decode step: schedule (the scheduler), plan (the plan builder's
@@ -9,7 +9,10 @@ packed buffers), update (the scheduler applying the samples) and outputs (the ou
 final-only outputs as `LLM.generate` asks, or streamed deltas with `--stream`). The fake device
 returns random tokens at once, so this is the host's share alone; on a GPU it overlaps the device.
 With `--num-scheduler-steps K` every decode step is a multi-step launch of K steps: the times are
-per launch, and per decode step (a launch's over K) beside them.
+per launch, and per decode step (a launch's over K) beside them. `--penalized` gives that share
+of the requests presence, frequency and repetition penalties (listed rows in every step);
+`--min-tokens N` gives every request min_tokens N (banned-id entries while below it: the first
+N - 1 decode steps are timed unless --steps is larger).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--stream", action="store_true", help="streamed outputs (no tokenizer)")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode's K")
+    p.add_argument("--penalized", type=float, default=0.0, help="share of requests with penalties")
+    p.add_argument("--min-tokens", type=int, default=0, help="every request's min_tokens")
     args = p.parse_args()
     n, ps, k = args.requests, 64, args.num_scheduler_steps
     cfg = SchedulerConfig(
@@ -68,9 +73,18 @@ def main() -> None:
     core = EngineCore(scheduler, builder, FakeExecutor(n))
     processor = OutputProcessor(None)
     rng = np.random.default_rng(1)
-    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=1 << 20, temperature=0.0, min_tokens=args.min_tokens)
+    penalized = SamplingParams(
+        max_tokens=1 << 20,
+        temperature=0.0,
+        min_tokens=args.min_tokens,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+    )
     for i in range(n):
         prompt = rng.integers(10, VOCAB, args.context).tolist()
+        params = penalized if i < args.penalized * n else plain
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, 0, [2], time.monotonic()))
         processor.add(f"r{i}", None, prompt, params, (2,), stream=args.stream)
     while True:  # prefill everything
@@ -93,7 +107,7 @@ def main() -> None:
         t1 = time.perf_counter()
         plan = builder.build(scheduled)
         t2 = time.perf_counter()
-        tokens, logprobs, _ = ex.fetch(ex.launch(plan))
+        tokens, logprobs = ex.fetch(ex.launch(plan))[:2]  # (no top logprobs here)
         t3 = time.perf_counter()
         upd = scheduler.update(scheduled, tokens, logprobs)
         t4 = time.perf_counter()

@@ -44,8 +44,9 @@ class PlanBuilder:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.has_logit_bias = np.zeros(rows, bool)
         self.seeds = np.zeros(rows, np.int32)
-        # min_tokens: slot -> its banned ids, and the output index from which they are allowed
-        self.min_tokens: dict[int, np.ndarray] = {}
+        # min_tokens: each slot's banned ids (-1 padding; widened as a longer list arrives) and
+        # the output index from which they are allowed (0: none banned)
+        self.banned = np.full((rows, 4), -1, np.int32)
         self.min_tokens_until = np.zeros(rows, np.int64)
         # Penalties, per slot, written at Acquire; a slot is "fresh" (the device clears its
         # counts) until the step that first carries its new request's row.
@@ -75,10 +76,9 @@ class PlanBuilder:
                         np.fromiter(ev.logit_bias.keys(), np.int32, len(ev.logit_bias)),
                         np.fromiter(ev.logit_bias.values(), np.float32, len(ev.logit_bias)),
                     )
-                self.min_tokens.pop(s, None)
                 self.min_tokens_until[s] = 0
                 if ev.min_tokens and ev.min_tokens_stop_ids:
-                    self.min_tokens[s] = np.asarray(ev.min_tokens_stop_ids, np.int32)
+                    self._write_banned(s, ev.min_tokens_stop_ids)
                     self.min_tokens_until[s] = ev.min_tokens
                 self.has_penalties[s] = self.fresh[s] = ev.has_penalties
                 if ev.has_penalties:
@@ -89,7 +89,6 @@ class PlanBuilder:
                 self.page_table[ev.slot] = 0
                 self.logit_bias.pop(ev.slot, None)
                 self.has_logit_bias[ev.slot] = False
-                self.min_tokens.pop(ev.slot, None)
                 self.min_tokens_until[ev.slot] = 0
                 self.has_penalties[ev.slot] = False
             else:
@@ -99,24 +98,33 @@ class PlanBuilder:
         """The (row, token, bias) entries of the step's rows whose request has a logit_bias, and
         a bias of -inf on the banned ids of rows sampling below their min_tokens; the rest of the
         field stays zero (a bias of 0.0 to row 0, token 0: no change)."""
-        rows = np.flatnonzero(self.has_logit_bias[row_slots]).tolist()
+        rows = np.flatnonzero(self.has_logit_bias[row_slots])
         entries = [self.logit_bias[s] for s in row_slots[rows].tolist()]
-        if self.min_tokens:
-            under = self.min_tokens_until[row_slots] > sample_index[: len(row_slots)]
-            for i in np.flatnonzero(under).tolist():
-                banned = self.min_tokens[int(row_slots[i])]
-                rows.append(i)
-                entries.append((banned, np.full(len(banned), -np.inf, np.float32)))
-        if not rows:
-            return
-        tokens = [t for t, _ in entries]
-        values = [v for _, v in entries]
+        row_of = [np.repeat(rows, [len(t) for t, _ in entries])]
+        tokens, values = [t for t, _ in entries], [v for _, v in entries]
+        if self.min_tokens_until.any():  # vectorized: a thousand rows may be below their minimum
+            below = self.min_tokens_until[row_slots] > sample_index[: len(row_slots)]
+            under = np.flatnonzero(below)
+            banned = self.banned[row_slots[under]]  # [U, W], -1 padding
+            keep = banned >= 0
+            row_of.append(np.repeat(under, keep.sum(axis=1)))
+            tokens.append(banned[keep])
+            values.append(np.full(int(keep.sum()), -np.inf, np.float32))
         n = sum(len(t) for t in tokens)
+        if not n:
+            return
         if n > view("bias_rows").shape[0]:  # the scheduler's admission keeps this from happening
             raise AssertionError(f"{n} logit_bias entries in one step")
-        view("bias_rows")[:n] = np.repeat(rows, [len(t) for t in tokens])
+        view("bias_rows")[:n] = np.concatenate(row_of)
         view("bias_tokens")[:n] = np.concatenate(tokens)
         view("bias_values")[:n] = np.concatenate(values)
+
+    def _write_banned(self, slot: int, ids: tuple[int, ...]) -> None:
+        if len(ids) > self.banned.shape[1]:
+            extra = len(ids) - self.banned.shape[1]
+            self.banned = np.pad(self.banned, [(0, 0), (0, extra)], constant_values=-1)
+        self.banned[slot] = -1
+        self.banned[slot, : len(ids)] = ids
 
     def _write_penalties(self, view, out: SchedulerOutput) -> None:
         """The step's rows whose request has a penalty, first in the penalty fields, with their
@@ -218,7 +226,7 @@ class PlanBuilder:
         program, filtered = choose_program(
             temperature[:nrows], top_p[:nrows], top_k[:nrows], s, min_p[:nrows]
         )
-        if self.logit_bias or self.min_tokens:
+        if self.logit_bias or self.min_tokens_until.any():
             self._write_logit_bias(view, out.row_slots, sample_index)
         if self.has_penalties.any():
             self._write_penalties(view, out)
