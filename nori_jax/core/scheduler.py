@@ -196,8 +196,8 @@ class Scheduler:
             req = self.arrived.popleft()
             req.status = RequestStatus.RUNNING
             self.slots.acquire(req, cfg.max_model_len)
-            self._join_running(req)
             self._events.append(_acquire(req))
+            self._join_running(req)
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """Finish a live request now (stop string, abort, timeout); frees its pages at once."""
@@ -229,7 +229,7 @@ class Scheduler:
         self.running.append(req)
         self._running_slots = np.append(self._running_slots, req.slot)
         for room in self._rooms:
-            room.join(req)
+            room.used += room.need(req)
 
     def _leave_running(self, req: Request) -> None:
         """`req` leaves the running batch and its slot."""
@@ -238,7 +238,7 @@ class Scheduler:
         slots = self._running_slots
         self._running_slots = np.concatenate((slots[:i], slots[i + 1 :]))
         for room in self._rooms:
-            room.leave(req)
+            room.used -= room.need(req)
         self._release_slot(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -468,10 +468,10 @@ class Scheduler:
             if self.hand_off:  # stop at the first token: the pending sample ends its run here
                 c = self.slots
                 c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
-            self._join_running(req)
             self._events.append(_acquire(req))
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
+            self._join_running(req)
             prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
@@ -846,8 +846,7 @@ class Scheduler:
 
 
 def _acquire(req: Request) -> Acquire:
-    """The batch event of `req` taking its slot (after it joined the running batch): its pages so
-    far and sampling settings."""
+    """The batch event of `req` taking its slot: its pages so far and sampling settings."""
     p = req.params
     return Acquire(
         req.slot,

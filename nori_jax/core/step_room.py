@@ -21,14 +21,6 @@ class StepRoom:
         n = self.need(req)
         return not n or self.used + n <= self.capacity
 
-    def join(self, req: Request) -> None:
-        """`req` joins the running batch (after `fits` said yes)."""
-        self.used += self.need(req)
-
-    def leave(self, req: Request) -> None:
-        """`req` leaves the running batch (finished, preempted, handed off)."""
-        self.used -= self.need(req)
-
     def check(self, running: Sequence[Request]) -> None:
         """Invariant: `used` is what the running requests need, within the capacity."""
         assert self.used == sum(map(self.need, running)), self.name
