@@ -45,7 +45,7 @@ def _hf_generate(model, prompt: list[int], max_new_tokens: int, **kwargs) -> lis
 
 def _reference_greedy(model, prompt, n, presence=0.0, frequency=0.0, repetition=1.0):
     """Greedy decoding on transformers' float32 logits penalized by vLLM's formulas (numpy), and
-    each token's logprob under the penalized distribution."""
+    each step's log-softmax of the penalized logits."""
     import torch
 
     seq, out, logprobs = list(prompt), [], []
@@ -58,7 +58,7 @@ def _reference_greedy(model, prompt, n, presence=0.0, frequency=0.0, repetition=
         x = np.where(seen, np.where(x > 0, x / repetition, x * repetition), x)
         x = x - frequency * counts - presence * (counts > 0)
         tok = int(np.argmax(x))
-        logprobs.append(x[tok] - np.log(np.exp(x - x.max()).sum()) - x.max())
+        logprobs.append(x - np.log(np.exp(x - x.max()).sum()) - x.max())
         out.append(tok)
         seq.append(tok)
     return out, logprobs
@@ -84,9 +84,9 @@ def test_presence_and_frequency_penalties_against_the_formulas(llm, hf_model):
         dict(frequency_penalty=0.8),
         dict(presence_penalty=-0.5, frequency_penalty=0.6, repetition_penalty=1.3),
     ]
-    outs = llm.generate([PROMPT] * 3, [_greedy(logprobs=0, **c) for c in cases])
+    outs = llm.generate([PROMPT] * 3, [_greedy(logprobs=3, **c) for c in cases])
     for case, out in zip(cases, outs, strict=True):
-        tokens, logprobs = _reference_greedy(
+        tokens, rows = _reference_greedy(
             hf_model,
             PROMPT,
             12,
@@ -95,8 +95,12 @@ def test_presence_and_frequency_penalties_against_the_formulas(llm, hf_model):
             repetition=case.get("repetition_penalty", 1.0),
         )
         assert out.token_ids == tokens, case
-        # the sampled token's logprob: of the penalized distribution
-        np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
+        # the sampled token's logprob and the top 3: of the penalized distribution
+        sampled = [r[t] for r, t in zip(rows, tokens, strict=True)]
+        np.testing.assert_allclose(out.logprobs, sampled, atol=1e-4)
+        for top, r in zip(out.top_logprobs, rows, strict=True):
+            assert [t for t, _ in top] == np.argsort(-r)[:3].tolist()
+            np.testing.assert_allclose([v for _, v in top], np.sort(r)[::-1][:3], atol=1e-4)
     assert llm.engine.num_recompiles == 0
 
 
