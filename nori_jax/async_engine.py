@@ -72,6 +72,7 @@ class _Add:
     arrival_time: float
     future: concurrent.futures.Future[None]
     stream_outputs: bool = True
+    priority: int = 0
 
 
 class RequestStream:
@@ -255,12 +256,14 @@ class AsyncEngine(StreamingClient):
         request_id: str | None = None,
         timeout_s: float | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; returns once the engine has accepted it.
 
         Raises ValueError (bad input), QueueFullError (waiting queue full), EngineStoppedError.
         `timeout_s` bounds the whole request, queueing included. Without `stream` the stream
-        yields only the finished output.
+        yields only the finished output. `priority`: under the scheduling policy "priority", lower
+        runs first (0 under "fcfs").
         """
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
@@ -273,7 +276,7 @@ class AsyncEngine(StreamingClient):
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError(self._refusal())
-            self._commands.put(_Add(out_stream, prompt, params, arrival, future, stream))
+            self._commands.put(_Add(out_stream, prompt, params, arrival, future, stream, priority))
         self._wake.set()
         try:
             await asyncio.wrap_future(future)
@@ -340,6 +343,7 @@ class AsyncEngine(StreamingClient):
                 cmd.params,
                 cmd.arrival_time,
                 stream=cmd.stream_outputs,
+                priority=cmd.priority,
             )
         except Exception as e:  # bad input, full queue: the caller's error, never the loop's
             cmd.future.set_exception(e)

@@ -434,13 +434,15 @@ class EngineCoreClient(StreamingClient):
         request_id: str | None = None,
         timeout_s: float | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; returns once the core has accepted it.
 
         Raises ParameterError / ValueError (bad input), QueueFullError (waiting queue full),
         EngineStoppedError (stopping, or the core is being restarted). `timeout_s` bounds the
         whole request, queueing included. Without `stream` the stream yields only the finished
-        output.
+        output. `priority`: under the core's scheduling policy "priority", lower runs first (the
+        core refuses any other than 0 under "fcfs").
         """
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
@@ -454,7 +456,9 @@ class EngineCoreClient(StreamingClient):
         deadline = None if timeout_s is None else loop.time() + timeout_s
         rid = request_id or f"req-{uuid.uuid4().hex}"
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        request = EngineCoreRequest(rid, token_ids, params, seed, self.info.eos_token_ids, arrival)
+        request = EngineCoreRequest(
+            rid, token_ids, params, seed, self.info.eos_token_ids, arrival, priority=priority
+        )
         # Encoded before anything is registered: a request that cannot be sent leaves no trace.
         data = self._encode(AddRequests([msgspec.Raw(self._encode(request))], self.client_index))
         out_stream = RequestStream(rid, self, deadline)

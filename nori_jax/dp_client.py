@@ -140,6 +140,7 @@ class DataParallelClient(StreamingClient):
         request_id: str | None = None,
         timeout_s: float | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> RequestStream:
         """Route a request to a replica and queue it there (EngineCoreClient.add_request says
         what it raises); EngineStoppedError while no replica serves."""
@@ -152,7 +153,7 @@ class DataParallelClient(StreamingClient):
             replica = self.router.route(rid, ids, cost, serving)
             try:
                 return await self.clients[replica].add_request(
-                    prompt, params, rid, timeout_s, stream
+                    prompt, params, rid, timeout_s, stream, priority
                 )
             except EngineStoppedError:
                 # It died (or began shutting down) since `serving` was read: try the others.

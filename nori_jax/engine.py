@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
+from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, check_priority
 from nori_jax.core.output_processor import OutputProcessor
 from nori_jax.core.outputs import EngineCoreOutputs, RequestOutput
 from nori_jax.core.paging import PageAllocator
@@ -369,15 +369,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         tokenized: tuple[list[int], str | None] | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> str:
         """Queue a request; ValueError for bad input, QueueFullError when the queue is full.
 
         `tokenized` is `self.tokenize(prompt)` when the caller already ran it (batch validation).
         With `stream`, each step returns an output for the request when it has new tokens;
-        otherwise only its finished output comes back (no per-step text).
+        otherwise only its finished output comes back (no per-step text). `priority`: under the
+        scheduling policy "priority", lower runs first (0 under "fcfs").
         """
         params = params or SamplingParams()
         params.validate()
+        check_priority(priority, self.scheduler_config.scheduling_policy)
         token_ids, text = tokenized or self.tokenize(prompt)
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
@@ -386,7 +389,14 @@ class LLMEngine:
         # need not collect a final-only request's tokens step by step.
         self._submit(
             EngineCoreRequest(
-                request_id, token_ids, params, seed, self._eos, arrival, final_token_ids=True
+                request_id,
+                token_ids,
+                params,
+                seed,
+                self._eos,
+                arrival,
+                final_token_ids=True,
+                priority=priority,
             )
         )
         self.processor.add(

@@ -49,6 +49,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         timeout_s: float | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...

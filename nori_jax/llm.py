@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from nori_jax.core.engine_core import check_priority
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import make_engine
 from nori_jax.engine_config import EngineConfig
@@ -63,11 +64,13 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
 
         Any iterable of prompts is taken (a grain MapDataset, a generator), read whole first;
-        `generate_stream` reads one as it goes and yields outputs as they finish."""
+        `generate_stream` reads one as it goes and yields outputs as they finish. `priority`
+        (one for all or one per prompt): with `scheduling_policy="priority"`, lower runs first."""
         if isinstance(prompts, str):
             prompts = [prompts]  # one prompt
         elif not isinstance(prompts, list):
@@ -81,14 +84,19 @@ class LLM:
         param_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
+        if isinstance(priority, list) and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        priorities = priority if isinstance(priority, list) else [priority or 0] * len(prompts)
+        policy = self.engine.scheduler_config.scheduling_policy
         # Validate (and tokenize) everything before queueing anything, so a bad prompt leaves no
         # work behind.
         tokenized = [self.engine.tokenize(prompt) for prompt in prompts]
-        for p in param_list:
+        for p, rank in zip(param_list, priorities, strict=True):
             p.validate()
+            check_priority(rank, policy)
         ids = [
-            self.engine.add_request(None, prompt, p, tokenized=tok, stream=False)
-            for prompt, p, tok in zip(prompts, param_list, tokenized, strict=True)
+            self.engine.add_request(None, prompt, p, tokenized=tok, stream=False, priority=rank)
+            for prompt, p, tok, rank in zip(prompts, param_list, tokenized, priorities, strict=True)
         ]
         finished: dict[str, RequestOutput] = {}
         with heap_frozen():  # no full garbage collection walks the engine's heap mid-loop

@@ -28,6 +28,7 @@ class StreamRequest[K]:
     prompt: str | list[int]
     params: SamplingParams
     request_id: str | None = None  # the engine's id; None: the engine draws one
+    priority: int = 0  # under the scheduling policy "priority": lower runs first
 
 
 def stream_requests[K](
@@ -58,7 +59,11 @@ def stream_requests[K](
                             break
                     try:
                         request_id = engine.add_request(
-                            held.request_id, held.prompt, held.params, stream=False
+                            held.request_id,
+                            held.prompt,
+                            held.params,
+                            stream=False,
+                            priority=held.priority,
                         )
                     except QueueFullError:
                         break

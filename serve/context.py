@@ -42,6 +42,7 @@ class ServeContext:
         request_id: str,
         prompt_param: str = "prompt",
         n: int = 1,
+        priority: int = 0,
     ) -> Choices:
         """Hand a request's `n` choices to the engine; a refusal (400, 429, 503, ...) becomes the
         HTTP error, a prompt's fault named as `prompt_param`, and withdraws the choices already
@@ -53,7 +54,7 @@ class ServeContext:
             ):
                 streams.append(
                     await self.engine.add_request(
-                        prompt_ids, p, rid, self.settings.request_timeout_s
+                        prompt_ids, p, rid, self.settings.request_timeout_s, priority=priority
                     )
                 )
         except BaseException as e:

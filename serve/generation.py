@@ -117,7 +117,10 @@ async def handle(route: GenerationRoute, request: Request) -> Response:
     ctx, body = route.ctx, route.body
     prompt_ids, params = await asyncio.to_thread(route.prepare)
     request_id = route.new_request_id()
-    choices = await ctx.submit(prompt_ids, params, request_id, route.prompt_param, route.n)
+    priority = getattr(body, "priority", None) or 0
+    choices = await ctx.submit(
+        prompt_ids, params, request_id, route.prompt_param, route.n, priority
+    )
     head = route.head(request_id)
     if body.stream:
         return EngineStreamingResponse(route.events(head, choices), choices, route.media_type)

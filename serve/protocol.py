@@ -54,6 +54,8 @@ N = Annotated[int, Field(ge=1, le=MAX_N)]  # choices: sequences per request
 Penalty = Annotated[float, Field(ge=-MAX_PRESENCE_PENALTY, le=MAX_PRESENCE_PENALTY)]
 RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# vLLM's extension: lower runs first under the server's --scheduling-policy priority (else 0 only)
+Priority = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 # OpenAI's logit_bias: token ids (as JSON object keys, strings) -> a bias in [-100, 100]
 LogitBias = Annotated[
     dict[
@@ -92,6 +94,7 @@ class SamplingFields(_Body):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: MinTokens | None = None
+    priority: Priority | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -166,4 +169,5 @@ class GenerateRequest(_Body):
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: MinTokens | None = None
+    priority: Priority | None = None
     ignore_eos: bool = False

@@ -332,3 +332,25 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(text_llm):
         text_llm.generate([[5, 6], "fine", [5] * 300], GREEDY)
     assert not text_llm.engine.has_unfinished_requests()
     assert text_llm.engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_a_priority_needs_the_priority_policy_and_queues_nothing(text_llm):
+    """The default policy is FCFS: a priority other than 0 would be ignored, so it is refused
+    (naming the field) before anything is queued; a list of the wrong length too."""
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        text_llm.generate([[5, 6], [7, 8]], GREEDY, priority=[0, 2])
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        text_llm.generate([[5, 6], [7, 8], [9]], GREEDY, priority=[0, 0])
+    assert not text_llm.engine.has_unfinished_requests()
+    assert [o.token_ids for o in text_llm.generate([[5, 6]], GREEDY, priority=0)] == [
+        text_llm.generate([[5, 6]], GREEDY)[0].token_ids
+    ]
+
+
+def test_priorities_under_the_priority_policy_keep_tokens_exact():
+    llm = small_llm("tiny-llama", scheduling_policy="priority", max_num_seqs=2)
+    prompts = _prompts(6, seed=12)
+    plain = llm.generate(prompts, GREEDY)
+    ranked = llm.generate(prompts, GREEDY, priority=[3, -1, 0, 2**31 - 1, -(2**31), 1])
+    assert [o.token_ids for o in ranked] == [o.token_ids for o in plain]
+    assert llm.engine.num_recompiles == 0

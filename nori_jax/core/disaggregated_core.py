@@ -81,6 +81,7 @@ def _moved_request(req: Request, pages: list[int], num_cached_pages: int) -> Req
         page_hashes=list(req.page_hashes),
         num_preemptions=req.num_preemptions,
         final_token_ids=req.final_token_ids,
+        priority=req.priority,
     )
 
 

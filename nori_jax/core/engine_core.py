@@ -63,6 +63,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     # request's tokens step by step (the scheduler keeps them all anyway). The API servers'
     # client leaves it off: they get every token in the step outputs, over the socket.
     final_token_ids: bool = False
+    # Under the scheduling policy "priority": lower runs first, and is preempted last.
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -134,6 +136,23 @@ def vetted_params(r: EngineCoreRequest, vocab_size: int, max_model_len: int) -> 
     return params
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """ParameterError unless `priority` is an int32 the policy takes (any under "priority", 0
+    under "fcfs", as vLLM refuses a priority it would ignore)."""
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not (-INT32_MAX - 1 <= priority <= INT32_MAX)
+    ):
+        raise ParameterError("priority", f"priority={priority!r:.50} must be a 32-bit integer")
+    if priority and policy != "priority":
+        raise ParameterError(
+            "priority",
+            f"priority={priority} needs the engine's scheduling_policy='priority' (it is "
+            f"{policy!r})",
+        )
+
+
 class EngineCore:
     def __init__(
         self,
@@ -157,6 +176,7 @@ class EngineCore:
         """Queue a request; ParameterError for settings the engine cannot hold, ValueError for a
         duplicate id, QueueFullError when the queue is full."""
         params = vetted_params(r, self.builder.vocab_size, self.scheduler.config.max_model_len)
+        check_priority(r.priority, self.scheduler.config.scheduling_policy)
         self.scheduler.add_request(
             Request(
                 request_id=r.request_id,
@@ -166,6 +186,7 @@ class EngineCore:
                 eos_token_ids=tuple(r.eos_token_ids),
                 times=RequestTimes(r.arrival_time),
                 final_token_ids=r.final_token_ids,
+                priority=r.priority,
             )
         )
 

@@ -80,6 +80,10 @@ class Request:
     is_long: bool = False
     slot: int | None = None  # row in the scheduler's BatchSlots while running
     final_token_ids: bool = False  # its FinishedRequest carries output_token_ids (engine_core.py)
+    # Under the priority policy, lower runs first and is preempted last; ties go by arrival
+    # (`arrival_index`: the scheduler's count of requests added before it).
+    priority: int = 0
+    arrival_index: int = 0
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)

@@ -22,6 +22,7 @@ decoding requests is a few numpy operations; Python touches only the rows that n
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -100,6 +101,8 @@ class Scheduler:
         self.slots = SlotCounters(config.max_num_seqs)
         self._events: list[BatchEvent] = []
         self._eos_ids = np.zeros(0, np.int32)  # every request's EOS ids (for a vectorized check)
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrivals = 0  # requests added so far (Request.arrival_index)
         self._preempted_this_step = False
         self.hand_off = hand_off
         self.handed_off: collections.deque[Request] = collections.deque()  # first token sampled
@@ -125,12 +128,36 @@ class Scheduler:
         threshold = self.config.long_prefill_threshold
         req.is_long = threshold is not None and req.num_prompt_tokens >= threshold
         self._track(req)
-        (self.waiting_long if req.is_long else self.waiting).append(req)
+        self._enqueue(req, front=False)
 
     def _track(self, req: Request) -> None:
+        req.arrival_index = self._arrivals
+        self._arrivals += 1
         if not set(req.eos_token_ids) <= set(self._eos_ids.tolist()):
             self._eos_ids = np.union1d(self._eos_ids, req.eos_token_ids).astype(np.int32)
         self.requests[req.request_id] = req
+
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, int]:
+        """Under the priority policy: who goes first (smallest) and who is preempted first
+        (largest)."""
+        return req.priority, req.arrival_index
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into its waiting queue: at the back (new) or the front (preempted, recomputed) under
+        FCFS; in rank order under the priority policy."""
+        queue = self.waiting_long if req.is_long else self.waiting
+        if self._by_priority:
+            queue.insert(bisect.bisect_right(queue, self._rank(req), key=self._rank), req)
+        elif front:
+            queue.appendleft(req)
+        else:
+            queue.append(req)
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt among `candidates` (admission order): the newest, or
+        under the priority policy the largest rank."""
+        return max(candidates, key=self._rank) if self._by_priority else candidates[-1]
 
     # ---- disaggregation ---------------------------------------------------------------------
 
@@ -159,7 +186,7 @@ class Scheduler:
         req.is_long = False
         req.status = RequestStatus.WAITING
         self._track(req)
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def has_room_for_arrival(self, num_pages: int) -> bool:
         """Could a request holding `num_pages` of KV move in now (a slot for it, its pages and the
@@ -287,9 +314,12 @@ class Scheduler:
         scheduled = np.zeros(cfg.max_num_seqs, bool)  # per slot
         scheduled[decodes] = True
 
-        # 2. Running prefills (chunked), oldest first.
+        # 2. Running prefills (chunked), oldest first (by rank under the priority policy).
         prefills: list[tuple[Request, int]] = []
-        for slot in run[remaining > 1].tolist():
+        prefilling = run[remaining > 1].tolist()
+        if self._by_priority and len(prefilling) > 1:  # (none preempted yet: the loop skips them)
+            prefilling.sort(key=lambda slot: self._rank(c.requests[slot] or _LAST))
+        for slot in prefilling:
             req = c.requests[slot]
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # preempted in this step
@@ -324,7 +354,7 @@ class Scheduler:
                 if pages is not None:
                     self._add_pages(req, pages)
                     break
-                victim = self.running[-1]
+                victim = self._victim(self.running)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -381,12 +411,24 @@ class Scheduler:
             if pages is not None:
                 self._add_pages(req, pages)
                 return True
-            victim = next(
-                (v for v in reversed(self.running) if v is req or self._preemptible(v, scheduled)),
-                req,
-            )
+            if self._by_priority:  # only requests of a larger rank are preempted for it
+                lower = [
+                    v
+                    for v in self.running
+                    if self._rank(v) > self._rank(req) and self._preemptible(v, scheduled)
+                ]
+                victim = self._victim(lower) if lower else req
+            else:  # only requests newer than `req` are preempted for it
+                victim = next(
+                    (
+                        v
+                        for v in reversed(self.running)
+                        if v is req or self._preemptible(v, scheduled)
+                    ),
+                    req,
+                )
             if victim is req:
-                return False  # only requests newer than `req` are preempted for it
+                return False
             self._preempt(victim)
         return True
 
@@ -407,7 +449,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         req.times.preemptions.append(time.monotonic())
-        (self.waiting_long if req.is_long else self.waiting).appendleft(req)
+        self._enqueue(req, front=True)
         self.counters.num_preemptions += 1
         self._preempted_this_step = True
 
@@ -840,9 +882,20 @@ class Scheduler:
             assert c.computed[s] <= c.known[s] + c.pending[s]
         for r in list(self.waiting) + list(self.waiting_long):
             assert r.status is RequestStatus.WAITING and not r.pages and r.slot is None
+        if self._by_priority:
+            for queue in (self.waiting, self.waiting_long):
+                ranks = [self._rank(r) for r in queue]
+                assert ranks == sorted(ranks), "a waiting queue out of rank order"
         for r in list(self.handed_off) + list(self.arrived):
             assert r.status is RequestStatus.TRANSFER and r.slot is None
         assert not self.handed_off or self.hand_off
+
+
+class _Last:  # ranks after every request (a slot emptied by a preemption in this step)
+    priority = arrival_index = math.inf
+
+
+_LAST = _Last()
 
 
 def _acquire(req: Request) -> Acquire:

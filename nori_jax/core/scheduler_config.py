@@ -19,6 +19,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 # A multi-step launch returns [K, max_num_seqs] samples and holds new arrivals for K steps; past a
 # few dozen steps it only adds latency (the host's share is already amortized).
 MAX_SCHEDULER_STEPS = 64
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,12 @@ class SchedulerConfig:
         None,
         help="bound on queued requests; one more is refused (HTTP 429); none: unbounded",
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        help="fcfs: first come, first served; priority: by each request's priority (lower "
+        "first), then arrival, and the lowest priority is preempted first",
+        choices=SCHEDULING_POLICIES,
+    )
     num_scheduler_steps: int = option(
         1,
         help="decode steps per launch (multi-step decode) while every running request decodes, "
@@ -114,6 +121,10 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.kv_headroom < 1.0:
             raise ValueError(f"kv_headroom={self.kv_headroom} must be in [0, 1)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}"
+            )
         if self.max_num_waiting is not None and self.max_num_waiting < 1:
             raise ValueError(f"max_num_waiting={self.max_num_waiting} must be >= 1 or None")
 

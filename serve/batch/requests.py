@@ -51,6 +51,7 @@ class Prepared:
     route: GenerationRoute
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # the body's (vLLM's extension field)
 
 
 @dataclasses.dataclass
@@ -123,7 +124,7 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
         error = api_error_from(e, ctx.settings.retry_after_s)
         record = error_record(envelope.custom_id, route_class.new_request_id(), error)
         return Refused(envelope.custom_id, record)
-    return Prepared(envelope.custom_id, route, prompt_ids, params)
+    return Prepared(envelope.custom_id, route, prompt_ids, params, body.priority or 0)
 
 
 def answer_record(

@@ -225,7 +225,7 @@ class BatchJob:
                     continue
                 request_id = item.route.new_request_id()
                 key = (position, item, request_id, item.route.head(request_id))
-                yield StreamRequest(key, item.prompt_ids, item.params, request_id)
+                yield StreamRequest(key, item.prompt_ids, item.params, request_id, item.priority)
 
         start = time.perf_counter()
         finished_job = False

@@ -31,7 +31,7 @@ class FakeReplica:
     def is_started(self) -> bool:
         return True
 
-    async def add_request(self, prompt, params, request_id, timeout_s, stream):
+    async def add_request(self, prompt, params, request_id, timeout_s, stream, priority=0):
         if self.dies_on_add:
             self.healthy = False
             raise EngineStoppedError("the engine is not serving (restarting)")

@@ -138,6 +138,15 @@ def test_penalties_and_min_tokens_cross_the_process_boundary(server: Server) -> 
     assert held.text == plain.text and held.finish_reason == plain.finish_reason
 
 
+def test_a_priority_the_core_would_ignore_is_refused_by_name(server: Server) -> None:
+    """The core process runs FCFS: a priority other than 0 comes back as a 400 naming it."""
+    with client(server) as c:
+        r = c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        ok = c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": 0})
+        assert ok.status_code == 200
+
+
 def test_streams_through_the_openai_client(server: Server) -> None:
     oa = OpenAI(base_url=f"{server.url}/v1", api_key="none")
     chunks = list(

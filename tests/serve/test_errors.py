@@ -106,6 +106,8 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "repetition_penalty": 1e30}, "repetition_penalty"),
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),  # past max_tokens
+        ({"prompt": "x", "priority": 1}, "priority"),  # the server's policy is FCFS
+        ({"prompt": "x", "priority": 2**31}, "priority"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
     ],
 )
