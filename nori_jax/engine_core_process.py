@@ -245,9 +245,13 @@ def split_outputs(
     rows: list[list[int]] = [[] for _ in range(num_clients)]
     for row, rid in enumerate(out.request_ids):
         rows[owner.get(rid, 0)].append(row)
+    # (a prompt's logprobs may complete in a step without a token of its request)
+    prompt_logprobs: dict[int, dict] = {}
+    for rid, value in out.prompt_logprobs.items():
+        prompt_logprobs.setdefault(owner.get(rid, 0), {})[rid] = value
     tokens = out.token_ids
     parts = []
-    for mine in rows:
+    for client, mine in enumerate(rows):
         ids = [out.request_ids[r] for r in mine]
         logprobs = {rid: out.logprobs[rid] for rid in ids if rid in out.logprobs}
         top = {rid: out.top_logprobs[rid] for rid in ids if rid in out.top_logprobs}
@@ -261,6 +265,7 @@ def split_outputs(
                 out.stats,
                 out.transfers,
                 top,
+                prompt_logprobs.get(client, {}),
             )
         )
     return parts

@@ -58,7 +58,20 @@ class SamplingParams:
     then those of the biased logits). `seed` makes a
     request's sampled tokens reproducible whatever else runs beside it. `logprobs` returns the
     log-probability of each sampled token under the model's unscaled distribution (after
-    logit_bias), and with logprobs = k >= 1 also the k most likely tokens with theirs.
+    logit_bias and penalties), and with logprobs = k >= 1 also the k most likely tokens with
+    theirs.
+
+    Penalties (vLLM's, applied after logit_bias and before temperature): `repetition_penalty`
+    (1 = off) divides the positive logits and multiplies the negative ones of every token in the
+    prompt or the output so far; `frequency_penalty` subtracts itself times the number of times a
+    token was generated, `presence_penalty` itself once for any generated token (0 = off; negative
+    values favour repetition). `min_tokens`: no EOS or stop token id can be sampled, and no stop
+    string is matched, before that many tokens are generated.
+
+    `prompt_logprobs` (vLLM's): each prompt token's logprob given the tokens before it, under the
+    model's raw distribution (no logit_bias or penalty), and with k >= 1 the k most likely tokens
+    at each position with theirs (`RequestOutput.prompt_logprobs`, `prompt_top_logprobs`; the
+    first token has none).
     """
 
     max_tokens: int = 16
@@ -78,6 +91,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -128,6 +142,14 @@ class SamplingParams:
                 "logprobs",
                 f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}] (0: the "
                 "sampled token's logprob only; k: also the k most likely tokens)",
+            )
+        if self.prompt_logprobs is not None and not (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ParameterError(
+                "prompt_logprobs",
+                f"prompt_logprobs={self.prompt_logprobs!r:.50} must be an integer in "
+                f"[0, {MAX_LOGPROBS}]",
             )
         self._validate_stops()
         self._validate_logit_bias()

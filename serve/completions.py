@@ -58,16 +58,43 @@ class Completion(generation.GenerationRoute):
     def logprobs(self) -> int | None:
         return self.body.logprobs
 
+    def prompt_logprobs(self) -> int | None:
+        # echo with logprobs: the echoed prompt's tokens come with theirs, as OpenAI's legacy
+        # completions answer (lm-evaluation-harness scores texts this way)
+        return self.body.logprobs if self.body.echo else None
+
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for index, out in enumerate(outs):
             logprobs = None
             if out.logprobs is not None:
-                logprobs = completion_logprobs(
-                    self.ctx.tokenizer, out.token_ids, out.logprobs, 0, out.top_logprobs
+                offset = 0
+                if self._echo:
+                    logprobs = self._prompt_logprobs(out)
+                    offset = len(self._echo)
+                part = completion_logprobs(
+                    self.ctx.tokenizer, out.token_ids, out.logprobs, offset, out.top_logprobs
                 )
+                logprobs = part if logprobs is None else _joined(logprobs, part)
             choices.append(_choice(index, self._echo + out.text, logprobs, out.finish_reason))
         return whole_answer(head, "text_completion", choices, outs)
+
+    def _prompt_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        """The legacy logprobs object of the echoed prompt: its first token has none (null)."""
+        ids, values, tops = out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs
+        if values is None:  # (the engine computes them for every echo with logprobs)
+            raise RuntimeError(f"request {out.request_id}: no prompt logprobs came back")
+        tok = self.ctx.tokenizer
+        first = token_strings(tok, ids[:1])
+        rest = completion_logprobs(
+            tok, ids[1:], values[1:], len(first[0]), None if tops is None else tops[1:]
+        )
+        return {
+            "tokens": first + rest["tokens"],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": None if tops is None else [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
 
     def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body
@@ -79,6 +106,11 @@ class Completion(generation.GenerationRoute):
         final: list[RequestOutput] = []
 
         def events(index: int, out: RequestOutput) -> Iterable[bytes]:
+            if echo_later[index]:  # the prompt with its logprobs, once the engine has them
+                echo_later[index] = False
+                prompt = self._prompt_logprobs(out)
+                text_offsets[index] = len(self._echo)
+                yield sse(head | {"choices": [_choice(index, self._echo, prompt)]} | extra)
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
@@ -103,11 +135,13 @@ class Completion(generation.GenerationRoute):
                 yield sse(head | {"choices": [], "usage": usage(final)})
             yield SSE_DONE
 
-        # `echo`: each choice's first chunk is the prompt
+        # `echo`: each choice's first chunk is the prompt, at once, or with logprobs as soon as
+        # its first output brings them
+        echo_later = [bool(self._echo) and want_logprobs] * len(choices)
         echoed = [
             sse(head | {"choices": [_choice(i, self._echo)]} | extra)
             for i in range(len(choices))
-            if self._echo
+            if self._echo and not want_logprobs
         ]
         return stream_events(
             choices, events, head=echoed, tail=tail, retry_after_s=ctx.settings.retry_after_s
@@ -119,3 +153,16 @@ def _choice(
 ) -> dict[str, Any]:
     """A choice of a completion, or of one of its streamed chunks."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects of consecutive tokens as one."""
+    tops = None
+    if first["top_logprobs"] is not None or then["top_logprobs"] is not None:
+        tops = (first["top_logprobs"] or []) + (then["top_logprobs"] or [])
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": tops,
+        "text_offset": first["text_offset"] + then["text_offset"],
+    }

@@ -48,10 +48,6 @@ def check_unsupported(req: SamplingFields) -> None:
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs asks for the prompt's logprobs, which are not supported", "echo"
-        )
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompt = req.prompt
@@ -146,7 +142,10 @@ def max_new_tokens(
 
 
 def sampling_params(
-    req: SamplingFields | GenerateRequest, max_tokens: int, logprobs: int | None = None
+    req: SamplingFields | GenerateRequest,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """ParameterError (a 400 naming the field) for settings the engine cannot take."""
     extra: dict[str, Any] = {}
@@ -168,6 +167,7 @@ def sampling_params(
         stop=req.stop,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

@@ -54,6 +54,10 @@ class GenerationRoute(abc.ABC):
     def logprobs(self) -> int | None:
         return None
 
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs asked for (completions: echo with logprobs)."""
+        return None
+
     @property
     def n(self) -> int:
         """Choices asked for: independent samples of the same prompt."""
@@ -70,10 +74,14 @@ class GenerationRoute(abc.ABC):
     def sampling_params(self, prompt_len: int) -> SamplingParams:
         asked, param = self.max_tokens()
         budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
-        logprobs = self.logprobs()
+        logprobs, prompt_logprobs = self.logprobs(), self.prompt_logprobs()
         if logprobs:  # every top-logprob pair of the answer is held until it is sent
-            self._check_logprob_entries(logprobs, budget, param)
-        return convert.sampling_params(self.body, budget, logprobs)
+            if prompt_logprobs is not None:
+                budget_param = f"(prompt + {param})"
+                self._check_logprob_entries(logprobs, prompt_len + budget, budget_param)
+            else:
+                self._check_logprob_entries(logprobs, budget, param)
+        return convert.sampling_params(self.body, budget, logprobs, prompt_logprobs)
 
     def _check_logprob_entries(self, k: int, budget: int, budget_param: str) -> None:
         """n x max_tokens x (k + 1) logprobs (each token's and its k likeliest, k >= 1) at most

@@ -4,8 +4,8 @@ Strict, as the OpenAI API defines its types: no coercion (`"4"` is not a number,
 boolean, `1e10` not an integer), no NaN or infinity, numbers within what the engine's arrays hold.
 A field this server does not implement is refused (400 naming it) rather than ignored, so a client
 never gets silently different behaviour; `user` is accepted because it changes no output. Each
-field's range is in its type, so /openapi.json describes what is accepted; echo with logprobs,
-suffix and tools are checked in convert.py. Sampling fields are nullable because some clients
+field's range is in its type, so /openapi.json describes what is accepted; suffix and tools are
+checked in convert.py. Sampling fields are nullable because some clients
 send null for "default".
 """
 

@@ -43,6 +43,16 @@ SCRIPT = textwrap.dedent(
         top = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
         return llm.generate([prompts[2]], top)[0].top_logprobs
 
+    def scored_of(llm):
+        # prompt logprobs (computed on the prefill side) and a penalized request (recomputed on
+        # the decode side, which builds its own counts)
+        asking = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+        penalized = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                   repetition_penalty=1.5, presence_penalty=0.5)
+        out = llm.generate([prompts[3], prompts[1]], [asking, penalized])
+        return {"prompt": out[0].prompt_logprobs[1:], "top": out[0].prompt_top_logprobs[1:],
+                "penalized": out[1].token_ids}
+
     def kv_of(llm, schedulers_and_runners, prompt):
         # Run one request alone; return its KV, token by token, from the pages that held it.
         eng = llm.engine
@@ -66,6 +76,7 @@ SCRIPT = textwrap.dedent(
     single = LLM("tiny-llama", **kw)
     report["single"] = tokens(single)
     report["single_top"] = top_of(single)
+    report["single_scored"] = scored_of(single)
     kv_single = kv_of(single, [(single.engine.scheduler, single.engine.runner)], fresh)
 
     layouts = {"pd-1-1": "pd-1-1", "pd-2-2": "pd-2-2",
@@ -114,6 +125,7 @@ SCRIPT = textwrap.dedent(
         out["metrics"] = llm.get_metrics()
         if name == "pd-1-1":  # after the metrics, which count this layout's transfers
             out["top"] = top_of(llm)
+            out["scored"] = scored_of(llm)
         report[name] = out
     # Multi-step decode on the decode side (the prefill side hands each request off first).
     llm = LLM("tiny-llama", mesh="pd-1-1", num_scheduler_steps=4, **kw)
@@ -173,6 +185,15 @@ def test_top_logprobs_cross_from_the_prefill_to_the_decode_side(report):
     np.testing.assert_allclose(
         [[v for _, v in p] for p in got], [[v for _, v in p] for p in want], atol=1e-5
     )
+
+
+def test_prompt_logprobs_and_penalties_across_the_split(report):
+    """Prompt logprobs come from the prefill side; a penalized request is recomputed on the
+    decode side: both as the single-device engine gives them."""
+    want, got = report["single_scored"], report["pd-1-1"]["scored"]
+    np.testing.assert_allclose(got["prompt"], want["prompt"], atol=1e-5)
+    assert [[t for t, _ in p] for p in got["top"]] == [[t for t, _ in p] for p in want["top"]]
+    assert got["penalized"] == want["penalized"]
 
 
 def test_multi_step_decode_on_the_decode_side_gives_the_same_tokens(report):

@@ -262,6 +262,7 @@ class DisaggregatedCore:
             [f for o in outs for f in o.finished],
             [f for o in outs for f in o.first_tokens],
             top_logprobs={k: v for o in outs for k, v in o.top_logprobs.items()},
+            prompt_logprobs={k: v for o in outs for k, v in o.prompt_logprobs.items()},
         )
         merged.transfers, self._transfers = self._transfers, []
         stats = [o.stats for o in outs if o.stats is not None]

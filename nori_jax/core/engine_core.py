@@ -307,6 +307,7 @@ class EngineCore:
                 for r in upd.first_tokens
             ],
             top_logprobs=upd.top_logprobs,
+            prompt_logprobs=upd.prompt_logprobs,
         )
 
     def _stats(self, num_tokens: int, schedule_s: float, step_s: float, steps: int) -> StepStats:

@@ -31,6 +31,9 @@ class _Stream:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # logprobs >= 1
+    # prompt_logprobs: set whole once the core has them all (RequestOutput's fields)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     released: list[str] = dataclasses.field(default_factory=list)  # text pieces handed out
     held: str = ""  # text not yet released: it may be the start of a stop string
     max_stop_len: int = 0
@@ -82,6 +85,8 @@ class OutputProcessor:
             s.logprobs = []
         if params.logprobs:
             s.top_logprobs = []
+        if params.prompt_logprobs is not None and len(prompt_token_ids) == 1:
+            self._set_prompt_logprobs(s, [], [] if params.prompt_logprobs else None)
         self._streams[request_id] = s
         # Never stopped while running either: a stream stops only through its detokenizer or
         # its stop strings, and without a detokenizer a final-only stream checks neither.
@@ -105,6 +110,9 @@ class OutputProcessor:
         core's FinishedRequest, through `finish`.
         """
         streams = self._streams
+        for rid, (values, tops) in outs.prompt_logprobs.items():
+            if (s := streams.get(rid)) is not None:
+                self._set_prompt_logprobs(s, values, tops)
         finished = {f.request_id: f for f in outs.finished}
         touched: dict[str, _Stream] = {}
         ended: dict[str, str] = {}
@@ -171,6 +179,12 @@ class OutputProcessor:
         return outputs, ended
 
     @staticmethod
+    def _set_prompt_logprobs(s: _Stream, values: list[float], tops) -> None:
+        """The prompt's logprobs as outputs hand them out: None for the first token."""
+        s.prompt_logprobs = [None, *values]
+        s.prompt_top_logprobs = None if tops is None else [None, *tops]
+
+    @staticmethod
     def _fail(s: _Stream, e: Exception, ended: dict[str, str]) -> None:
         s.stopped, s.error = True, f"{type(e).__name__}: {e}"
         s.detok = None  # what it would still release is not trusted
@@ -215,6 +229,8 @@ class OutputProcessor:
             error=error,
             new_top_logprobs=_new(s.top_logprobs, s.num_reported),
             top_logprobs=s.top_logprobs,
+            prompt_logprobs=s.prompt_logprobs,
+            prompt_top_logprobs=s.prompt_top_logprobs,
         )
         if s.detok is not None or error:
             out._text = "".join(s.released)
@@ -274,6 +290,8 @@ class OutputProcessor:
             finished=False,
             finish_reason=None,
             new_top_logprobs=new_top,
+            prompt_logprobs=s.prompt_logprobs,
+            prompt_top_logprobs=s.prompt_top_logprobs,
         )
 
     @staticmethod

@@ -98,6 +98,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     transfers: list[KVTransfer] = []  # disaggregated engines: KV moves that landed or failed
     # For the requests with logprobs >= 1: per token gained, its (token id, logprob) pairs
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+    # For the requests with prompt_logprobs whose prompt's are complete with this step: each
+    # prompt token's logprob after the first, and (prompt_logprobs >= 1) its top pairs
+    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -128,6 +131,11 @@ class RequestOutput:
     # best first, of the distribution the sampled token's logprob is taken from.
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before
+    # it, and with prompt_logprobs = k >= 1 its position's k most likely (token id, logprob)
+    # pairs; on every output once the prompt is computed (None before, and without them).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     _text: str | None = dataclasses.field(default=None, repr=False)
     _decode: Callable[[], str] | None = dataclasses.field(default=None, repr=False, compare=False)
 

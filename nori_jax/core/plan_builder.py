@@ -12,7 +12,13 @@ import numpy as np
 
 from nori_jax.core.sampling_modes import choose_program, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
-from nori_jax.core.step_layout import PENALTY_FRESH, PENALTY_SAMPLES, TOKEN_FIELDS, StepLayout
+from nori_jax.core.step_layout import (
+    PENALTY_FRESH,
+    PENALTY_SAMPLES,
+    TOKEN_FIELDS,
+    TOP_LOGPROBS,
+    StepLayout,
+)
 from nori_jax.core.step_plan import StepPlan, pick_bucket
 
 _INPUT_IDS, _POSITIONS, _SLOT_MAPPING, _PREV_INDEX = (
@@ -149,6 +155,26 @@ class PlanBuilder:
         ):
             view(name)[:n] = values[slots]
 
+    @staticmethod
+    def _write_prompt_logprobs(view, out: SchedulerOutput, cu_q_lens: np.ndarray) -> None:
+        """Each prompt-logprob position in a logit row of its own after the step's rows: that
+        row's `logits_indices` is the position's token, its target the prompt token after it."""
+        rows, targets = view("prompt_logprob_rows"), view("prompt_logprob_targets")
+        logits_indices = view("logits_indices")
+        spare, k, top = out.num_rows, 0, 0
+        for e in out.prompt_logprobs:
+            n = e.count
+            if spare + k + n > len(logits_indices):  # the scheduler's row count keeps this away
+                raise AssertionError(f"{spare + k + n} logit rows in one step")
+            logit_rows = np.arange(spare + k, spare + k + n)
+            base = cu_q_lens[e.row] + (e.first - e.chunk_start)
+            logits_indices[logit_rows] = base + np.arange(n)
+            rows[k : k + n] = logit_rows
+            targets[k : k + n] = e.targets
+            k += n
+            top = max(top, e.request.params.prompt_logprobs)
+        view("prompt_logprob_top")[0] = 0 if top == 0 else 1 if top == 1 else TOP_LOGPROBS
+
     def _write_pages(self, slot: int, start: int, pages: list[int]) -> None:
         if not pages:
             return
@@ -162,7 +188,10 @@ class PlanBuilder:
         self.apply(out.events)
         layout, ps = self.layout, self.page_size
         s, nd, nrows = layout.max_num_seqs, out.num_decodes, out.num_rows
-        bucket = pick_bucket(self.buckets, out.num_tokens)
+        # Each prompt-logprob position takes a logit row past the step's rows, and a bucket of T
+        # tokens computes at most T rows.
+        extra = sum(e.count for e in out.prompt_logprobs)
+        bucket = pick_bucket(self.buckets, max(out.num_tokens, out.num_rows + extra))
         buffer = layout.new_step()
         tokens = layout.tokens(buffer, bucket)
         view = lambda name: layout.view(buffer, name)  # noqa: E731
@@ -215,6 +244,8 @@ class PlanBuilder:
         cu_q_lens = view("cu_q_lens")
         np.cumsum(q_lens, out=cu_q_lens[1:])
         view("logits_indices")[:] = np.maximum(cu_q_lens[1:] - 1, 0)
+        if out.prompt_logprobs:
+            self._write_prompt_logprobs(view, out, cu_q_lens)
         view("distribution")[:] = (nd, nrows)
         temperature, top_p, top_k = view("temperature"), view("top_p"), view("top_k")
         np.take(self.temperature, row_slots, out=temperature, mode="clip")

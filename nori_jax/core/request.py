@@ -84,6 +84,11 @@ class Request:
     # (`arrival_index`: the scheduler's count of requests added before it).
     priority: int = 0
     arrival_index: int = 0
+    # prompt_logprobs: positions planned so far (each is computed once, even if recomputed after
+    # a preemption) and, per prompt token after the first, its logprob (and top pairs)
+    prompt_logprobs_planned: int = 0
+    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
@@ -138,10 +143,14 @@ class Request:
         return tuple(sorted(set(p.stop_token_ids) | set(eos)))
 
     def reads_prefix_cache(self) -> bool:
-        """May its admission take KV from the prefix cache? Not where its penalties need the
-        tokens the cache would skip: with repetition_penalty (the prompt's tokens count) or with
-        output tokens (resumed after a preemption: they are recounted as they are recomputed)."""
+        """May its admission take KV from the prefix cache? Not where it needs the tokens the
+        cache would skip: prompt logprobs not all planned yet; penalties with repetition_penalty
+        (the prompt's tokens count) or with output tokens (resumed after a preemption: they are
+        recounted as they are recomputed)."""
         p = self.params
+        unplanned = self.prompt_logprobs_planned < self.num_prompt_tokens - 1
+        if p.prompt_logprobs is not None and unplanned:
+            return False  # each prompt position must pass through a step
         return not p.has_penalties or (p.repetition_penalty == 1.0 and not self.output_token_ids)
 
     @property

@@ -38,6 +38,7 @@ from nori_jax.core.scheduler_output import (
     AddPages,
     BatchEvent,
     PrefillRow,
+    PromptLogprobRows,
     Release,
     SchedulerOutput,
 )
@@ -70,6 +71,11 @@ class StepUpdate:
     # For the requests with logprobs >= 1: per token gained, its `logprobs` most likely
     # (token id, logprob) pairs, best first.
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = dataclasses.field(default_factory=dict)
+    # For the requests with prompt_logprobs whose prompt's logprobs are complete with this step:
+    # (each prompt token's logprob after the first, and with k >= 1 its k (id, logprob) pairs)
+    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = (
+        dataclasses.field(default_factory=dict)
+    )
 
 
 class Scheduler:
@@ -102,6 +108,7 @@ class Scheduler:
         self._events: list[BatchEvent] = []
         self._eos_ids = np.zeros(0, np.int32)  # every request's EOS ids (for a vectorized check)
         self._by_priority = config.scheduling_policy == "priority"
+        self._spare_rows = config.max_num_seqs  # logit rows left in the step being scheduled
         self._arrivals = 0  # requests added so far (Request.arrival_index)
         self._preempted_this_step = False
         self.hand_off = hand_off
@@ -313,6 +320,8 @@ class Scheduler:
         budget -= len(decodes)
         scheduled = np.zeros(cfg.max_num_seqs, bool)  # per slot
         scheduled[decodes] = True
+        # Logit rows left: one per row, and one per prompt position whose logprob is computed.
+        self._spare_rows = cfg.max_num_seqs - len(decodes)
 
         # 2. Running prefills (chunked), oldest first (by rank under the priority policy).
         prefills: list[tuple[Request, int]] = []
@@ -323,12 +332,18 @@ class Scheduler:
             req = c.requests[slot]
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # preempted in this step
-            n = self._chunk_size(req, int(c.computed[slot]), budget, long_budget)
+            if self._spare_rows < 1:
+                break
+            start = int(c.computed[slot])
+            n = self._fit_prompt_logprobs(
+                req, start, self._chunk_size(req, start, budget, long_budget)
+            )
             if n and self._reserve(req, n, scheduled):
                 prefills.append((req, n))
                 scheduled[slot] = True
                 budget -= n
                 long_budget -= n if req.is_long else 0
+                self._spare_rows -= 1 + self._prompt_positions(req, start, n)
 
         # 3. Admission, FCFS within each queue; never in a step that had to preempt.
         if not self._preempted_this_step:
@@ -397,6 +412,24 @@ class Scheduler:
                 n = aligned
         return max(n, 0)
 
+    @staticmethod
+    def _prompt_positions(req: Request, start: int, n: int) -> int:
+        """Positions of a chunk [start, start + n) whose prompt logprobs it computes: those before
+        the prompt's last token not planned before (a recomputation plans none twice)."""
+        if req.params.prompt_logprobs is None:
+            return 0
+        first = max(start, req.prompt_logprobs_planned)
+        return max(min(start + n, req.num_prompt_tokens - 1) - first, 0)
+
+    def _fit_prompt_logprobs(self, req: Request, start: int, n: int) -> int:
+        """`n`, or less where the chunk's prompt-logprob positions would not fit the step's logit
+        rows left (`_spare_rows`, after the chunk's own row): each position takes a row of its
+        own, so a request asking for them prefills at most the rows a step has to spare."""
+        room = self._spare_rows - 1
+        if self._prompt_positions(req, start, n) <= room:
+            return n
+        return max(max(start, req.prompt_logprobs_planned) + room - start, 0)
+
     def _add_pages(self, req: Request, pages: list[int]) -> None:
         self._events.append(AddPages(req.slot, len(req.pages), pages))
         req.pages.extend(pages)
@@ -460,7 +493,12 @@ class Scheduler:
         i = 0  # the queue's head, past the requests deferred in this step
         # Per room: a request waits for it, so none that needs it passes that request.
         deferred = [False] * len(self._rooms)
-        while i < len(queue) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (
+            i < len(queue)
+            and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+            and self._spare_rows > 0
+        ):
             req = queue[i]
             if req.is_long and self._num_long_prefilling() >= cfg.max_num_long_prefills:
                 break
@@ -492,7 +530,9 @@ class Scheduler:
                     i += 1
                     continue
             num_cached = len(cached) * self.page_size
-            n = self._chunk_size(req, num_cached, budget, long_budget)
+            n = self._fit_prompt_logprobs(
+                req, num_cached, self._chunk_size(req, num_cached, budget, long_budget)
+            )
             need = math.ceil((num_cached + n) / self.page_size) - len(cached)
             fits = n > 0 and (not self.running or self.allocator.num_free_pages - need >= headroom)
             new_pages = self.allocator.allocate(need) if fits else None
@@ -517,6 +557,7 @@ class Scheduler:
             prefills.append((req, n))
             budget -= n
             long_budget -= n if req.is_long else 0
+            self._spare_rows -= 1 + self._prompt_positions(req, num_cached, n)
             if in_flight is not None:
                 in_flight.update(self._unpublished_prompt_pages(req))
         return budget
@@ -592,9 +633,11 @@ class Scheduler:
             c.known[extra_slots] + c.pending[extra_slots] - c.prompt_len[extra_slots]
         ).astype(np.int32)
         samples = np.ones(nd + len(prefills), bool)
+        prompt_rows: list[PromptLogprobRows] = []
         for j, (req, _) in enumerate(ones):
             start = int(extra_pos[j])
             extra_ids[j] = req.token_ids(start, start + 1)[0]
+            self._plan_prompt_logprobs(req, nd + j, start, 1, prompt_rows)
             samples[nd + j] = self._advance(req.slot, 1, nd + j)
 
         rows: list[PrefillRow] = []
@@ -604,6 +647,7 @@ class Scheduler:
             start, total = int(c.computed[slot]), int(c.known[slot] + c.pending[slot])
             sample_index = total - req.num_prompt_tokens
             rows.append(PrefillRow(slot, start, req.token_array(start, start + n), sample_index))
+            self._plan_prompt_logprobs(req, first_chunk + j, start, n, prompt_rows)
             samples[first_chunk + j] = self._advance(slot, n, first_chunk + j)
         chunk_slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
         row_slots = np.concatenate([decodes, extra_slots, chunk_slots]).astype(np.int32)
@@ -627,7 +671,20 @@ class Scheduler:
             num_steps=self.config.num_scheduler_steps if decode_steps is not None else 1,
             decode_steps=decode_steps,
             top_rows=self._top_rows(samples, row_slots),
+            prompt_logprobs=prompt_rows,
         )
+
+    def _plan_prompt_logprobs(
+        self, req: Request, row: int, start: int, n: int, out: list[PromptLogprobRows]
+    ) -> None:
+        """The chunk's prompt positions whose logprobs the step computes (`_prompt_positions`),
+        each with its target, the prompt token after it."""
+        count = self._prompt_positions(req, start, n)
+        if count:
+            first = max(start, req.prompt_logprobs_planned)
+            targets = req.token_array(first + 1, first + count + 1)
+            out.append(PromptLogprobRows(row, start, first, targets, req))
+            req.prompt_logprobs_planned = first + count
 
     def _top_rows(self, samples: np.ndarray, row_slots: np.ndarray) -> np.ndarray:
         """The sampling rows of requests with logprobs >= 1 (none running: no pass over rows)."""
@@ -653,10 +710,12 @@ class Scheduler:
         next_tokens: np.ndarray,
         logprobs: np.ndarray | None = None,
         top: tuple[np.ndarray, np.ndarray] | None = None,
+        prompt: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepUpdate:
         """Apply a step's sampled tokens (`next_tokens[i]` is row i's sample; `logprobs[i]` its
         logprob; `top` the (token ids, logprobs) [P, TOP_LOGPROBS] of the step's top-logprobs
-        places, `out.top_rows`).
+        places, `out.top_rows`; `prompt` the (token ids, logprobs) [L, 1 + k] of the step's
+        prompt-logprob rows, `out.prompt_logprobs`: each position's target first).
 
         The step already advanced every request's progress when it was planned; this delivers
         the samples. A request finished meanwhile (stop string, abort) is skipped; one preempted
@@ -696,6 +755,8 @@ class Scheduler:
                 update.logprobs[req.request_id] = [lp]
         if top is not None and len(out.top_rows):
             self._deliver_top(out, *top, update)
+        if prompt is not None and out.prompt_logprobs:
+            self._deliver_prompt_logprobs(out, *prompt, update)
 
         # Finishes: length and EOS vectorized; explicit stop ids for the rows that have them.
         ends = (c.known[sslots] >= c.stop_at[sslots]) | c.has_stop_ids[sslots]
@@ -832,6 +893,36 @@ class Scheduler:
             ]
             req.output_top_logprobs.extend(pairs)
             update.top_logprobs[req.request_id] = pairs
+
+    @staticmethod
+    def _deliver_prompt_logprobs(
+        out: SchedulerOutput, ids: np.ndarray, values: np.ndarray, update: StepUpdate
+    ) -> None:
+        """The step's prompt logprobs (`ids`, `values`: [L, 1 + k], the target's first) to their
+        requests, in position order; a request whose prompt's are then complete goes into the
+        update. One finished meanwhile (abort) takes none."""
+        i = 0
+        for entry in out.prompt_logprobs:
+            req, n = entry.request, entry.count
+            rows, i = slice(i, i + n), i + n
+            if req.is_finished:
+                continue
+            req.prompt_logprobs.extend(values[rows, 0].astype(float).tolist())
+            k = req.params.prompt_logprobs
+            if k:
+                req.prompt_top_logprobs.extend(
+                    list(zip(t, v, strict=True))
+                    for t, v in zip(
+                        ids[rows, 1 : k + 1].tolist(),
+                        values[rows, 1 : k + 1].astype(float).tolist(),
+                        strict=True,
+                    )
+                )
+            if len(req.prompt_logprobs) == req.num_prompt_tokens - 1:
+                update.prompt_logprobs[req.request_id] = (
+                    req.prompt_logprobs,
+                    req.prompt_top_logprobs if k else None,
+                )
 
     def _register_full_pages(self, slots: np.ndarray) -> None:
         """Publish pages filled by launched steps. Their tokens are all known on the host by now,

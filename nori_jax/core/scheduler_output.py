@@ -64,6 +64,22 @@ class PrefillRow:
     sample_index: int  # output index sampled if the chunk reaches the end of the known tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobRows:
+    """Prompt positions of one row whose logprobs the step computes, each in a logit row of its
+    own past the step's rows (core/step_layout.py, `prompt_logprob_rows`)."""
+
+    row: int  # the step's row holding them
+    chunk_start: int  # position of the row's first token
+    first: int  # the first of these positions
+    targets: np.ndarray  # int32[count]: the prompt token after each position
+    request: Request
+
+    @property
+    def count(self) -> int:
+        return len(self.targets)
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     """One step's rows. Row i < num_decodes is decode row i; then one row per prefill chunk."""
@@ -90,6 +106,8 @@ class SchedulerOutput:
     # The sampling rows of requests with logprobs >= 1, in the order of the step's top-logprobs
     # places (core/step_layout.py, `top_rows`): place p's top tokens are row top_rows[p]'s.
     top_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    # Rows of requests with prompt_logprobs and the positions whose logprobs the step computes.
+    prompt_logprobs: list[PromptLogprobRows] = dataclasses.field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:

@@ -115,6 +115,13 @@ class StepLayout:
             ("presence_penalty", (s,), np.float32),
             ("frequency_penalty", (s,), np.float32),
             ("repetition_penalty", (s,), np.float32),
+            # Prompt logprobs: logit rows past the step's own rows whose `logits_indices` point
+            # at prompt positions of requests asking for them (compact, then max_num_seqs), and
+            # each one's target, the prompt token after that position.
+            ("prompt_logprob_rows", (s,), np.int32),
+            ("prompt_logprob_targets", (s,), np.int32),
+            # how many most likely tokens the step returns with them: 0, 1 or TOP_LOGPROBS
+            ("prompt_logprob_top", (1,), np.int32),
             ("page_table", (s, mp), np.int32),
         )
         fields, offset = [], len(TOKEN_FIELDS) * self.token_capacity
@@ -144,12 +151,13 @@ class StepLayout:
 
     def new_step(self) -> np.ndarray:
         """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs
-        places and penalty rows unused (max_num_seqs)."""
+        places, penalty rows and prompt-logprob rows unused (max_num_seqs)."""
         buf = np.zeros(self.size, np.int32)
         self.tokens(buf)[TOKEN_FIELDS.index("prev_index")] = -1
         self.view(buf, "top_rows")[:] = self.max_num_seqs
         self.view(buf, "penalty_rows")[:] = self.max_num_seqs
         self.view(buf, "penalty_slots")[:] = self.max_num_seqs
+        self.view(buf, "prompt_logprob_rows")[:] = self.max_num_seqs
         return buf
 
     def tokens(self, buf: np.ndarray, bucket: int | None = None) -> np.ndarray:

@@ -61,6 +61,7 @@ from nori_jax.executor.step_programs import (
     multi_step,
     peek,
     penalize,
+    prompt_logprobs_from_logits,
     sample_from_logits,
     stage,
     stage_and_peek,
@@ -86,13 +87,15 @@ class LaunchTimes:
 class LaunchedSamples:
     """A launched step's samples: `array` is the host's copy (int32[2, S], or [K, 2, S] from a
     multi-step launch), None until the next launch or `fetch` makes it from the runner's buffer
-    (`source`: None for `samples`, "multi-step" for `all_samples`)."""
+    (`source`: None for `samples`, "multi-step" for `all_samples`); `prompt`, in a step with
+    prompt-logprob rows, their output (fresh, already on its way to the host) and row count."""
 
-    __slots__ = ("array", "source")
+    __slots__ = ("array", "source", "prompt")
 
     def __init__(self, source: str | None = None):
         self.array: jax.Array | None = None
         self.source = source
+        self.prompt: tuple[jax.Array, int, int] | None = None  # (output, rows, top)
 
 
 def _program_name(kind: str, key) -> str:
@@ -107,6 +110,8 @@ def _program_name(kind: str, key) -> str:
         return f"penalties ({key} rows)"
     if kind == "count":
         return "penalty counts"
+    if kind == "prompt":
+        return f"prompt logprobs top {key[0]} ({key[1]} rows)"
     if kind == "multi":
         return f"multi-step bucket {key[0]} {key[1].name}"
     if kind in ("stage", "stage+peek", "peek"):
@@ -206,6 +211,15 @@ class ModelRunner:
         self._count_fn = jax.jit(
             functools.partial(count_sampled, layout),
             donate_argnums=(0,),
+            out_shardings=self._replicated,
+        )
+        # Prompt logprobs, per (how many top tokens, bucket of rows): after the forward pass.
+        self.prompt_keys = [
+            (top, b) for top in (0, 1, TOP_LOGPROBS) for b in filter_buckets(layout.max_num_seqs)
+        ]
+        self._prompt_fn = jax.jit(
+            functools.partial(prompt_logprobs_from_logits, layout),
+            static_argnums=(0, 1),
             out_shardings=self._replicated,
         )
         self._stage_fn = jax.jit(stage, donate_argnums=(0,), out_shardings=self._replicated)
@@ -322,6 +336,11 @@ class ModelRunner:
             for b in self.penalty_buckets
         ] + [
             (("count", None), lambda: self._count_fn.lower(counts_abs, prev_abs, step_abs)),
+        ] + [
+            (("prompt", (top, b)), lambda top=top, b=b: self._prompt_fn.lower(
+                top, b, logits_abs, step_abs))
+            for top, b in self.prompt_keys
+        ] + [
             (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
             (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
             (("stage+peek", None), lambda: self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)),
@@ -425,6 +444,8 @@ class ModelRunner:
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
         self._penalize_and_count(self._warm_up_step([1]))
         np.asarray(self._penalty_counts)
+        for key in self.prompt_keys:  # (no rows listed: its output is dropped)
+            np.asarray(self._direct["prompt", key]([self._logits_state, self._step_state])[0])
         # Each multi-step program once, on one decode row that writes the null page.
         step = self._warm_up_step([1])
         layout.view(step, "decode_steps")[0] = 1
@@ -476,6 +497,19 @@ class ModelRunner:
     def _top_rows(self, step: np.ndarray) -> np.ndarray:
         """The step's top-logprobs places (max_num_seqs where unused)."""
         return self.layout.view(step, "top_rows")
+
+    def _prompt_logprobs(self, step: np.ndarray) -> tuple[jax.Array, int, int] | None:
+        """The step's prompt logprobs, if it has prompt-logprob rows: (output on its way to the
+        host, rows, top)."""
+        s = self.layout.max_num_seqs
+        n = int(np.count_nonzero(self.layout.view(step, "prompt_logprob_rows") < s))
+        if not n:
+            return None
+        top = int(self.layout.view(step, "prompt_logprob_top")[0])
+        bucket = next(b for b in filter_buckets(s) if b >= n)
+        out = self._direct["prompt", (top, bucket)]([self._logits_state, self._step_state])[0]
+        out.copy_to_host_async()
+        return out, n, top
 
     def _penalty_bucket(self, step: np.ndarray) -> int:
         """The bucket that holds the step's rows with a penalty (0: none)."""
@@ -551,6 +585,7 @@ class ModelRunner:
                     [self._samples_state, self._logits_state, self._step_state]
                 )[0]
             handle = self._unpeeked = LaunchedSamples()
+            handle.prompt = self._prompt_logprobs(step)
         # (the next launch copies the samples for the host, or fetch does)
         self.kv_pages = out[2:]
         lt = self.launch_times
@@ -573,14 +608,19 @@ class ModelRunner:
                 [self._samples_buffer(handle.source)]
             )[0]
 
-    def fetch(
-        self, handle: LaunchedSamples | jax.Array
-    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    def fetch(self, handle: LaunchedSamples | jax.Array) -> tuple:
         """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S], (top token
-        ids int32[P, TOP_LOGPROBS], their logprobs float32[P, TOP_LOGPROBS])), with a leading
-        [K] on each for a multi-step launch."""
+        ids int32[P, TOP_LOGPROBS], their logprobs float32[P, TOP_LOGPROBS]), prompt logprobs),
+        with a leading [K] on each of the first three for a multi-step launch. Prompt logprobs:
+        (ids int32[L, 1 + top], logprobs float32[L, 1 + top]) of the step's prompt-logprob rows
+        (the target's first), or None."""
+        prompt = None
         if isinstance(handle, LaunchedSamples):
             self._peek_now(handle)
+            if handle.prompt is not None:
+                out, n, top = handle.prompt
+                pairs = np.asarray(out).reshape(2, -1, 1 + top)[:, :n]
+                prompt = (pairs[0], pairs[1].view(np.float32))
             handle = handle.array
         samples = np.asarray(handle)
         s = self.layout.max_num_seqs
@@ -590,8 +630,9 @@ class ModelRunner:
             rows[..., 0, :],
             rows[..., 1, :].view(np.float32),
             (top[..., 0, :, :], top[..., 1, :, :].view(np.float32)),
+            prompt,
         )
 
-    def step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    def step(self, plan: StepPlan) -> tuple:
         """Launch and wait: the synchronous step."""
         return self.fetch(self.launch(plan))

@@ -9,6 +9,7 @@
     sample_from_logits[program, R](samples, logits, step_state) -> samples
     count_sampled(counts, samples, step_state) -> counts
     top_logprobs_from_logits[R](samples, logits, step_state) -> samples (with the top logprobs)
+    prompt_logprobs_from_logits[top, L](logits, step_state) -> int32[2, L x (1 + top)] (fresh)
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
         -> (all_samples int32[K, 2, W], samples, kv_pages)
@@ -219,6 +220,35 @@ def penalize(layout, num_listed, logits_state, counts, in_prompt, step):
 def count_sampled(layout, counts, samples, step):
     """The penalty counts (donated) with the tokens the listed rows sampled in this step."""
     return count_samples(counts, samples[0, : layout.max_num_seqs], unpack_rows(layout, step))
+
+
+def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
+    """int32[2, count x (1 + top)]: for each of the step's first `count` prompt-logprob rows
+    (core/step_layout.py), its target's id and logprob, then (top 1 or TOP_LOGPROBS) the most
+    likely tokens' and theirs, each id beside its logprob's bits. Rows past the step's own, so the
+    logits are the forward pass's as they are: no logit_bias, no penalty. One program per (top,
+    count) bucket; it runs only in a step with such rows, and its output is a fresh array the
+    host copies back only then."""
+    row = unpack_rows(layout, step)
+    s, vocab = logits_state.shape
+    rows = row["prompt_logprob_rows"][:count]
+    targets = row["prompt_logprob_targets"][:count]
+    logprobs = jax.nn.log_softmax(logits_state[jnp.minimum(rows, s - 1)], axis=-1)  # [L, V]
+    target = jnp.clip(targets, 0, vocab - 1)[:, None]
+    ids, values = target, jnp.take_along_axis(logprobs, target, axis=-1)
+    if top == 1:  # an argmax: no sort (lax.top_k past 16 is a full sort on XLA:GPU)
+        best = jnp.argmax(logprobs, axis=-1)[:, None].astype(jnp.int32)
+        ids = jnp.concatenate([ids, best], axis=1)
+        values = jnp.concatenate([values, jnp.take_along_axis(logprobs, best, axis=-1)], axis=1)
+    elif top > 1:
+        k = min(top, vocab)
+        best_values, best = jax.lax.top_k(logprobs, k)
+        if k < top:  # a vocabulary smaller than the places: never asked for more
+            pad = [(0, 0), (0, top - k)]
+            best_values, best = jnp.pad(best_values, pad, constant_values=-1e30), jnp.pad(best, pad)
+        ids = jnp.concatenate([ids, best.astype(jnp.int32)], axis=1)
+        values = jnp.concatenate([values, best_values], axis=1)
+    return _pack(ids.reshape(-1), values.reshape(-1))
 
 
 def top_logprobs_from_logits(layout, rows, samples, logits_state, step):

@@ -32,3 +32,13 @@ def test_rows_go_to_their_owner_and_the_rest_to_everyone():
     assert (two.request_ids, two.token_ids.tolist()) == ([], [])
     for part in (zero, one, two):
         assert part.finished == finished and part.first_tokens == first and part.stats == stats
+
+
+def test_prompt_logprobs_go_to_their_owner_with_or_without_a_token_row():
+    """A prompt's logprobs may complete in a step where its request gains no token (its prompt's
+    last chunk still to come): they go to the request's API server all the same."""
+    out = EngineCoreOutputs(["a"], np.array([7], np.int32).tobytes(), {}, [], [])
+    out.prompt_logprobs = {"a": ([-1.0], None), "e": ([-2.0, -3.0], [[(4, -0.5)], [(5, -0.7)]])}
+    zero, one = split_outputs(out, {"a": 0, "e": 1}, 2)
+    assert zero.prompt_logprobs == {"a": ([-1.0], None)}
+    assert one.request_ids == [] and one.prompt_logprobs == {"e": out.prompt_logprobs["e"]}

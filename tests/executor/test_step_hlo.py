@@ -40,6 +40,7 @@ def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"sampler greedy (8 rows)", "penalties (8 rows)", "penalty counts"} <= set(programs)
     assert {"multi-step bucket 16 greedy", "multi-step bucket 16 filter-8"} <= set(programs)
     assert {"top logprobs (8 rows)"} <= set(programs)  # lax.top_k of the rows that ask
+    assert {f"prompt logprobs top {k} (8 rows)" for k in (0, 1, 20)} <= set(programs)
 
 
 def test_no_data_dependent_control_flow_outside_the_attention(programs):

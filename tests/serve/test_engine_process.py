@@ -48,6 +48,7 @@ _PENALIZED = [
     dict(extra_body={"repetition_penalty": 1.6}),
     dict(seed=9, temperature=0.8, frequency_penalty=-0.5, extra_body={"repetition_penalty": 0.9}),
 ]
+_PROMPT_LOGPROBS: list[list[float | None]] = []  # PROMPTS[2]'s, in-process
 _PENALIZED_TEXT: list[str] = []  # PROMPTS[0] (greedy repeats itself) with each, in-process
 
 
@@ -61,6 +62,8 @@ def _expected_tokens() -> list[list[int]]:
         forced = llm.generate([PROMPTS[1]], _FORCED)[0]
         assert forced.token_ids == [77, 77, 77]
         _FORCED_TEXT.append(forced.text)
+        asking = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+        _PROMPT_LOGPROBS.append(llm.generate([PROMPTS[2]], asking)[0].prompt_logprobs)
         for kw in _PENALIZED:
             kw = {**kw, **kw.get("extra_body", {})}
             kw.pop("extra_body", None)
@@ -136,6 +139,38 @@ def test_penalties_and_min_tokens_cross_the_process_boundary(server: Server) -> 
         extra_body={"min_tokens": 12},
     ).choices[0]
     assert held.text == plain.text and held.finish_reason == plain.finish_reason
+
+
+def test_echo_with_logprobs_scores_the_prompt_across_the_process_boundary(
+    server: Server,
+) -> None:
+    """Completions' echo with logprobs (lm-evaluation-harness's loglikelihood): the prompt's
+    tokens lead `logprobs`, each with its logprob (the first's null) and top 2, equal to the
+    in-process engine's prompt_logprobs; streamed, the prompt's chunk carries them."""
+    _expected_tokens()
+    oa = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=3, temperature=0.0, logprobs=2)
+    whole = oa.completions.create(echo=True, extra_body={"ignore_eos": True}, **kw).choices[0]
+    lp, n = whole.logprobs, len(PROMPTS[2])
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:n], _PROMPT_LOGPROBS[0][1:], atol=1e-5)
+    prompt_part = zip(lp.tokens[1:n], lp.token_logprobs[1:n], lp.top_logprobs[1:n], strict=True)
+    for token, value, top in prompt_part:
+        assert top[token] == value and 1 <= len(top) <= 3
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    plain = oa.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
+    assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+    assert whole.text.endswith(plain.text)
+    chunks = list(
+        oa.completions.create(echo=True, stream=True, extra_body={"ignore_eos": True}, **kw)
+    )
+    first = chunks[0].choices[0]
+    assert first.logprobs.token_logprobs[0] is None and len(first.logprobs.tokens) == n
+    np.testing.assert_allclose(
+        first.logprobs.token_logprobs[1:], _PROMPT_LOGPROBS[0][1:], atol=1e-5
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
 
 
 def test_a_priority_the_core_would_ignore_is_refused_by_name(server: Server) -> None:

@@ -108,7 +108,6 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),  # past max_tokens
         ({"prompt": "x", "priority": 1}, "priority"),  # the server's policy is FCFS
         ({"prompt": "x", "priority": 2**31}, "priority"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
     ],
 )
 def test_bad_values(c: httpx.Client, body: dict, param: str) -> None:
