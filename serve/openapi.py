@@ -137,6 +137,19 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    model_max_length: int
+    vocab_size: int
+    chat_template: str | None
+
+
 class Health(BaseModel):
     status: Literal["ok", "unhealthy"]
     reason: str | None = None
@@ -148,6 +161,7 @@ _ANSWERS = {  # path -> the model of its 200 JSON body
     "/generate": GenerateResponse,
     "/tokenize": TokenizeResponse,
     "/detokenize": DetokenizeResponse,
+    "/tokenizer_info": TokenizerInfo,
     "/v1/models": ModelList,
     "/health": Health,
 }
@@ -165,7 +179,7 @@ _STATUS = {
     "503": "the engine is not serving: shutting down or restarting (see Retry-After)",
     "504": "the request ran past the server's request timeout",
 }
-_TOKENIZING = ("/tokenize", "/detokenize")  # no engine: never 429, 500, 503 or 504
+_TOKENIZING = ("/tokenize", "/detokenize", "/tokenizer_info")  # no engine: no 429, 5xx
 _GENERATION = {  # path -> the media type of its stream
     "/v1/completions": "text/event-stream",
     "/v1/chat/completions": "text/event-stream",

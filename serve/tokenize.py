@@ -1,5 +1,7 @@
 """POST /tokenize and /detokenize, vLLM's extension routes: the token ids the engine would see for
-a text or for chat messages (rendered as /v1/chat/completions renders them), and the text of ids.
+a text or for chat messages (rendered as /v1/chat/completions renders them), and the text of ids;
+GET /tokenizer_info, the tokenizer's special tokens and chat template (what lm-evaluation-harness's
+remote tokenizer reads, so an evaluation needs no copy of the tokenizer).
 
     {"prompt": "Hello"}                         -> {"count": 2, "max_model_len": 2048,
     {"messages": [...]}                             "tokens": [...], "token_strs": null}
@@ -66,6 +68,26 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
     text = await asyncio.to_thread(tok.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    tok = _tokenizer(ctx, "model")
+    return JSONResponse(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "unk_token": tok.unk_token,
+            "pad_token": tok.pad_token,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_ids": list(tok.eos_token_ids),
+            "model_max_length": ctx.max_model_len,
+            "vocab_size": tok.vocab_size,
+            "chat_template": tok.chat_template,
+        }
+    )
 
 
 def _tokenizer(ctx: ServeContext, param: str) -> Any:

@@ -173,6 +173,33 @@ def test_echo_with_logprobs_scores_the_prompt_across_the_process_boundary(
     assert "".join(c.choices[0].text for c in chunks) == whole.text
 
 
+def test_lm_evaluation_harness_loglikelihood_request(server: Server) -> None:
+    """The body lm-evaluation-harness's local-completions sends for a loglikelihood (context and
+    continuation as one batch of token ids, echo, logprobs 1, max_tokens 1), read as it reads it:
+    the continuation's summed logprobs and whether each of its tokens is the greedy one."""
+    _expected_tokens()
+    ids, ctxlen = PROMPTS[2], 40
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [ids],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    with client(server) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    values = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    assert len(values) == len(ids) - ctxlen
+    np.testing.assert_allclose(sum(values), sum(_PROMPT_LOGPROBS[0][ctxlen:]), rtol=1e-5)
+    is_greedy = all(v == max(top.values()) for v, top in zip(values, tops, strict=True))
+    assert isinstance(is_greedy, bool) and all(1 <= len(top) <= 2 for top in tops)
+
+
 def test_a_priority_the_core_would_ignore_is_refused_by_name(server: Server) -> None:
     """The core process runs FCFS: a priority other than 0 comes back as a 400 naming it."""
     with client(server) as c:

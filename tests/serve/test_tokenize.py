@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serve_harness import MODEL_NAME, Server, assert_error, client, post_raw, running_server
+from serve_harness import (
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    Server,
+    assert_error,
+    client,
+    post_raw,
+    running_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +78,23 @@ def test_a_lone_surrogate_is_no_text(c: httpx.Client) -> None:
 
 def test_unknown_model(c: httpx.Client) -> None:
     assert_error(c.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+
+
+def test_tokenizer_info_is_what_a_remote_tokenizer_reads(server: Server, c: httpx.Client) -> None:
+    """GET /tokenizer_info (vLLM's route; lm-evaluation-harness's remote tokenizer probes it for
+    `eos_token`, then tokenizes with /tokenize): the served tokenizer's special tokens, ids and
+    limits."""
+    r = c.get("/tokenizer_info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tok = server.engine.tokenizer
+    assert {k: info[k] for k in ("bos_token", "eos_token", "pad_token", "chat_template")} == {
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.pad_token,
+        "chat_template": CHAT_TEMPLATE,  # the server's (--chat-template), as the chat route's
+    }
+    assert info["eos_token_ids"] == list(tok.eos_token_ids) and info["vocab_size"] == tok.vocab_size
+    assert info["model_max_length"] == server.engine.max_model_len
+    probe = c.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})
+    assert isinstance(probe.json()["tokens"], list)
