@@ -17,7 +17,8 @@ from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import INT32_MAX, SamplingParams
 
-MAX_N = 64  # choices per request: each is a sequence in the engine's batch
+MAX_N = 64  # choices per prompt: each is a sequence in the engine's batch
+MAX_CHOICES = 256  # choices per request, of all its prompts (completions takes a batch of them)
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -27,9 +28,10 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=(params.seed + i) % (INT32_MAX + 1)) for i in range(n)]
 
 
-def choice_request_ids(request_id: str, n: int) -> list[str]:
-    """The engine's id of each choice: the request's own id where it has one choice."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+def choice_request_ids(request_id: str, n: int, first: int = 0) -> list[str]:
+    """The engine's id of each choice: the request's own id where it has one choice, else
+    `<id>-<index>` (`first`: the index of the first, past earlier prompts' choices)."""
+    return [request_id] if n == 1 and not first else [f"{request_id}-{first + i}" for i in range(n)]
 
 
 class Choices:

@@ -1,5 +1,5 @@
-"""POST /v1/completions: one prompt (text or token ids), `n` choices of it, streamed as SSE or
-answered whole."""
+"""POST /v1/completions: one prompt (text or token ids) or a batch of them, `n` choices of each
+(choice i * n + j is prompt i's j-th), streamed as SSE or answered whole."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nori_jax.core.outputs import RequestOutput
+from nori_jax.sampling_params import ParameterError, SamplingParams
 from serve import convert, generation
 from serve.choices import Choices
 from serve.context import get_context
+from serve.errors import bad_request, parameter_error
 from serve.protocol import CompletionRequest
 from serve.responses import (
     completion_logprobs,
@@ -38,7 +40,38 @@ class Completion(generation.GenerationRoute):
 
     def check(self) -> None:
         convert.check_unsupported(self.body)
-        self._prompt = convert.completion_prompt(self.body)
+        self._prompts = convert.completion_prompts(self.body, self.n)
+        self._prompt = self._prompts[0]
+        self._echoes = [""] * len(self._prompts)  # each prompt's echo (its choices' text start)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self._prompts)
+
+    def prepare_all(self) -> list[tuple[list[int], SamplingParams]]:
+        convert.check_model(self.ctx, self.body.model)
+        self.check()
+        prepared = []
+        for i, prompt in enumerate(self._prompts):
+            self._prompt = prompt
+            param = self.prompt_param if len(self._prompts) == 1 else f"prompt.{i}"
+            try:
+                ids = self.prompt_ids()
+                prepared.append((ids, self.sampling_params(len(ids))))
+            except ParameterError as e:
+                raise parameter_error(e, param) from None
+            self._echoes[i] = self._echo
+        return prepared
+
+    def prepare(self) -> tuple[list[int], SamplingParams]:
+        """One prompt's (a batch job's line answers one)."""
+        prepared = self.prepare_all()
+        if len(prepared) != 1:
+            raise bad_request(
+                f"{len(prepared)} prompts: a batch job's line takes one (write a line each)",
+                "prompt",
+            )
+        return prepared[0]
 
     def prompt_ids(self) -> list[int]:
         ids = self.ctx.engine.tokenize(self._prompt)
@@ -66,18 +99,17 @@ class Completion(generation.GenerationRoute):
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for index, out in enumerate(outs):
+            echo = self._echoes[index // self.n]
             logprobs = None
             if out.logprobs is not None:
-                offset = 0
-                if self._echo:
+                if echo:
                     logprobs = self._prompt_logprobs(out)
-                    offset = len(self._echo)
                 part = completion_logprobs(
-                    self.ctx.tokenizer, out.token_ids, out.logprobs, offset, out.top_logprobs
+                    self.ctx.tokenizer, out.token_ids, out.logprobs, len(echo), out.top_logprobs
                 )
                 logprobs = part if logprobs is None else _joined(logprobs, part)
-            choices.append(_choice(index, self._echo + out.text, logprobs, out.finish_reason))
-        return whole_answer(head, "text_completion", choices, outs)
+            choices.append(_choice(index, echo + out.text, logprobs, out.finish_reason))
+        return whole_answer(head, "text_completion", choices, outs, self.n)
 
     def _prompt_logprobs(self, out: RequestOutput) -> dict[str, Any]:
         """The legacy logprobs object of the echoed prompt: its first token has none (null)."""
@@ -103,14 +135,15 @@ class Completion(generation.GenerationRoute):
         want_logprobs = body.logprobs is not None
         extra = {"usage": None} if include_usage else {}
         text_offsets = [0] * len(choices)  # per choice: where its next text starts
-        final: list[RequestOutput] = []
+        final: dict[int, RequestOutput] = {}  # by choice index
 
         def events(index: int, out: RequestOutput) -> Iterable[bytes]:
             if echo_later[index]:  # the prompt with its logprobs, once the engine has them
                 echo_later[index] = False
+                echo = self._echoes[index // self.n]
+                text_offsets[index] = len(echo)
                 prompt = self._prompt_logprobs(out)
-                text_offsets[index] = len(self._echo)
-                yield sse(head | {"choices": [_choice(index, self._echo, prompt)]} | extra)
+                yield sse(head | {"choices": [_choice(index, echo, prompt)]} | extra)
             if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
                 return  # text held back (it may start a stop string): nothing to say yet
             logprobs = None
@@ -126,22 +159,24 @@ class Completion(generation.GenerationRoute):
             finish = out.finish_reason if out.finished else None
             chunk = head | {"choices": [_choice(index, out.new_text, logprobs, finish)]} | extra
             if out.finished:
-                final.append(out)
+                final[index] = out
                 chunk["metrics"] = stage_metrics(out)
             yield sse(chunk)
 
         def tail() -> Iterable[bytes]:
             if include_usage and len(final) == len(choices):
-                yield sse(head | {"choices": [], "usage": usage(final)})
+                outs = [final[i] for i in sorted(final)]
+                yield sse(head | {"choices": [], "usage": usage(outs, self.n)})
             yield SSE_DONE
 
         # `echo`: each choice's first chunk is the prompt, at once, or with logprobs as soon as
         # its first output brings them
-        echo_later = [bool(self._echo) and want_logprobs] * len(choices)
+        echo_of = [self._echoes[i // self.n] for i in range(len(choices))]
+        echo_later = [bool(echo) and want_logprobs for echo in echo_of]
         echoed = [
-            sse(head | {"choices": [_choice(i, self._echo)]} | extra)
-            for i in range(len(choices))
-            if self._echo and not want_logprobs
+            sse(head | {"choices": [_choice(i, echo)]} | extra)
+            for i, echo in enumerate(echo_of)
+            if echo and not want_logprobs
         ]
         return stream_events(
             choices, events, head=echoed, tail=tail, retry_after_s=ctx.settings.retry_after_s

@@ -37,26 +37,29 @@ class ServeContext:
 
     async def submit(
         self,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompts: list[tuple[list[int], SamplingParams]],
         request_id: str,
         prompt_param: str = "prompt",
         n: int = 1,
         priority: int = 0,
     ) -> Choices:
-        """Hand a request's `n` choices to the engine; a refusal (400, 429, 503, ...) becomes the
-        HTTP error, a prompt's fault named as `prompt_param`, and withdraws the choices already
-        handed over."""
+        """Hand a request's choices to the engine, `n` of each of its prompts (token ids and
+        settings; choice i * n + j is prompt i's j-th); a refusal (400, 429, 503, ...) becomes
+        the HTTP error, a prompt's fault named as `prompt_param`, and withdraws the choices
+        already handed over."""
         streams: list[RequestStream] = []
         try:
-            for p, rid in zip(
-                choice_params(params, n), choice_request_ids(request_id, n), strict=True
-            ):
-                streams.append(
-                    await self.engine.add_request(
-                        prompt_ids, p, rid, self.settings.request_timeout_s, priority=priority
+            for i, (prompt_ids, params) in enumerate(prompts):
+                for p, rid in zip(
+                    choice_params(params, n),
+                    choice_request_ids(request_id, n, first=i * n),
+                    strict=True,
+                ):
+                    streams.append(
+                        await self.engine.add_request(
+                            prompt_ids, p, rid, self.settings.request_timeout_s, priority=priority
+                        )
                     )
-                )
         except BaseException as e:
             for s in streams:
                 s.abort()

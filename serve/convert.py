@@ -13,6 +13,7 @@ import jinja2
 
 from nori_jax.prompts import check_text_length
 from nori_jax.sampling_params import SamplingParams
+from serve.choices import MAX_CHOICES
 from serve.context import ServeContext
 from serve.errors import ApiError, bad_request
 from serve.protocol import (
@@ -46,16 +47,22 @@ def check_unsupported(req: SamplingFields) -> None:
         )
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt, as text or token ids (a list holding one prompt is unwrapped)."""
+def completion_prompts(req: CompletionRequest, n: int) -> list[str | list[int]]:
+    """The request's prompts, as texts or token ids: one (a text, or a list of ids), or a batch
+    (a list of texts, or of id lists), each answered with `n` choices; at most MAX_CHOICES
+    choices in all (each is a sequence in the engine's batch)."""
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    return prompt
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    prompts = list(prompt) if batch else [prompt]
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES} "
+            "per request",
+            "prompt",
+        )
+    return prompts
 
 
 def check_chat(ctx: ServeContext, req: ChatCompletionRequest) -> None:

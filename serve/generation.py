@@ -63,6 +63,11 @@ class GenerationRoute(abc.ABC):
         """Choices asked for: independent samples of the same prompt."""
         return getattr(self.body, "n", None) or 1
 
+    @property
+    def num_choices(self) -> int:
+        """Choices of the whole answer: n of each prompt (completions takes a batch)."""
+        return self.n
+
     @abc.abstractmethod
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         """The whole answer's JSON body, from each choice's final output (in index order)."""
@@ -84,17 +89,22 @@ class GenerationRoute(abc.ABC):
         return convert.sampling_params(self.body, budget, logprobs, prompt_logprobs)
 
     def _check_logprob_entries(self, k: int, budget: int, budget_param: str) -> None:
-        """n x max_tokens x (k + 1) logprobs (each token's and its k likeliest, k >= 1) at most
-        the server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled
+        """choices x max_tokens x (k + 1) logprobs (each token's and its k likeliest, k >= 1) at
+        most the server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled
         tokens' logprobs alone, k = 0, stay unbounded, as they were before top logprobs.)"""
-        entries, most = self.n * budget * (k + 1), self.ctx.settings.max_logprob_entries
+        choices = self.num_choices
+        entries, most = choices * budget * (k + 1), self.ctx.settings.max_logprob_entries
         if entries > most:
             raise bad_request(
-                f"n x {budget_param} x ({self.top_logprobs_param} + 1) = {self.n} x {budget} x "
-                f"{k + 1} = {entries} logprob entries; this server answers at most {most} per "
-                "request (--max-logprob-entries)",
+                f"choices x {budget_param} x ({self.top_logprobs_param} + 1) = {choices} x "
+                f"{budget} x {k + 1} = {entries} logprob entries; this server answers at most "
+                f"{most} per request (--max-logprob-entries)",
                 self.top_logprobs_param,
             )
+
+    def prepare_all(self) -> list[tuple[list[int], SamplingParams]]:
+        """`prepare` of each of the request's prompts (one, but for a completions batch)."""
+        return [self.prepare()]
 
     def prepare(self) -> tuple[list[int], SamplingParams]:
         """Everything before the engine: the checks, the prompt's token ids, the budget and the
@@ -123,12 +133,10 @@ class GenerationRoute(abc.ABC):
 
 async def handle(route: GenerationRoute, request: Request) -> Response:
     ctx, body = route.ctx, route.body
-    prompt_ids, params = await asyncio.to_thread(route.prepare)
+    prompts = await asyncio.to_thread(route.prepare_all)
     request_id = route.new_request_id()
     priority = getattr(body, "priority", None) or 0
-    choices = await ctx.submit(
-        prompt_ids, params, request_id, route.prompt_param, route.n, priority
-    )
+    choices = await ctx.submit(prompts, request_id, route.prompt_param, route.n, priority)
     head = route.head(request_id)
     if body.stream:
         return EngineStreamingResponse(route.events(head, choices), choices, route.media_type)

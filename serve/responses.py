@@ -8,9 +8,11 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.tokenizer import Tokenizer
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, int]:
-    """An answer's token counts: the prompt once (its choices share it), every choice's output."""
-    p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+def usage(outs: list[RequestOutput], n: int | None = None) -> dict[str, int]:
+    """An answer's token counts: each prompt once (its `n` choices, consecutive in `outs`, share
+    it; default: all of them), every choice's output."""
+    p = sum(len(out.prompt_token_ids) for out in outs[:: n or len(outs)])
+    c = sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -21,11 +23,16 @@ def stage_metrics(out: RequestOutput) -> dict[str, Any]:
 
 
 def whole_answer(
-    head: dict[str, Any], obj: str, choices: list[dict[str, Any]], outs: list[RequestOutput]
+    head: dict[str, Any],
+    obj: str,
+    choices: list[dict[str, Any]],
+    outs: list[RequestOutput],
+    n: int | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed OpenAI answer. `metrics` is the request's; with several choices each
-    choice carries its own instead (each was a request of the engine's)."""
-    answer = head | {"object": obj, "choices": choices, "usage": usage(outs)}
+    """A non-streamed OpenAI answer (`n`: choices per prompt, as `usage` takes it). `metrics` is
+    the request's; with several choices each choice carries its own instead (each was a request
+    of the engine's)."""
+    answer = head | {"object": obj, "choices": choices, "usage": usage(outs, n)}
     if len(outs) == 1:
         answer["metrics"] = stage_metrics(outs[0])
     else:

@@ -129,6 +129,7 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
         line("not-a-dict", "prompt"),  # type: ignore[arg-type]
         line("streamed", good | {"stream": True}),
         line("choices", good | {"n": 2}),
+        line("prompts", good | {"prompt": ["one", "two"]}),  # a batch of prompts in one line
         line("huge", {"prompt": "z" * 400}),  # over --max-line-bytes
         line("c", good),
     ]
@@ -152,13 +153,15 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
         ("emb", "invalid_batch_line", "line 6"),
         (None, "invalid_batch_line", "line 7"),
         ("not-a-dict", "invalid_batch_line", "line 8"),
-        (None, "line_too_long", "line 11"),
+        (None, "line_too_long", "line 12"),
     }
     assert all(r["response"] is None for r in records if r["error"] is not None)
     streamed = by_id["streamed"]["response"]
     assert streamed["status_code"] == 400 and streamed["body"]["error"]["param"] == "stream"
     choices = by_id["choices"]["response"]
     assert choices["status_code"] == 400 and choices["body"]["error"]["param"] == "n"
+    prompts = by_id["prompts"]["response"]
+    assert prompts["status_code"] == 400 and prompts["body"]["error"]["param"] == "prompt"
     assert summary.run.requests == len(rows) and summary.run.failed == len(rows) - 3
 
 

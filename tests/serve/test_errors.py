@@ -82,7 +82,8 @@ def test_invalid_fields(c: httpx.Client, path: str, body: dict, param: str) -> N
         ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"prompt": "", "max_tokens": 4}, "prompt"),
         ({"prompt": [], "max_tokens": 4}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 129, "n": 2}, "prompt"),  # 258 choices: past 256
+        ({"prompt": ["a", ""]}, "prompt.1"),  # a batch names the prompt at fault
         ({"prompt": [1, 2, 512]}, "prompt"),  # the vocabulary is [0, 512)
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),

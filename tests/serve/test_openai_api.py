@@ -535,3 +535,57 @@ def test_async_engine_in_process(server: Server) -> None:
     assert ids == generate(server, "in process", 6)["token_ids"]
     server.wait_idle()
     assert server.free_pages() == free
+
+
+def test_a_batch_of_prompts_answers_n_choices_of_each(oai: openai.OpenAI) -> None:
+    """OpenAI's legacy batch: `prompt` a list of texts (or of id lists); choice i * n + j is
+    prompt i's j-th, each as the prompt alone would be answered; usage counts each prompt once.
+    Streamed, the chunks carry those indexes; echo with logprobs scores each prompt (what
+    lm-evaluation-harness sends with a batch size above 1)."""
+    prompts = ["Hello", "Once upon a time"]
+    resp = oai.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=4, n=2, echo=True, **GREEDY
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    alone = [
+        oai.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, echo=True, **GREEDY)
+        for p in prompts
+    ]
+    assert [c.text for c in resp.choices] == [a.choices[0].text for a in alone for _ in (0, 1)]
+    assert resp.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert resp.usage.completion_tokens == 4 * 4
+    streamed = oai.completions.create(
+        model=MODEL_NAME,
+        prompt=prompts,
+        max_tokens=4,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    texts = ["", "", "", ""]
+    usage = None
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    plain = [
+        oai.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, **GREEDY).choices[0].text
+        for p in prompts
+    ]
+    assert texts == [plain[0], plain[0], plain[1], plain[1]]
+    assert [a.choices[0].text for a in alone] == [
+        p + t for p, t in zip(prompts, plain, strict=True)
+    ]
+    assert usage.prompt_tokens == resp.usage.prompt_tokens
+    ids = [[72, 101, 108, 108, 111], [79, 110, 99, 101]]
+    scored = oai.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    for choice, prompt in zip(scored.choices, ids, strict=True):
+        one = oai.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0
+        )
+        assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
+        assert choice.logprobs.token_logprobs[0] is None
+        assert len(choice.logprobs.tokens) == len(prompt) + 1
