@@ -516,7 +516,8 @@ class Scheduler:
                 continue
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
-            # (A request whose penalties need every token to pass through the step reads none.)
+            # (A request that needs its tokens to pass through the step reads none:
+            # Request.reads_prefix_cache, penalties and prompt logprobs.)
             reads_cache = req.reads_prefix_cache()
             hashes = self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
             cached = self.allocator.lookup(hashes) if reads_cache else []

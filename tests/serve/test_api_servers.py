@@ -169,6 +169,7 @@ def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> No
     expected = _generate(url)[1]
     body = {"prompt": "doomed", "max_tokens": 240, "ignore_eos": True, "stream": True}
     results: list[tuple[str, list[str]]] = []
+    serving: set[str] = set()  # the API servers streaming so far
     first = threading.Semaphore(0)
 
     def streamed() -> None:
@@ -178,6 +179,7 @@ def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> No
                 for line in r.iter_lines():
                     if line:
                         if not lines:
+                            serving.add(r.headers["x-nori-api-server"])
                             first.release()
                         lines.append(line)
                 results.append((r.headers["x-nori-api-server"], lines))
@@ -186,6 +188,12 @@ def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> No
     for t in jobs:
         t.start()
     for _ in jobs:
+        assert first.acquire(timeout=60)
+    # The kernel spreads connections over the servers, all 8 on one now and then: more until
+    # both stream.
+    while len(serving) < 2 and len(jobs) < 64:
+        jobs.append(threading.Thread(target=streamed))
+        jobs[-1].start()
         assert first.acquire(timeout=60)
     core = _child(proc.pid, "engine_core_process")
     os.kill(core, signal.SIGKILL)
