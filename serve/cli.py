@@ -81,8 +81,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=ServerSettings.max_logprob_entries,
         metavar="N",
-        help="a request's n x max_tokens x (top logprobs + 1) logprobs at most this (400 past "
-        "it): its answer holds them all",
+        help="a request's choices x max_tokens (with echo, + the prompt) x (top logprobs + 1) "
+        "logprobs at most this (400 past it): its answer holds them all",
     )
     g.add_argument(
         "--body-timeout",

@@ -80,18 +80,20 @@ class GenerationRoute(abc.ABC):
         asked, param = self.max_tokens()
         budget = convert.max_new_tokens(self.ctx, prompt_len, asked, param, self.prompt_param)
         logprobs, prompt_logprobs = self.logprobs(), self.prompt_logprobs()
-        if logprobs:  # every top-logprob pair of the answer is held until it is sent
-            if prompt_logprobs is not None:
-                budget_param = f"(prompt + {param})"
-                self._check_logprob_entries(logprobs, prompt_len + budget, budget_param)
-            else:
-                self._check_logprob_entries(logprobs, budget, param)
+        # Every logprob entry of the answer is held until it is sent: bounded where top logprobs
+        # are asked for, and for the prompt's (new with echo: no answer accepted before is refused)
+        if prompt_logprobs is not None:
+            budget_param = f"(prompt + {param})"
+            self._check_logprob_entries(logprobs or 0, prompt_len + budget, budget_param)
+        elif logprobs:
+            self._check_logprob_entries(logprobs, budget, param)
         return convert.sampling_params(self.body, budget, logprobs, prompt_logprobs)
 
     def _check_logprob_entries(self, k: int, budget: int, budget_param: str) -> None:
-        """choices x max_tokens x (k + 1) logprobs (each token's and its k likeliest, k >= 1) at
-        most the server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled
-        tokens' logprobs alone, k = 0, stay unbounded, as they were before top logprobs.)"""
+        """choices x max_tokens x (k + 1) logprobs (each token's and its k likeliest) at most the
+        server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled tokens'
+        logprobs alone, k = 0 without the prompt's, stay unbounded, as they were before top
+        logprobs.)"""
         choices = self.num_choices
         entries, most = choices * budget * (k + 1), self.ctx.settings.max_logprob_entries
         if entries > most:

@@ -14,9 +14,9 @@ class ServerSettings:
     retry_after_s: int = 1  # the Retry-After header of a 429 (waiting queue full)
     drain_timeout_s: float = 30.0  # shutdown waits this long for requests in flight
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413, unread
-    # A request's n x max_tokens x (top logprobs + 1) logprobs at most this when it asks for top
-    # logprobs (a 400 past it): its answer holds them all, about 0.5 KB each as Python objects
-    # and JSON (262,144: ~140 MB)
+    # A request's choices x max_tokens (+ the prompt with echo) x (top logprobs + 1) logprobs at
+    # most this when it asks for top logprobs or the prompt's (a 400 past it): its answer holds
+    # them all, about 0.5 KB each as Python objects and JSON (262,144: ~140 MB)
     max_logprob_entries: int = 2**18
     body_timeout_s: float = 30.0  # a request body must arrive within this (408)
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)

@@ -179,6 +179,29 @@ def test_the_logprob_bound_counts_each_token_and_its_alternatives() -> None:
     assert "10 x 26 x 4 = 1040" in e.value.message
 
 
+def test_the_logprob_bound_counts_every_prompt_token_scored() -> None:
+    """Echo with logprobs scores the prompt: its tokens count too, in every choice of every prompt
+    of a batch, and even with logprobs 0 (new with echo: nothing accepted before is refused)."""
+    from serve.completions import Completion
+    from serve.errors import ApiError
+    from serve.protocol import CompletionRequest
+    from serve.settings import ServerSettings
+
+    ctx = SimpleNamespace(
+        settings=ServerSettings("m", max_logprob_entries=1000), max_model_len=10_000
+    )
+    body = CompletionRequest(prompt=[[5] * 9] * 50, echo=True, logprobs=0, max_tokens=1, n=2)
+    route = Completion(ctx, body)
+    route.check()
+    assert route.sampling_params(prompt_len=9).prompt_logprobs == 0  # 100 x (9 + 1) x 1
+    with pytest.raises(ApiError, match=r"100 x 11 x 1 = 1100") as e:
+        route.sampling_params(prompt_len=10)
+    assert e.value.param == "logprobs"
+    plain = Completion(ctx, CompletionRequest(prompt=[[5] * 9] * 50, logprobs=0, max_tokens=40))
+    plain.check()
+    assert plain.sampling_params(prompt_len=9).prompt_logprobs is None  # not bounded, as before
+
+
 def test_prompt_too_long(c: httpx.Client) -> None:
     assert_error(c.post("/v1/completions", json={"prompt": "x" * 256}), 400, "prompt")
     assert_error(c.post("/v1/completions", json={"prompt": [7] * 300}), 400, "prompt")
