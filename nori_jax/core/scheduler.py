@@ -326,8 +326,10 @@ class Scheduler:
         # 2. Running prefills (chunked), oldest first (by rank under the priority policy).
         prefills: list[tuple[Request, int]] = []
         prefilling = run[remaining > 1].tolist()
-        if self._by_priority and len(prefilling) > 1:  # (none preempted yet: the loop skips them)
-            prefilling.sort(key=lambda slot: self._rank(c.requests[slot] or _LAST))
+        if self._by_priority and len(prefilling) > 1:
+            # (a slot emptied by a preemption in step 1 is skipped below either way)
+            prefilling = [slot for slot in prefilling if c.requests[slot] is not None]
+            prefilling.sort(key=lambda slot: self._rank(c.requests[slot]))
         for slot in prefilling:
             req = c.requests[slot]
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -981,13 +983,6 @@ class Scheduler:
         for r in list(self.handed_off) + list(self.arrived):
             assert r.status is RequestStatus.TRANSFER and r.slot is None
         assert not self.handed_off or self.hand_off
-
-
-class _Last:  # ranks after every request (a slot emptied by a preemption in this step)
-    priority = arrival_index = math.inf
-
-
-_LAST = _Last()
 
 
 def _acquire(req: Request) -> Acquire:
