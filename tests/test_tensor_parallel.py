@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).with_name("tp_layouts.py")
@@ -44,6 +45,18 @@ def test_greedy_tokens_match_one_device_for_tp_2_4_8(report):
         assert engines[f"reference tp{tp}"]["tokens"] == single, f"tp{tp}"
     # MQA with qkv bias: the single kv head and its bias replicated on 4 devices.
     assert engines["qwen2 tp4"]["tokens"] == engines["qwen2 tp1"]["tokens"]
+
+
+def test_penalties_and_prompt_logprobs_match_one_device(report):
+    """The per-slot penalty tables and the prompt-logprob rows on a mesh (replicated, like the
+    logits): the same tokens and prompt logprobs as on one device."""
+    engines = report["engines"]
+    single = engines["reference tp1"]["scored"]
+    assert single["tokens"] != engines["reference tp1"]["tokens"][0]  # the penalties acted
+    for tp in (2, 4, 8):
+        got = engines[f"reference tp{tp}"]["scored"]
+        assert got["tokens"] == single["tokens"], f"tp{tp}"
+        np.testing.assert_allclose(got["prompt_logprobs"], single["prompt_logprobs"], atol=1e-4)
 
 
 def test_pallas_kernel_engine_under_shard_map_matches_one_device(report):

@@ -71,6 +71,16 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
     kernel_programs = ragged_paged_attention_pallas._cache_size()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    # penalties (their per-slot tables and programs) and prompt logprobs (spare logit rows)
+    scoring = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.4,
+        presence_penalty=0.3,
+        prompt_logprobs=2,
+    )
+    scored = llm.generate(prompts[:1], scoring)[0]
     attn = llm.engine.model.state["layers"][0]["self_attn"]
     kv = llm.engine.runner.kv_pages[0]
     programs = llm.engine.runner.compiled_programs()
@@ -78,6 +88,7 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
         "seconds": round(time.perf_counter() - started, 1),
         "mesh": llm.engine.config.mesh.model,
         "tokens": tokens,
+        "scored": {"tokens": scored.token_ids, "prompt_logprobs": scored.prompt_logprobs[1:]},
         "recompiles": llm.engine.num_recompiles,
         # Interpret-mode kernels run as host programs (sharded.py): none may be built after
         # warm-up either.
