@@ -70,8 +70,8 @@ class SamplingParams:
 
     `prompt_logprobs` (vLLM's): each prompt token's logprob given the tokens before it, under the
     model's raw distribution (no logit_bias or penalty), and with k >= 1 the k most likely tokens
-    at each position with theirs (`RequestOutput.prompt_logprobs`, `prompt_top_logprobs`; the
-    first token has none).
+    at each position with theirs (`RequestOutput.prompt_logprobs`, `prompt_top_logprobs`, and
+    each token's rank at its position, `prompt_logprob_ranks`; the first token has none).
     """
 
     max_tokens: int = 16

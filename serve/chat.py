@@ -15,7 +15,14 @@ from serve.choices import Choices
 from serve.context import get_context
 from serve.errors import bad_request
 from serve.protocol import ChatCompletionRequest
-from serve.responses import chat_logprobs, new_logprobs, stage_metrics, usage, whole_answer
+from serve.responses import (
+    chat_logprobs,
+    new_logprobs,
+    stage_metrics,
+    usage,
+    vllm_prompt_logprobs,
+    whole_answer,
+)
 from serve.streaming import SSE_DONE, sse, stream_events
 
 router = APIRouter()
@@ -49,6 +56,9 @@ class ChatCompletion(generation.GenerationRoute):
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         return (self.body.top_logprobs or 0) if self.body.logprobs else None
 
+    def prompt_logprobs(self) -> int | None:
+        return self.body.prompt_logprobs  # vLLM's field
+
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for index, out in enumerate(outs):
@@ -65,7 +75,12 @@ class ChatCompletion(generation.GenerationRoute):
                     "finish_reason": out.finish_reason,
                 }
             )
-        return whole_answer(head, "chat.completion", choices, outs)
+        answer = whole_answer(head, "chat.completion", choices, outs)
+        if self.body.prompt_logprobs is not None:  # one prompt: the answer's, as vLLM's
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.ctx.tokenizer, outs[0], self.body.prompt_logprobs
+            )
+        return answer
 
     def events(self, head: dict[str, Any], choices: Choices) -> AsyncIterator[bytes]:
         ctx, body = self.ctx, self.body

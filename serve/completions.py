@@ -22,6 +22,7 @@ from serve.responses import (
     stage_metrics,
     token_strings,
     usage,
+    vllm_prompt_logprobs,
     whole_answer,
 )
 from serve.streaming import SSE_DONE, sse, stream_events
@@ -93,8 +94,10 @@ class Completion(generation.GenerationRoute):
 
     def prompt_logprobs(self) -> int | None:
         # echo with logprobs: the echoed prompt's tokens come with theirs, as OpenAI's legacy
-        # completions answer (lm-evaluation-harness scores texts this way)
-        return self.body.logprobs if self.body.echo else None
+        # completions answer (lm-evaluation-harness scores texts this way); and vLLM's field
+        asked = [k for k in (self.body.logprobs if self.body.echo else None,
+                             self.body.prompt_logprobs) if k is not None]  # fmt: skip
+        return max(asked) if asked else None
 
     def answer(self, head: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -108,7 +111,12 @@ class Completion(generation.GenerationRoute):
                     self.ctx.tokenizer, out.token_ids, out.logprobs, len(echo), out.top_logprobs
                 )
                 logprobs = part if logprobs is None else _joined(logprobs, part)
-            choices.append(_choice(index, echo + out.text, logprobs, out.finish_reason))
+            choice = _choice(index, echo + out.text, logprobs, out.finish_reason)
+            if self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    self.ctx.tokenizer, out, self.body.prompt_logprobs
+                )
+            choices.append(choice)
         return whole_answer(head, "text_completion", choices, outs, self.n)
 
     def _prompt_logprobs(self, out: RequestOutput) -> dict[str, Any]:
@@ -116,11 +124,10 @@ class Completion(generation.GenerationRoute):
         ids, values, tops = out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs
         if values is None:  # (the engine computes them for every echo with logprobs)
             raise RuntimeError(f"request {out.request_id}: no prompt logprobs came back")
-        tok = self.ctx.tokenizer
+        tok, k = self.ctx.tokenizer, self.body.logprobs
         first = token_strings(tok, ids[:1])
-        rest = completion_logprobs(
-            tok, ids[1:], values[1:], len(first[0]), None if tops is None else tops[1:]
-        )
+        tops = None if tops is None or not k else [t[:k] for t in tops[1:]]
+        rest = completion_logprobs(tok, ids[1:], values[1:], len(first[0]), tops)
         return {
             "tokens": first + rest["tokens"],
             "token_logprobs": [None, *rest["token_logprobs"]],

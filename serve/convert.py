@@ -37,8 +37,13 @@ def check_model(ctx: ServeContext, model: str | None) -> None:
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject what we parse but do not implement (the penalties and top_logprobs are bounded to
-    their neutral value in protocol.py)."""
+    """Reject what we parse but do not implement, or not together."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs is not available with stream (vLLM's rule; completions' echo with "
+            "logprobs streams the prompt's logprobs)",
+            "prompt_logprobs",
+        )
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != (req.n or 1):
         raise bad_request(

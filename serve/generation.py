@@ -84,24 +84,28 @@ class GenerationRoute(abc.ABC):
         # are asked for, and for the prompt's (new with echo: no answer accepted before is refused)
         if prompt_logprobs is not None:
             budget_param = f"(prompt + {param})"
-            self._check_logprob_entries(logprobs or 0, prompt_len + budget, budget_param)
+            k = max(logprobs or 0, prompt_logprobs)
+            field = self.top_logprobs_param if logprobs == k else "prompt_logprobs"
+            self._check_logprob_entries(k, prompt_len + budget, budget_param, field)
         elif logprobs:
             self._check_logprob_entries(logprobs, budget, param)
         return convert.sampling_params(self.body, budget, logprobs, prompt_logprobs)
 
-    def _check_logprob_entries(self, k: int, budget: int, budget_param: str) -> None:
+    def _check_logprob_entries(
+        self, k: int, budget: int, budget_param: str, field: str | None = None
+    ) -> None:
         """choices x max_tokens x (k + 1) logprobs (each token's and its k likeliest) at most the
         server's bound: a whole answer holds them all, about 0.5 KB each. (The sampled tokens'
         logprobs alone, k = 0 without the prompt's, stay unbounded, as they were before top
         logprobs.)"""
-        choices = self.num_choices
+        choices, field = self.num_choices, field or self.top_logprobs_param
         entries, most = choices * budget * (k + 1), self.ctx.settings.max_logprob_entries
         if entries > most:
             raise bad_request(
-                f"choices x {budget_param} x ({self.top_logprobs_param} + 1) = {choices} x "
-                f"{budget} x {k + 1} = {entries} logprob entries; this server answers at most "
-                f"{most} per request (--max-logprob-entries)",
-                self.top_logprobs_param,
+                f"choices x {budget_param} x ({field} + 1) = {choices} x {budget} x {k + 1} = "
+                f"{entries} logprob entries; this server answers at most {most} per request "
+                "(--max-logprob-entries)",
+                field,
             )
 
     def prepare_all(self) -> list[tuple[list[int], SamplingParams]]:

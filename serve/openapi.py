@@ -47,12 +47,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's: a token's logprob, its rank at its position, and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt token (null for the first), token ids (as strings) -> entries
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     metrics: StageMetrics | None = None  # with n > 1: each choice's own (one request each)
+    prompt_logprobs: PromptLogprobs | None = None  # asked for with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -103,6 +116,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     metrics: StageMetrics | None = None  # the request's, with n = 1 (else per choice)
+    prompt_logprobs: PromptLogprobs | None = None  # asked for with prompt_logprobs
 
 
 class GenerateResponse(BaseModel):

@@ -95,6 +95,8 @@ class SamplingFields(_Body):
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: MinTokens | None = None
     priority: Priority | None = None
+    # vLLM's: each prompt token's logprob, rank and the k likeliest (not with stream)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False

@@ -119,3 +119,26 @@ def chat_logprobs(
 def new_logprobs(out: RequestOutput) -> list[float]:
     """Logprobs of this output's new tokens."""
     return out.new_logprobs or []
+
+
+def vllm_prompt_logprobs(
+    tok: Tokenizer | None, out: RequestOutput, k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) a mapping of token ids (as
+    strings) to {logprob, rank, decoded_token}: the prompt token's own, then its position's k
+    likeliest (rank 1 to k)."""
+    ids, values = out.prompt_token_ids, out.prompt_logprobs
+    tops, ranks = out.prompt_top_logprobs, out.prompt_logprob_ranks
+    if values is None or ranks is None:  # (the engine computes them for every such request)
+        raise RuntimeError(f"request {out.request_id}: no prompt logprobs came back")
+    entries: list[dict[str, dict[str, Any]] | None] = [None]
+    for p in range(1, len(ids)):
+        pairs = [(ids[p], values[p], ranks[p])]
+        if k and tops is not None:
+            pairs += [(t, v, r) for r, (t, v) in enumerate(tops[p][:k], start=1)]
+        strings = token_strings(tok, [t for t, _, _ in pairs])
+        entry: dict[str, dict[str, Any]] = {}
+        for (t, v, r), string in zip(pairs, strings, strict=True):
+            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": string})
+        entries.append(entry)
+    return entries

@@ -32,6 +32,8 @@ def _check(path, prompt, out, k):
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     want = [ref[p, prompt[p + 1]] for p in range(len(prompt) - 1)]
     np.testing.assert_allclose(out.prompt_logprobs[1:], want, atol=2e-4)
+    ranks = [1 + int((ref[p] > ref[p, prompt[p + 1]]).sum()) for p in range(len(prompt) - 1)]
+    assert out.prompt_logprob_ranks == [None, *ranks]
     if not k:
         assert out.prompt_top_logprobs is None
         return

@@ -34,6 +34,7 @@ class _Stream:
     # prompt_logprobs: set whole once the core has them all (RequestOutput's fields)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     released: list[str] = dataclasses.field(default_factory=list)  # text pieces handed out
     held: str = ""  # text not yet released: it may be the start of a stop string
     max_stop_len: int = 0
@@ -86,7 +87,7 @@ class OutputProcessor:
         if params.logprobs:
             s.top_logprobs = []
         if params.prompt_logprobs is not None and len(prompt_token_ids) == 1:
-            self._set_prompt_logprobs(s, [], [] if params.prompt_logprobs else None)
+            self._set_prompt_logprobs(s, [], [] if params.prompt_logprobs else None, [])
         self._streams[request_id] = s
         # Never stopped while running either: a stream stops only through its detokenizer or
         # its stop strings, and without a detokenizer a final-only stream checks neither.
@@ -110,9 +111,9 @@ class OutputProcessor:
         core's FinishedRequest, through `finish`.
         """
         streams = self._streams
-        for rid, (values, tops) in outs.prompt_logprobs.items():
+        for rid, (values, tops, ranks) in outs.prompt_logprobs.items():
             if (s := streams.get(rid)) is not None:
-                self._set_prompt_logprobs(s, values, tops)
+                self._set_prompt_logprobs(s, values, tops, ranks)
         finished = {f.request_id: f for f in outs.finished}
         touched: dict[str, _Stream] = {}
         ended: dict[str, str] = {}
@@ -179,10 +180,11 @@ class OutputProcessor:
         return outputs, ended
 
     @staticmethod
-    def _set_prompt_logprobs(s: _Stream, values: list[float], tops) -> None:
+    def _set_prompt_logprobs(s: _Stream, values: list[float], tops, ranks: list[int]) -> None:
         """The prompt's logprobs as outputs hand them out: None for the first token."""
         s.prompt_logprobs = [None, *values]
         s.prompt_top_logprobs = None if tops is None else [None, *tops]
+        s.prompt_logprob_ranks = [None, *ranks]
 
     @staticmethod
     def _fail(s: _Stream, e: Exception, ended: dict[str, str]) -> None:
@@ -231,6 +233,7 @@ class OutputProcessor:
             top_logprobs=s.top_logprobs,
             prompt_logprobs=s.prompt_logprobs,
             prompt_top_logprobs=s.prompt_top_logprobs,
+            prompt_logprob_ranks=s.prompt_logprob_ranks,
         )
         if s.detok is not None or error:
             out._text = "".join(s.released)
@@ -292,6 +295,7 @@ class OutputProcessor:
             new_top_logprobs=new_top,
             prompt_logprobs=s.prompt_logprobs,
             prompt_top_logprobs=s.prompt_top_logprobs,
+            prompt_logprob_ranks=s.prompt_logprob_ranks,
         )
 
     @staticmethod

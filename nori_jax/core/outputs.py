@@ -99,8 +99,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     # For the requests with logprobs >= 1: per token gained, its (token id, logprob) pairs
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
     # For the requests with prompt_logprobs whose prompt's are complete with this step: each
-    # prompt token's logprob after the first, and (prompt_logprobs >= 1) its top pairs
-    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}
+    # prompt token's logprob after the first, (prompt_logprobs >= 1) its top pairs, and its rank
+    prompt_logprobs: dict[
+        str, tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]
+    ] = {}
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -136,6 +138,8 @@ class RequestOutput:
     # pairs; on every output once the prompt is computed (None before, and without them).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # each prompt token's rank at its position (1: the likeliest; None for the first)
+    prompt_logprob_ranks: list[int | None] | None = None
     _text: str | None = dataclasses.field(default=None, repr=False)
     _decode: Callable[[], str] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -89,6 +89,7 @@ class Request:
     prompt_logprobs_planned: int = 0
     prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprob_ranks: list[int] = dataclasses.field(default_factory=list)
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)

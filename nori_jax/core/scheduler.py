@@ -72,10 +72,11 @@ class StepUpdate:
     # (token id, logprob) pairs, best first.
     top_logprobs: dict[str, list[list[tuple[int, float]]]] = dataclasses.field(default_factory=dict)
     # For the requests with prompt_logprobs whose prompt's logprobs are complete with this step:
-    # (each prompt token's logprob after the first, and with k >= 1 its k (id, logprob) pairs)
-    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = (
-        dataclasses.field(default_factory=dict)
-    )
+    # (each prompt token's logprob after the first, with k >= 1 its k (id, logprob) pairs, and
+    # each token's rank at its position)
+    prompt_logprobs: dict[
+        str, tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]
+    ] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler:
@@ -901,7 +902,8 @@ class Scheduler:
     def _deliver_prompt_logprobs(
         out: SchedulerOutput, ids: np.ndarray, values: np.ndarray, update: StepUpdate
     ) -> None:
-        """The step's prompt logprobs (`ids`, `values`: [L, 1 + k], the target's first) to their
+        """The step's prompt logprobs (`ids`, `values`: [L, 1 + k]: the target's rank and logprob
+        first, then the top pairs) to their
         requests, in position order; a request whose prompt's are then complete goes into the
         update. One finished meanwhile (abort) takes none."""
         i = 0
@@ -911,6 +913,7 @@ class Scheduler:
             if req.is_finished:
                 continue
             req.prompt_logprobs.extend(values[rows, 0].astype(float).tolist())
+            req.prompt_logprob_ranks.extend(ids[rows, 0].tolist())
             k = req.params.prompt_logprobs
             if k:
                 req.prompt_top_logprobs.extend(
@@ -925,6 +928,7 @@ class Scheduler:
                 update.prompt_logprobs[req.request_id] = (
                     req.prompt_logprobs,
                     req.prompt_top_logprobs if k else None,
+                    req.prompt_logprob_ranks,
                 )
 
     def _register_full_pages(self, slots: np.ndarray) -> None:

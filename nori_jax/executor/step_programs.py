@@ -224,8 +224,9 @@ def count_sampled(layout, counts, samples, step):
 
 def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
     """int32[2, count x (1 + top)]: for each of the step's first `count` prompt-logprob rows
-    (core/step_layout.py), its target's id and logprob, then (top 1 or TOP_LOGPROBS) the most
-    likely tokens' and theirs, each id beside its logprob's bits. Rows past the step's own, so the
+    (core/step_layout.py), its target's rank (1 + how many tokens are likelier; the host knows the
+    target) and logprob, then (top 1 or TOP_LOGPROBS) the most likely tokens' ids and theirs,
+    each beside its logprob's bits. Rows past the step's own, so the
     logits are the forward pass's as they are: no logit_bias, no penalty. One program per (top,
     count) bucket; it runs only in a step with such rows, and its output is a fresh array the
     host copies back only then."""
@@ -235,7 +236,8 @@ def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
     targets = row["prompt_logprob_targets"][:count]
     logprobs = jax.nn.log_softmax(logits_state[jnp.minimum(rows, s - 1)], axis=-1)  # [L, V]
     target = jnp.clip(targets, 0, vocab - 1)[:, None]
-    ids, values = target, jnp.take_along_axis(logprobs, target, axis=-1)
+    values = jnp.take_along_axis(logprobs, target, axis=-1)
+    ids = 1 + jnp.sum(logprobs > values, axis=-1, keepdims=True, dtype=jnp.int32)  # its rank
     if top == 1:  # an argmax: no sort (lax.top_k past 16 is a full sort on XLA:GPU)
         best = jnp.argmax(logprobs, axis=-1)[:, None].astype(jnp.int32)
         ids = jnp.concatenate([ids, best], axis=1)

@@ -50,7 +50,7 @@ class PromptDevice(FakeDevice):
             assert plan.cu_q_lens[e.row] <= token < plan.cu_q_lens[e.row + 1]
             assert int(plan.positions[token]) == pos
             assert int(targets[k]) == e.request.prompt_token_ids[pos + 1]
-            ids[k, 0], values[k] = targets[k], pos
+            ids[k, 0], values[k] = pos + 1, pos  # (the target's rank, then its logprob)
         self.last_prompt = (ids, values) if n else None
         return super().execute(plan)
 
@@ -99,6 +99,7 @@ def test_every_position_once_in_order_through_preemption_and_the_prefix_cache(ov
             assert r.prompt_logprobs == []
             continue
         assert r.prompt_logprobs == [float(p) for p in range(r.num_prompt_tokens - 1)]
+        assert r.prompt_logprob_ranks == [p + 1 for p in range(r.num_prompt_tokens - 1)]
         if r.params.prompt_logprobs:
             assert [pairs[0][0] for pairs in r.prompt_top_logprobs] == [0] * (
                 r.num_prompt_tokens - 1

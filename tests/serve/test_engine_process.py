@@ -173,6 +173,38 @@ def test_echo_with_logprobs_scores_the_prompt_across_the_process_boundary(
     assert "".join(c.choices[0].text for c in chunks) == whole.text
 
 
+def test_vllms_prompt_logprobs_field_on_both_routes(server: Server) -> None:
+    """vLLM's `prompt_logprobs` extension: per prompt token (null first) its id's logprob, rank
+    and text, then its position's k likeliest with ranks 1 to k; the choice's on completions, the
+    answer's on chat; not with stream."""
+    _expected_tokens()
+    oa = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    answer = oa.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    entries = answer.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(PROMPTS[2])
+    for p, entry in enumerate(entries[1:], start=1):
+        own = entry[str(PROMPTS[2][p])]
+        assert own["logprob"] == pytest.approx(_PROMPT_LOGPROBS[0][p], abs=1e-5)
+        others = [e for e in entry.values() if e is not own]
+        assert sorted(e["rank"] for e in others) == [r for r in (1, 2) if r != own["rank"]]
+        assert len(entry) == (2 if own["rank"] <= 2 else 3)
+        assert all(e["logprob"] >= own["logprob"] - 1e-6 for e in others if e["rank"] < own["rank"])
+    chat = oa.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert chat_entries[0] is None and all(len(e) == 1 for e in chat_entries[1:])
+    with client(server) as c:
+        streamed = {"prompt": [5, 6], "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+        r = c.post("/v1/completions", json=streamed)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_lm_evaluation_harness_loglikelihood_request(server: Server) -> None:
     """The body lm-evaluation-harness's local-completions sends for a loglikelihood (context and
     continuation as one batch of token ids, echo, logprobs 1, max_tokens 1), read as it reads it:
