@@ -61,6 +61,7 @@ class PlanBuilder:
         self.count_from = np.zeros(rows, np.int32)
         self.penalties = np.zeros((3, rows), np.float32)  # presence, frequency, repetition
         self.fresh = np.zeros(rows, bool)
+        self.marks: dict[int, np.ndarray] = {}  # slot -> its cached prompt ids, for its 1st step
 
     def apply(self, events: list[BatchEvent]) -> None:
         """Bring the persistent batch up to date with the scheduler's changes, in order."""
@@ -87,6 +88,9 @@ class PlanBuilder:
                     self._write_banned(s, ev.min_tokens_stop_ids)
                     self.min_tokens_until[s] = ev.min_tokens
                 self.has_penalties[s] = self.fresh[s] = ev.has_penalties
+                self.marks.pop(s, None)
+                if ev.prompt_marks is not None and len(ev.prompt_marks):
+                    self.marks[s] = ev.prompt_marks
                 if ev.has_penalties:
                     self.prompt_len[s], self.count_from[s] = ev.prompt_len, ev.count_from
                     self.penalties[:, s] = ev.penalties
@@ -97,6 +101,7 @@ class PlanBuilder:
                 self.has_logit_bias[ev.slot] = False
                 self.min_tokens_until[ev.slot] = 0
                 self.has_penalties[ev.slot] = False
+                self.marks.pop(ev.slot, None)
             else:
                 raise TypeError(f"unknown batch event {ev!r}")
 
@@ -146,6 +151,8 @@ class PlanBuilder:
             PENALTY_FRESH * self.fresh[slots] + PENALTY_SAMPLES * out.row_samples[rows]
         )
         self.fresh[slots] = False
+        if self.marks:
+            self._write_marks(view, slots)
         view("penalty_prompt_len")[:n] = self.prompt_len[slots]
         view("penalty_count_from")[:n] = self.count_from[slots]
         for name, values in zip(
@@ -154,6 +161,20 @@ class PlanBuilder:
             strict=True,
         ):
             view(name)[:n] = values[slots]
+
+    def _write_marks(self, view, slots: np.ndarray) -> None:
+        """The cached prompt ids of the listed rows' new requests, each with its list entry."""
+        entries, tokens = view("penalty_mark_entries"), view("penalty_mark_tokens")
+        k = 0
+        for j, slot in enumerate(slots.tolist()):
+            ids = self.marks.pop(slot, None)
+            if ids is None:
+                continue
+            if k + len(ids) > len(tokens):  # the scheduler's mark room keeps this away
+                raise AssertionError(f"{k + len(ids)} prompt marks in one step")
+            entries[k : k + len(ids)] = j
+            tokens[k : k + len(ids)] = ids
+            k += len(ids)
 
     @staticmethod
     def _write_prompt_logprobs(view, out: SchedulerOutput, cu_q_lens: np.ndarray) -> None:

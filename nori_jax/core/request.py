@@ -145,14 +145,14 @@ class Request:
 
     def reads_prefix_cache(self) -> bool:
         """May its admission take KV from the prefix cache? Not where it needs the tokens the
-        cache would skip: prompt logprobs not all planned yet; penalties with repetition_penalty
-        (the prompt's tokens count) or with output tokens (resumed after a preemption: they are
-        recounted as they are recomputed)."""
+        cache would skip: prompt logprobs not all planned yet; penalties with output tokens
+        (resumed after a preemption: they are recounted as they are recomputed). (A new request
+        with repetition_penalty reads it: its cached prompt's ids come as marks, scheduler.py.)"""
         p = self.params
         unplanned = self.prompt_logprobs_planned < self.num_prompt_tokens - 1
         if p.prompt_logprobs is not None and unplanned:
             return False  # each prompt position must pass through a step
-        return not p.has_penalties or (p.repetition_penalty == 1.0 and not self.output_token_ids)
+        return not p.has_penalties or not self.output_token_ids
 
     @property
     def last_token(self) -> int:

@@ -43,6 +43,7 @@ from nori_jax.core.scheduler_output import (
     SchedulerOutput,
 )
 from nori_jax.core.slot_counters import SlotCounters
+from nori_jax.core.step_layout import PENALTY_MARKS
 from nori_jax.core.step_plan import token_buckets
 from nori_jax.core.step_room import step_rooms
 
@@ -323,6 +324,7 @@ class Scheduler:
         scheduled[decodes] = True
         # Logit rows left: one per row, and one per prompt position whose logprob is computed.
         self._spare_rows = cfg.max_num_seqs - len(decodes)
+        self._mark_room = PENALTY_MARKS  # cached prompt ids of this step's admissions
 
         # 2. Running prefills (chunked), oldest first (by rank under the priority policy).
         prefills: list[tuple[Request, int]] = []
@@ -520,7 +522,8 @@ class Scheduler:
             # Reuse cached full pages, but always leave at least one token to compute: the step
             # must produce logits for the last one, and a shared page is never written.
             # (A request that needs its tokens to pass through the step reads none:
-            # Request.reads_prefix_cache, penalties and prompt logprobs.)
+            # Request.reads_prefix_cache, penalties and prompt logprobs; one with
+            # repetition_penalty that reads some sends their ids as marks.)
             reads_cache = req.reads_prefix_cache()
             hashes = self._page_hashes(req, (req.num_tokens - 1) // self.page_size)
             cached = self.allocator.lookup(hashes) if reads_cache else []
@@ -533,6 +536,13 @@ class Scheduler:
                     self.allocator.free(cached)
                     i += 1
                     continue
+            marks = None
+            if cached and req.params.repetition_penalty != 1.0:
+                # its cached prompt tokens pass through no step: their ids go as marks
+                marks = np.unique(req.token_array(0, len(cached) * self.page_size))
+                if len(marks) > self._mark_room:  # no room left this step: compute them all
+                    self.allocator.free(cached)
+                    cached, marks = [], None
             num_cached = len(cached) * self.page_size
             n = self._fit_prompt_logprobs(
                 req, num_cached, self._chunk_size(req, num_cached, budget, long_budget)
@@ -554,7 +564,9 @@ class Scheduler:
             if self.hand_off:  # stop at the first token: the pending sample ends its run here
                 c = self.slots
                 c.stop_at[req.slot] = min(c.stop_at[req.slot], req.num_prompt_tokens + 1)
-            self._events.append(_acquire(req))
+            self._events.append(_acquire(req, marks))
+            if marks is not None:
+                self._mark_room -= len(marks)
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_cached
             self._join_running(req)
@@ -989,8 +1001,9 @@ class Scheduler:
         assert not self.handed_off or self.hand_off
 
 
-def _acquire(req: Request) -> Acquire:
-    """The batch event of `req` taking its slot: its pages so far and sampling settings."""
+def _acquire(req: Request, prompt_marks: np.ndarray | None = None) -> Acquire:
+    """The batch event of `req` taking its slot: its pages so far and sampling settings
+    (`prompt_marks`: the ids of its cached prompt tokens, for its repetition_penalty)."""
     p = req.params
     return Acquire(
         req.slot,
@@ -1007,4 +1020,5 @@ def _acquire(req: Request) -> Acquire:
         penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
         prompt_len=req.num_prompt_tokens,
         count_from=req.num_tokens,
+        prompt_marks=prompt_marks,
     )

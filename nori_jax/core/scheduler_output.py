@@ -34,6 +34,8 @@ class Acquire:
     has_penalties: bool = False
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
     prompt_len: int = 0
+    # repetition_penalty: the distinct ids of its prompt's tokens taken from the prefix cache
+    prompt_marks: np.ndarray | None = None
     # Tokens known when it took the slot: those past the prompt are outputs the step recounts as
     # their recomputation passes (after a preemption); later ones are counted as sampled.
     count_from: int = 0

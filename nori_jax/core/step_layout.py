@@ -42,6 +42,11 @@ TOP_LOGPROBS = MAX_LOGPROBS  # per place: a request takes any number up to it
 # these flags: the slot's request is new (its counts are cleared first); the row samples in this
 # step (its token is counted after sampling).
 PENALTY_FRESH, PENALTY_SAMPLES = 1, 2
+# A request with repetition_penalty whose prompt's first pages come from the prefix cache: those
+# tokens never pass through a step, so its first step carries their distinct ids ("marks") for its
+# slot's prompt table; all of one step's admissions together fit this room (else the request
+# computes its whole prompt instead of reading the cache).
+PENALTY_MARKS = 1024
 # input_ids: int32[T]; positions: int32[T]; slot_mapping: int32[T] (page * page_size + offset,
 # padding writes go to page 0); prev_index: int32[T], for a token whose id is still on the
 # device (sampled by the previous step) the row of that step whose sample it is, else -1.
@@ -115,6 +120,10 @@ class StepLayout:
             ("presence_penalty", (s,), np.float32),
             ("frequency_penalty", (s,), np.float32),
             ("repetition_penalty", (s,), np.float32),
+            # marks: each a token id of a listed row's cached prompt, and that row's index in
+            # the list (max_num_seqs: unused)
+            ("penalty_mark_entries", (PENALTY_MARKS,), np.int32),
+            ("penalty_mark_tokens", (PENALTY_MARKS,), np.int32),
             # Prompt logprobs: logit rows past the step's own rows whose `logits_indices` point
             # at prompt positions of requests asking for them (compact, then max_num_seqs), and
             # each one's target, the prompt token after that position.
@@ -157,6 +166,7 @@ class StepLayout:
         self.view(buf, "top_rows")[:] = self.max_num_seqs
         self.view(buf, "penalty_rows")[:] = self.max_num_seqs
         self.view(buf, "penalty_slots")[:] = self.max_num_seqs
+        self.view(buf, "penalty_mark_entries")[:] = self.max_num_seqs
         self.view(buf, "prompt_logprob_rows")[:] = self.max_num_seqs
         return buf
 

@@ -8,7 +8,9 @@ first in its penalty fields (core/step_layout.py); a program for a bucket of B s
 (`sampling_modes.filter_buckets`) touches B rows of the tables and the logits, not the batch.
 
     record_step_tokens   before the penalties of a step (program `penalties (B rows)`): a slot
-                         whose request is new is cleared; then each token of a listed row marks
+                         whose request is new is cleared, then marked with the ids of the prompt
+                         tokens it took from the prefix cache (`penalty_mark_tokens`); then each
+                         token of a listed row marks
                          `in_prompt` (a position inside the prompt) or, for the outputs a resumed
                          request recomputes (positions in [prompt_len, count_from)), adds a count.
     apply_penalties      then, on the listed rows' logits, vLLM's formulas.
@@ -17,8 +19,9 @@ first in its penalty fields (core/step_layout.py); a program for a bucket of B s
 
 So every output token is counted exactly once: when sampled, or, after a preemption freed the
 slot, when its recomputation passes through the step in the slot taken on resuming. The prefix
-cache would skip tokens, so a request that needs them takes no cached pages
-(`Request.reads_prefix_cache`).
+cache would skip tokens: a new request's cached prompt tokens come as marks in its first step
+(PENALTY_MARKS for a step's admissions), and a resumed request, whose outputs are recounted as they
+are recomputed, reads no cached pages (`Request.reads_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def record_step_tokens(
     cleared = jnp.where(fresh, slots, s)
     counts = counts.at[cleared].set(0, mode="drop")
     in_prompt = in_prompt.at[cleared].set(False, mode="drop")
+    # The cached prompt tokens of new requests (they pass through no step): after the clear.
+    marked = row["penalty_mark_entries"]  # each mark's entry in the list
+    mark_slot = jnp.where(marked < num_listed, slots[jnp.minimum(marked, num_listed - 1)], s)
+    in_prompt = in_prompt.at[mark_slot, row["penalty_mark_tokens"]].set(True, mode="drop")
     # Each token's row: how many rows end at or before it (cu_q_lens: row i's tokens are
     # [cu[i], cu[i+1]); tokens past the step's last row count S). A cumulative sum, not a
     # search: no loop in the program. Then the row's entry in the list (B: none).

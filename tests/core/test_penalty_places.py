@@ -52,10 +52,16 @@ class PenaltyDevice(FakeDevice):
         assert rows[:n].tolist() == expected
         assert slots[:n].tolist() == plan.scheduled.row_slots[expected].tolist()
         for j in range(n):
+            if flags[j] & PENALTY_FRESH:
+                self.counts[slots[j]], self.in_prompt[slots[j]] = 0, False
+        marked = view("penalty_mark_entries")
+        for entry, tok in zip(marked.tolist(), view("penalty_mark_tokens").tolist(), strict=True):
+            if entry < n:  # a new request's cached prompt token
+                assert flags[entry] & PENALTY_FRESH
+                self.in_prompt[slots[entry], tok] = True
+        for j in range(n):
             r, slot = int(rows[j]), int(slots[j])
             req = plan.scheduled.row_requests[r]
-            if flags[j] & PENALTY_FRESH:
-                self.counts[slot], self.in_prompt[slot] = 0, False
             lo, hi = plan.cu_q_lens[r], plan.cu_q_lens[r + 1]
             for k in range(lo, hi):
                 pos, tok = int(plan.positions[k]), int(ids[k])
@@ -117,15 +123,27 @@ def test_counts_are_each_requests_history_through_preemption_and_overlap():
             )
 
 
-def test_a_request_needing_the_tokens_the_cache_skips_reads_no_cached_page():
-    system = list(range(300, 340))  # two full pages of 16
+def test_cached_prompt_tokens_come_as_marks_within_the_steps_room(monkeypatch):
+    """A new request with repetition_penalty reads the prefix cache: its cached prompt tokens
+    pass through no step, so their distinct ids come as marks in its first step (the device
+    above checks its prompt table holds the whole prompt before it samples). Past the step's mark
+    room it computes its whole prompt instead."""
+    system = list(range(300, 340))  # two full pages of 16: 32 distinct ids cached
     s = make_scheduler(num_pages=64)
-    run_to_completion(s, [make_request("warm", system + [5], 2)])
+    device = PenaltyDevice(s)
+    run_to_completion(s, [make_request("warm", system + [5], 2)], device=device)
     hits = s.counters.prefix_cache_hits
-    run_to_completion(s, [_penalized("rep", system + [6], 2, repetition_penalty=1.2)])
-    assert s.counters.prefix_cache_hits == hits  # its prompt's tokens must pass through
-    run_to_completion(s, [_penalized("presence", system + [7], 2, presence_penalty=1.0)])
-    assert s.counters.prefix_cache_hits == hits + 32  # outputs only: the prompt may be cached
+    run_to_completion(
+        s, [_penalized("rep", system + [6], 2, repetition_penalty=1.2)], device=device
+    )
+    assert s.counters.prefix_cache_hits == hits + 32 and device.checked == 2
+    monkeypatch.setattr("nori_jax.core.scheduler.PENALTY_MARKS", 31)  # one id short
+    run_to_completion(
+        s, [_penalized("rep2", system + [7], 2, repetition_penalty=1.2)], device=device
+    )
+    assert s.counters.prefix_cache_hits == hits + 32 and device.checked == 4
+    run_to_completion(s, [_penalized("presence", system + [8], 2, presence_penalty=1.0)])
+    assert s.counters.prefix_cache_hits == hits + 64  # outputs only: no marks needed
 
 
 def test_every_running_request_may_have_penalties():

@@ -76,6 +76,11 @@ def test_record_clears_new_slots_marks_prompts_and_recounts_recomputed_outputs(b
             dict(row=3, slot=1, prompt_len=10, count_from=10),
         ],
     )
+    # Entry 1 (slot 3, new) took its first tokens from the prefix cache: their ids come as marks,
+    # set after the clear; a mark of an entry past the bucket (5) or unused (S) changes nothing.
+    marks = [(1, 7), (1, 8), (5, 9), (S, 10)]
+    LAYOUT.view(buf, "penalty_mark_entries")[: len(marks)] = [e for e, _ in marks]
+    LAYOUT.view(buf, "penalty_mark_tokens")[: len(marks)] = [t for _, t in marks]
     step = jnp.asarray(buf)
     row = unpack_rows(LAYOUT, step)
     tok = unpack_tokens(LAYOUT, step, LAYOUT.token_capacity)
@@ -85,6 +90,7 @@ def test_record_clears_new_slots_marks_prompts_and_recounts_recomputed_outputs(b
     expected_c, expected_p = counts.copy(), in_prompt.copy()
     expected_c[3], expected_p[3] = 0, False
     expected_p[3, [1, 2, 4]] = True  # its prompt
+    expected_p[3, [7, 8]] = True  # its marks
     expected_c[3, 2] += 2  # its recomputed outputs: 2, 2, 30
     expected_c[3, 30] += 1
     expected_p[1, [20, 21]] = True
