@@ -430,7 +430,7 @@ def test_top_k_beyond_the_vocabulary_is_served(server: Server, c: httpx.Client) 
     ("path", "field"),
     [
         ("/v1/completions", {"response_format": {"type": "json_object"}}),
-        ("/v1/completions", {"prompt_logprobs": 1}),
+        ("/v1/completions", {"bad_words": ["x"]}),
         ("/v1/completions", {"use_beam_search": True}),
         ("/v1/completions", {"guided_choice": ["a", "b"]}),
         ("/v1/chat/completions", {"tool_choice": "auto"}),
