@@ -68,6 +68,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="after each text, a line per token: its logprob and, with K >= 1, the K likeliest "
         "tokens with theirs (at most 20)",
     )
+    g.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="before each text, a line per prompt token: its logprob given the tokens before it "
+        "(the text's score) and, with K >= 1, its position's K likeliest (at most 20)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
@@ -89,6 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
     config = engine_config_from_args(args)
     if not config.distributed.is_leader:  # a multi-host follower: process 0 has the prompts
@@ -99,25 +108,42 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_config(config)
     with exit_when_a_follower_is_lost():
         for out in llm.generate(prompts, params):
+            if out.prompt_logprobs is not None:
+                print(prompt_logprob_lines(llm.tokenizer, out))
             print(out.text)
             if out.logprobs is not None:
                 print(logprob_lines(llm.tokenizer, out))
     return 0
 
 
-def logprob_lines(tokenizer, out) -> str:
-    """One line per output token: the token (quoted), its logprob, then the likeliest tokens
-    with theirs where the request asked for them."""
+def _shown(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"
+    return repr(tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def show(token_id: int) -> str:
-        text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
-        return repr(text) if tokenizer else f"<{token_id}>"
 
-    tops = out.top_logprobs or [[] for _ in out.token_ids]
+def _lines(tokenizer, token_ids, logprobs, tops) -> list[str]:
+    """One line per token: the token (quoted), its logprob, then the likeliest tokens with
+    theirs where asked for."""
     lines = []
-    for token_id, logprob, top in zip(out.token_ids, out.logprobs, tops, strict=True):
-        line = f"  {show(token_id)}\t{logprob:.4f}"
+    for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True):
+        line = f"  {_shown(tokenizer, token_id)}\t" + ("-" if logprob is None else f"{logprob:.4f}")
         if top:
-            line += "\t| " + ", ".join(f"{show(t)} {v:.4f}" for t, v in top)
+            line += "\t| " + ", ".join(f"{_shown(tokenizer, t)} {v:.4f}" for t, v in top)
         lines.append(line)
-    return "\n".join(lines)
+    return lines
+
+
+def logprob_lines(tokenizer, out) -> str:
+    """A line per output token with its logprob (and the likeliest tokens where asked for)."""
+    tops = out.top_logprobs or [[] for _ in out.token_ids]
+    return "\n".join(_lines(tokenizer, out.token_ids, out.logprobs, tops))
+
+
+def prompt_logprob_lines(tokenizer, out) -> str:
+    """A line per prompt token with its logprob given those before it (the first has none), and
+    their sum: the prompt's log-likelihood under the model."""
+    ids, values = out.prompt_token_ids, out.prompt_logprobs
+    tops = [t or [] for t in out.prompt_top_logprobs or [None] * len(ids)]
+    total = sum(v for v in values if v is not None)
+    return "\n".join([*_lines(tokenizer, ids, values, tops), f"  prompt logprob sum {total:.4f}"])

@@ -150,3 +150,28 @@ def test_generate_logprobs_lines_and_bound():
         "  'b'\t-1.0000\t| 'c' -0.2500, 'b' -1.0000",
     ]
     assert logprob_lines(None, out).startswith("  <7>\t-0.5000")
+
+
+def test_generate_prompt_logprob_lines_and_bound():
+    """--prompt-logprobs: a line per prompt token (the first has no logprob) and the prompt's
+    summed logprob, its log-likelihood; 21 is refused before an engine starts."""
+    from nori_jax.core.outputs import RequestOutput
+    from nori_jax.generate_cli import prompt_logprob_lines, run_generate
+
+    with pytest.raises(ValueError, match="prompt_logprobs=21"):
+        run_generate(_parse("--prompt-logprobs", "21"))
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return {7: "a", 8: "b", 9: "c"}[ids[0]]
+
+    out = RequestOutput("r", None, [7, 8, 9], [], "", None, True, "length", token_ids=[])
+    out.prompt_logprobs = [None, -1.5, -0.25]
+    assert prompt_logprob_lines(Tok(), out).splitlines() == [
+        "  'a'\t-",
+        "  'b'\t-1.5000",
+        "  'c'\t-0.2500",
+        "  prompt logprob sum -1.7500",
+    ]
+    out.prompt_top_logprobs = [None, [(9, -0.5)], [(9, -0.25)]]
+    assert prompt_logprob_lines(Tok(), out).splitlines()[1] == "  'b'\t-1.5000\t| 'c' -0.5000"
