@@ -113,7 +113,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
         return cls([], b"", {}, [], [])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
