@@ -82,6 +82,8 @@ def _moved_request(req: Request, pages: list[int], num_cached_pages: int) -> Req
         num_preemptions=req.num_preemptions,
         final_token_ids=req.final_token_ids,
         priority=req.priority,
+        # its prompt's logprobs came from the prefill side: a recomputation plans none again
+        prompt_logprobs_planned=req.prompt_logprobs_planned,
     )
 
 

@@ -177,6 +177,12 @@ class EngineCore:
         duplicate id, QueueFullError when the queue is full."""
         params = vetted_params(r, self.builder.vocab_size, self.scheduler.config.max_model_len)
         check_priority(r.priority, self.scheduler.config.scheduling_policy)
+        if params.prompt_logprobs is not None and self.scheduler.config.max_num_seqs < 2:
+            raise ParameterError(
+                "prompt_logprobs",
+                "prompt_logprobs needs max_num_seqs >= 2: each scored prompt position takes a "
+                "logit row the step's own rows leave free",
+            )
         self.scheduler.add_request(
             Request(
                 request_id=r.request_id,

@@ -200,8 +200,9 @@ class ModelRunner:
             out_shardings=self._replicated,
         )
         # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
-        # One per bucket of the step's rows with a penalty (the sampler's filter buckets).
-        self.penalty_buckets = filter_buckets(layout.max_num_seqs)
+        # One per bucket of the step's listed rows (penalties, prompt logprobs): the sampler's
+        # filter buckets.
+        self.row_buckets = filter_buckets(layout.max_num_seqs)
         self._penalize_fn = jax.jit(
             functools.partial(penalize, layout),
             static_argnums=(0,),
@@ -214,9 +215,7 @@ class ModelRunner:
             out_shardings=self._replicated,
         )
         # Prompt logprobs, per (how many top tokens, bucket of rows): after the forward pass.
-        self.prompt_keys = [
-            (top, b) for top in (0, 1, TOP_LOGPROBS) for b in filter_buckets(layout.max_num_seqs)
-        ]
+        self.prompt_keys = [(top, b) for top in (0, 1, TOP_LOGPROBS) for b in self.row_buckets]
         self._prompt_fn = jax.jit(
             functools.partial(prompt_logprobs_from_logits, layout),
             static_argnums=(0, 1),
@@ -333,7 +332,7 @@ class ModelRunner:
         ] + [
             (("penalize", b), lambda b=b: self._penalize_fn.lower(
                 b, logits_abs, counts_abs, in_prompt_abs, step_abs))
-            for b in self.penalty_buckets
+            for b in self.row_buckets
         ] + [
             (("count", None), lambda: self._count_fn.lower(counts_abs, prev_abs, step_abs)),
         ] + [
@@ -501,20 +500,24 @@ class ModelRunner:
     def _prompt_logprobs(self, step: np.ndarray) -> tuple[jax.Array, int, int] | None:
         """The step's prompt logprobs, if it has prompt-logprob rows: (output on its way to the
         host, rows, top)."""
-        s = self.layout.max_num_seqs
-        n = int(np.count_nonzero(self.layout.view(step, "prompt_logprob_rows") < s))
+        n, bucket = self._listed(step, "prompt_logprob_rows")
         if not n:
             return None
         top = int(self.layout.view(step, "prompt_logprob_top")[0])
-        bucket = next(b for b in filter_buckets(s) if b >= n)
         out = self._direct["prompt", (top, bucket)]([self._logits_state, self._step_state])[0]
         out.copy_to_host_async()
         return out, n, top
 
+    def _listed(self, step: np.ndarray, field: str) -> tuple[int, int]:
+        """(entries, the bucket of rows that holds them) of a list field of the step's buffer
+        (penalty rows, prompt-logprob rows: entries first, then max_num_seqs); (0, 0): none."""
+        s = self.layout.max_num_seqs
+        n = int(np.count_nonzero(self.layout.view(step, field) < s))
+        return (n, next(b for b in self.row_buckets if b >= n)) if n else (0, 0)
+
     def _penalty_bucket(self, step: np.ndarray) -> int:
         """The bucket that holds the step's rows with a penalty (0: none)."""
-        n = int(np.count_nonzero(self.layout.view(step, "penalty_rows") < self.layout.max_num_seqs))
-        return next(b for b in self.penalty_buckets if b >= n) if n else 0
+        return self._listed(step, "penalty_rows")[1]
 
     def _penalize(self, bucket: int) -> None:
         self._logits_state, self._penalty_counts, self._penalty_in_prompt = self._direct[
@@ -529,7 +532,7 @@ class ModelRunner:
     def _penalize_and_count(self, step: np.ndarray) -> None:
         """Warm-up: the penalty programs once each, on `step` staged (no row listed: no change)."""
         self._step_state = self._direct["stage", None]([self._step_state, self._put_step(step)])[0]
-        for bucket in self.penalty_buckets:
+        for bucket in self.row_buckets:
             self._penalize(bucket)
         self._count()
 

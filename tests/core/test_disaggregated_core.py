@@ -288,3 +288,28 @@ def test_a_request_with_penalties_is_recomputed_on_the_decode_side():
     assert sorted(t.request_id for t in transfers) == sorted(
         r.request_id for r in reqs if r.request_id != "pen"
     )
+
+
+def test_prompt_logprobs_are_planned_on_the_prefill_side_only():
+    """A request asking for its prompt's logprobs, recomputed on the decode side (its moves
+    fail): the prefill side plans every position; the decode side, recomputing the prompt,
+    plans none again (they came from the prefill side)."""
+    core = make_core()
+    core.mover.fail = 10**6
+    planned = {"prefill": 0, "decode": 0}
+    for side, cores in (("prefill", core.prefill), ("decode", core.decode)):
+        sched = cores[0].scheduler
+        real = sched.schedule
+
+        def counting(real=real, side=side):
+            out = real()
+            if out is not None:
+                planned[side] += sum(e.count for e in out.prompt_logprobs)
+            return out
+
+        sched.schedule = counting
+    req = request("p", list(range(3, 43)), 4, prompt_logprobs=0)
+    tokens, _, _ = run(core, [req])
+    assert tokens["p"] == expected_output(req.prompt_token_ids, 4)
+    assert core.num_recomputed == 1
+    assert planned == {"prefill": 39, "decode": 0}

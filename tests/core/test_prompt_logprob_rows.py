@@ -130,3 +130,15 @@ def test_asking_requests_prefill_within_the_rows_a_step_spares():
     s2 = make_scheduler(num_pages=64, max_num_seqs=8, max_num_batched_tokens=64)
     s2.add_request(plain)
     assert s2.schedule().num_tokens == 40
+
+
+def test_prompt_logprobs_need_a_spare_row():
+    from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
+    from nori_jax.sampling_params import ParameterError
+
+    s = make_scheduler(num_pages=64, max_num_seqs=1, max_num_batched_tokens=64)
+    core = EngineCore(s, s._builder, executor=None)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    with pytest.raises(ParameterError, match="max_num_seqs >= 2") as e:
+        core.add_request(EngineCoreRequest("x", [5, 6, 7], params, 0, [], 0.0))
+    assert e.value.param == "prompt_logprobs" and not s.has_unfinished()
