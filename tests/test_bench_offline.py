@@ -24,11 +24,13 @@ def test_bench_offline_runs_and_writes_json(tmp_path, capsys):
         "--num-prompts", "12", "--warmup-requests", "2", "--input-max", "200",
         "--output-max", "20", "--shared-prefix-len", "32", "--long-prompts", "1",
         "--long-len", "240", "--request-rate", "200", "--result-json", str(out),
+        "--sampling", '{"presence_penalty": 0.5, "min_tokens": 4}', "--sampling-share", "0.5",
     ])  # fmt: skip
     assert rc == 0
     assert "Offline Benchmark Result" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["num_requests"] == 12 and r["num_recompiles"] == 0
+    assert 0 < r["num_sampled_requests"] < 12  # penalties and min_tokens compiled ahead too
     assert r["output_tokens"] > 0 and r["total_token_throughput"] > 0
     assert r["steps"] > 0 and 0 <= r["padding_fraction"] < 1 and r["startup_s"] > 0
     assert r["prefix_cache_hit_rate"] > 0  # the shared 32-token prefix is two full pages
@@ -45,6 +47,25 @@ def test_workload_is_the_same_draw_in_every_run():
     assert sum(a.is_long) == 2 and all(p[:8] == a.prompts[0][:8] for p in a.prompts)
     c = draw_requests(_offline_config(*argv, "--bench-seed", "1"), 1000, 4096)
     assert c.prompts != a.prompts
+
+
+def test_sampling_share_marks_measured_requests_only_and_changes_no_draw():
+    argv = ["--num-prompts", "200", "--warmup-requests", "5"]
+    plain = draw_requests(_offline_config(*argv), 1000, 4096)
+    sampling = ["--sampling", '{"min_tokens": 1000}', "--sampling-share", "0.25"]
+    cfg = _offline_config(*argv, *sampling)
+    mixed = draw_requests(cfg, 1000, 4096)
+    assert mixed.prompts == plain.prompts and mixed.output_lens == plain.output_lens
+    assert not any(plain.sampled) and not any(mixed.sampled[:5])
+    assert 30 <= sum(mixed.sampled) <= 70  # a quarter of 200, seeded
+    assert mixed.sampled == draw_requests(cfg, 1000, 4096).sampled
+    every = draw_requests(_offline_config(*argv, "--sampling", '{"min_tokens": 1}'), 1000, 4096)
+    assert every.sampled == [False] * 5 + [True] * 200  # the share defaults to all measured
+    from nori_jax.bench.offline import request_params
+
+    p = request_params(cfg, 7)  # min_tokens capped at the drawn output length
+    assert (p.min_tokens, p.max_tokens, p.temperature, p.ignore_eos) == (7, 7, 0.0, True)
+    assert request_params(cfg, 7, sampled=False).min_tokens == 0
 
 
 def test_offline_draws_the_lengths_bench_serve_sends():
@@ -68,6 +89,11 @@ def test_bad_workload_flags_exit_2_before_loading_a_model(capsys):
         ["--request-rate", "0"],
         ["--num-prompts", "0"],
         ["--num-prompts", "3", "--long-prompts", "4"],
+        ["--sampling-share", "1.5"],
+        ["--sampling", "{presence_penalty: 1}"],
+        ["--sampling", "[1, 2]"],
+        ["--sampling", '{"presence_penalty": 3}'],
+        ["--sampling", '{"no_such_field": 1}'],
     ):
         assert main([*base, *bad]) == 2
         err = capsys.readouterr().err

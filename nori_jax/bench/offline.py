@@ -34,7 +34,10 @@ from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.heap_freeze import heap_frozen
 
 if TYPE_CHECKING:
-    from nori_jax import LLMEngine
+    from nori_jax import LLMEngine, SamplingParams
+
+
+_SAMPLING_STREAM = 3  # workload.py's request, warm-up and arrival streams are 0-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,10 @@ class OfflineConfig:
     shared_prefix_len: int = 0
     long_prompts: int = 0
     long_len: int = 6000
+    # SamplingParams fields for a share of the measured requests (what penalties, min_tokens or
+    # prompt logprobs cost the engine); the rest stay greedy.
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sampling_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.workload.dataset == "jsonl":
@@ -54,6 +61,26 @@ class OfflineConfig:
                 f"need --shared-prefix-len >= 0 and --long-len >= 1, got "
                 f"{self.shared_prefix_len} and {self.long_len}"
             )
+        if not 0.0 <= self.sampling_share <= 1.0:
+            raise ValueError(f"need 0 <= --sampling-share <= 1, got {self.sampling_share}")
+        if self.sampling:  # a field or value SamplingParams refuses fails here, named
+            try:
+                request_params(self, 16)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--sampling: {e}") from None
+
+
+def request_params(cfg: OfflineConfig, max_tokens: int, sampled: bool = True) -> SamplingParams:
+    """Greedy with ignore_eos, plus `cfg.sampling` for a request of the share; its min_tokens is
+    capped at the request's drawn output length (min_tokens may not pass max_tokens)."""
+    from nori_jax import SamplingParams
+
+    extra = dict(cfg.sampling) if sampled else {}
+    if "min_tokens" in extra:
+        extra["min_tokens"] = min(int(extra["min_tokens"]), max_tokens)
+    return SamplingParams(
+        **{"temperature": 0.0, "ignore_eos": True, **extra}, max_tokens=max_tokens
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +88,7 @@ class Requests:
     prompts: list[list[int]]  # warm-up first
     output_lens: list[int]
     is_long: list[bool]
+    sampled: list[bool]  # carries OfflineConfig.sampling (never a warm-up request)
 
 
 def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Requests:
@@ -79,16 +107,18 @@ def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Re
     ins = np.minimum(ins, max_model_len - 1 - len(shared))  # every request inside the context
     outs = np.minimum(outs, max_model_len - len(shared) - ins)
     prompts = [shared + data_rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
-    return Requests(prompts, outs.tolist(), is_long.tolist())
+    # Its own stream, so that the share changes no length or prompt of the draw.
+    share = np.random.default_rng([w.seed, _SAMPLING_STREAM]).random(len(ins)) < cfg.sampling_share
+    share[: w.warmup_requests] = False
+    sampled = (share & bool(cfg.sampling)).tolist()
+    return Requests(prompts, outs.tolist(), is_long.tolist(), sampled)
 
 
 def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[str, Any]:
     """Warm up, then run the measured requests on their schedule; the result, as JSON keys."""
-    from nori_jax import SamplingParams
-
     w = cfg.workload
     params = [
-        SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in reqs.output_lens
+        request_params(cfg, o, s) for o, s in zip(reqs.output_lens, reqs.sampled, strict=True)
     ]
 
     def run(indices: list[int], rate: float) -> tuple[float, float, dict[int, Any]]:
@@ -136,6 +166,7 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
     steps = max(d["steps"], 1)
     return {
         "num_requests": len(measured),
+        "num_sampled_requests": sum(reqs.sampled),  # those carrying --sampling
         "elapsed_s": elapsed,
         "input_tokens": n_in,
         "output_tokens": n_out,
@@ -169,7 +200,7 @@ def _stats(values: list[float]) -> dict[str, float]:
 def format_result(r: dict[str, Any]) -> str:
     pct = lambda x: f"{100 * x / r['elapsed_s']:5.1f}%"  # noqa: E731
     rows = [
-        ("Requests:", r["num_requests"]),
+        ("Requests (with --sampling):", f"{r['num_requests']} ({r['num_sampled_requests']})"),
         ("Elapsed (s):", f"{r['elapsed_s']:.2f}"),
         ("Input / output tokens:", f"{r['input_tokens']} / {r['output_tokens']}"),
         ("Request throughput (req/s):", f"{r['request_throughput']:.2f}"),
@@ -204,8 +235,21 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> OfflineConfig:
+    try:
+        sampling = json.loads(args.sampling) if args.sampling else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--sampling is not JSON: {e}") from None
+    if not isinstance(sampling, dict):
+        raise ValueError(
+            f"--sampling must be a JSON object of SamplingParams fields, got {args.sampling}"
+        )
     return OfflineConfig(
-        workload_from_args(args), args.shared_prefix_len, args.long_prompts, args.long_len
+        workload_from_args(args),
+        args.shared_prefix_len,
+        args.long_prompts,
+        args.long_len,
+        sampling,
+        args.sampling_share,
     )
 
 
@@ -248,5 +292,17 @@ def add_bench_offline_parser(sub: Any) -> None:
     )
     g.add_argument("--long-prompts", type=int, default=0, help="very long prompts mixed in")
     g.add_argument("--long-len", type=int, default=6000, help="length of those long prompts")
+    g.add_argument(
+        "--sampling",
+        metavar="JSON",
+        help="SamplingParams fields for a share of the requests, e.g. "
+        '\'{"repetition_penalty": 1.1, "min_tokens": 16}\' (default: all greedy)',
+    )
+    g.add_argument(
+        "--sampling-share",
+        type=float,
+        default=1.0,
+        help="share of the measured requests that carry --sampling (seeded draw)",
+    )
     g.add_argument("--result-json", help="write the result and engine config here (default: none)")
     p.set_defaults(func=_run)
