@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import is_fp8, write_kv_packed
+from pallas_kernels.kv_layout import is_fp8, write_kv_step
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.reference import (
     QUERY_DTYPE,
@@ -78,12 +78,12 @@ def attention_step(
 ) -> tuple[jax.Array, jax.Array]:
     """What one model layer calls: write the step's K/V into the pages, then attend.
 
-    Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_packed` (an XLA
-    scatter of 32-bit words, in place when kv_pages is donated; it quantizes for fp8 pages)
-    before attending; see docs/kernels.md.
+    Returns (out [T, Hq, D], updated kv_pages). Every backend writes with `write_kv_step` (an XLA
+    scatter of 32-bit words, its slots promised distinct, in place when kv_pages is donated; it
+    quantizes for fp8 pages) before attending; see docs/kernels.md.
     """
     _check_backend(backend)
-    kv_pages = write_kv_packed(kv_pages, k, v, slot_mapping, kv_scales)
+    kv_pages = write_kv_step(kv_pages, k, v, slot_mapping, kv_scales)
     out = ragged_paged_attention(
         q,
         kv_pages,

@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from pallas_kernels.kv_layout import KVLayout, write_kv_packed
+from pallas_kernels.kv_layout import KVLayout, write_kv_step
 from pallas_kernels.page_constants import stored_kv_heads
 from pallas_kernels.ragged_paged_attention.api import attention_step
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
@@ -86,7 +86,7 @@ def attention_step_sharded(
             k = lax.dynamic_slice_in_dim(k, head, 1, axis=1)
             v = lax.dynamic_slice_in_dim(v, head, 1, axis=1)
         if backend == "pallas" and jax.default_backend() == "cpu":
-            kv_pages = write_kv_packed(kv_pages, k, v, slot_mapping, sc)
+            kv_pages = write_kv_step(kv_pages, k, v, slot_mapping, sc)
             meta = (kv_lens, page_table, cu_q_lens, distribution)
             out = _interpreted_kernel(q, kv_pages, *meta, sm_scale, soft_cap, sc)
             return out, kv_pages

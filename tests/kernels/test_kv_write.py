@@ -3,6 +3,8 @@ pages: quantization and its round trip on hand-made values."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,6 +100,34 @@ def test_jitted_donating_write_matches_the_reference():
     slots = jnp.asarray(_slots(rng, 5, 16, num_valid=20, num_tokens=20))
     expected = np.asarray(write_kv_reference(pages, k, v, slots))
     np.testing.assert_array_equal(np.asarray(write_kv(pages, k, v, slots)), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_engine_write_promises_distinct_slots_to_every_scatter(dtype):
+    """The layer's write (attention_step, write_kv) lowers every scatter with unique_indices,
+    which lets XLA's GPU scatter store instead of updating atomically (docs/benchmarks.md)."""
+    import jax
+
+    from pallas_kernels.ragged_paged_attention import attention_step
+
+    layout = KVLayout(num_pages=4, num_kv_heads=1, page_size=16, head_dim=64)
+    pages = jnp.zeros(layout.shape, dtype)
+    k = v = jnp.ones((8, 1, 64), jnp.bfloat16)
+    slots = jnp.arange(16, 24, dtype=jnp.int32)
+    q = jnp.ones((8, 2, 64), jnp.bfloat16)
+    meta = (
+        jnp.array([8], jnp.int32),
+        jnp.array([[1, 2]], jnp.int32),
+        jnp.array([0, 8], jnp.int32),
+        jnp.array([0, 1], jnp.int32),
+    )
+    step = functools.partial(attention_step, sm_scale=0.125)
+    for text in (
+        write_kv.lower(pages, k, v, slots).as_text(),
+        jax.jit(step).lower(q, k, v, pages, slots, *meta).as_text(),
+    ):
+        scatters = [line for line in text.splitlines() if "stablehlo.scatter" in line]
+        assert scatters and all("unique_indices = true" in line for line in scatters), scatters
 
 
 def test_bad_shapes_name_the_value():
