@@ -144,7 +144,7 @@ def test_the_multi_step_buffers_keep_their_addresses(multi_step):
         states = [runner._step_state, runner._samples_state, runner._all_samples_state]
         return [x.unsafe_buffer_pointer() for x in states + list(runner.kv_pages)]
 
-    assert runner._all_samples_state.shape == (K, 2, runner.layout.samples_width)
+    assert runner._all_samples_state.shape == (K, 2, runner.layout.max_num_seqs)
     before = addresses()
     launches = multi_step.engine.core.step_times.multi_step_launches
     _run(multi_step, _prompts(3, seed=5), _settings(3))

@@ -100,10 +100,9 @@ class Scheduler:
         # _leave_running) rather than gathered from a thousand requests every step. Replaced,
         # never written in place: `schedule` holds the step's snapshot while it preempts.
         self._running_slots = np.zeros(0, np.int64)
-        # The step buffer's shared room (logit_bias entries, top-logprobs places): a request is
-        # admitted only while what it needs of each fits (step_room.py).
+        # The step buffer's shared room (logit_bias entries): a request is admitted only while
+        # what it needs of each fits (step_room.py).
         self._rooms = step_rooms()
-        self._top_places = self._rooms[1]
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self.slots = SlotCounters(config.max_num_seqs)
@@ -312,7 +311,7 @@ class Scheduler:
             and not self.hand_off
             # top logprobs and penalties run in programs of their own after a single step's
             # forward pass; min_tokens's banned ids are the launch's, not each inner step's
-            and not (self._top_places.used and c.wants_top_logprobs[decodes].any())
+            and not c.wants_top_logprobs[decodes].any()
             and not c.has_penalties[decodes].any()
             and not (total[is_decode] - c.prompt_len[decodes] < c.min_tokens[decodes]).any()
         ):
@@ -704,7 +703,7 @@ class Scheduler:
 
     def _top_rows(self, samples: np.ndarray, row_slots: np.ndarray) -> np.ndarray:
         """The sampling rows of requests with logprobs >= 1 (none running: no pass over rows)."""
-        if not self._top_places.used:
+        if not self.slots.wants_top_logprobs.any():
             return np.zeros(0, np.int32)
         return np.flatnonzero(samples & self.slots.wants_top_logprobs[row_slots]).astype(np.int32)
 
@@ -729,8 +728,8 @@ class Scheduler:
         prompt: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepUpdate:
         """Apply a step's sampled tokens (`next_tokens[i]` is row i's sample; `logprobs[i]` its
-        logprob; `top` the (token ids, logprobs) [P, TOP_LOGPROBS] of the step's top-logprobs
-        places, `out.top_rows`; `prompt` the (token ids, logprobs) [L, 1 + k] of the step's
+        logprob; `top` the (token ids, logprobs) [N, TOP_LOGPROBS] of the step's N rows with
+        top logprobs, `out.top_rows`; `prompt` the (token ids, logprobs) [L, 1 + k] of the step's
         prompt-logprob rows, `out.prompt_logprobs`: each position's target first).
 
         The step already advanced every request's progress when it was planned; this delivers
@@ -895,8 +894,8 @@ class Scheduler:
     def _deliver_top(
         out: SchedulerOutput, ids: np.ndarray, values: np.ndarray, update: StepUpdate
     ) -> None:
-        """The top logprobs of the step's places (`ids`, `values`: [P, TOP_LOGPROBS]) to their
-        rows' requests, each its own `logprobs` pairs. Before this step's finishes: a request
+        """The top logprobs of the step's `top_rows` (`ids`, `values`: [N, TOP_LOGPROBS]) to
+        their requests, each its own `logprobs` pairs. Before this step's finishes: a request
         that finished earlier (abort, stop string) gets none."""
         reqs = out.row_requests
         for p, i in enumerate(out.top_rows.tolist()):

@@ -33,7 +33,7 @@ class SlotCounters:
         self.ignore_eos = np.zeros(n, bool)
         self.has_stop_ids = np.zeros(n, bool)
         self.wants_logprobs = np.zeros(n, bool)
-        self.wants_top_logprobs = np.zeros(n, bool)  # logprobs >= 1: a top-logprobs place
+        self.wants_top_logprobs = np.zeros(n, bool)  # logprobs >= 1 (False on a free slot)
         self.has_penalties = np.zeros(n, bool)  # a penalty place
         self.min_tokens = np.zeros(n, i64)
         self.last_token_time = np.zeros(n, np.float64)
@@ -87,6 +87,7 @@ class SlotCounters:
         self.requests[slot] = None
         self.request_ids[slot] = None
         self.output_lists[slot] = None
+        self.wants_top_logprobs[slot] = False  # so that `.any()` says whether a running one asks
         self.epoch[slot] += 1
         self._free.append(slot)
         req.slot = None

@@ -32,11 +32,10 @@ FIELD_ALIGN = 64  # int32 elements: 256 bytes
 # logit_bias entries (row, token, bias) of one step, all rows together: the scheduler admits a
 # request only while the running requests' entries fit (scheduler.py), so none is ever dropped.
 LOGIT_BIAS_CAPACITY = 2048
-# Top logprobs: the rows of one step that get the TOP_LOGPROBS most likely tokens with their
-# logprobs (requests with logprobs >= 1); the scheduler admits such a request only while a place
-# is free (scheduler.py). Their (token, logprob) pairs come back after the rows' samples.
-TOP_LOGPROBS_ROWS = 64
-TOP_LOGPROBS = MAX_LOGPROBS  # per place: a request takes any number up to it
+# Top logprobs: a step lists its sampling rows whose request has logprobs >= 1 (`top_rows`, any
+# number of them); a program of its own computes their TOP_LOGPROBS most likely tokens with their
+# logprobs, in a fresh output copied back only in such steps (executor/runner.py).
+TOP_LOGPROBS = MAX_LOGPROBS  # per listed row: a request takes any number up to it
 # Penalties (presence, frequency, repetition): the device keeps each slot's token counts between
 # steps (executor/penalties.py); a step lists its rows whose request has a penalty, first, with
 # these flags: the slot's request is new (its counts are cleared first); the row samples in this
@@ -106,8 +105,8 @@ class StepLayout:
             ("bias_rows", (LOGIT_BIAS_CAPACITY,), np.int32),
             ("bias_tokens", (LOGIT_BIAS_CAPACITY,), np.int32),
             ("bias_values", (LOGIT_BIAS_CAPACITY,), np.float32),
-            # rows whose top logprobs the step computes, in place order; unused: max_num_seqs
-            ("top_rows", (TOP_LOGPROBS_ROWS,), np.int32),
+            # rows whose top logprobs the step computes, in row order; then max_num_seqs
+            ("top_rows", (s,), np.int32),
             # The step's rows whose request has a penalty (then max_num_seqs), and for each its
             # slot, flags, prompt length (its tokens below it are the prompt's), the position
             # from which its tokens were sampled on the device (below it, already-generated
@@ -138,12 +137,6 @@ class StepLayout:
             fields.append(Field(name, offset, shape, dtype))
             offset += _aligned(math.prod(shape))
         return tuple(fields)
-
-    @functools.cached_property
-    def samples_width(self) -> int:
-        """Columns of the step's samples (int32[2, W]: token ids, then float32 logprob bits):
-        one per row, then TOP_LOGPROBS for each place of `top_rows`."""
-        return self.max_num_seqs + TOP_LOGPROBS_ROWS * TOP_LOGPROBS
 
     @functools.cached_property
     def size(self) -> int:

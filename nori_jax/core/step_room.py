@@ -1,15 +1,14 @@
 """Fixed room in the step's buffer that the running requests share: logit_bias entries
-(LOGIT_BIAS_CAPACITY for all rows, which min_tokens's banned stop ids also take) and top-logprobs
-places (TOP_LOGPROBS_ROWS rows). A fixed size keeps the buffer one shape and one transfer, so the
-scheduler admits a request only while what it needs fits beside what the running requests hold
-(core/step_layout.py, docs/scheduling.md)."""
+(LOGIT_BIAS_CAPACITY for all rows, which min_tokens's banned stop ids also take). A fixed size
+keeps the buffer one shape and one transfer, so the scheduler admits a request only while what it
+needs fits beside what the running requests hold (core/step_layout.py, docs/scheduling.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from nori_jax.core.request import Request
-from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY, TOP_LOGPROBS_ROWS
+from nori_jax.core.step_layout import LOGIT_BIAS_CAPACITY
 
 
 class StepRoom:
@@ -34,5 +33,4 @@ def step_rooms() -> tuple[StepRoom, ...]:
             LOGIT_BIAS_CAPACITY,
             lambda r: len(r.params.logit_bias or ()) + len(r.min_tokens_stop_ids),
         ),
-        StepRoom("top-logprobs places", TOP_LOGPROBS_ROWS, lambda r: int(bool(r.params.logprobs))),
     )

@@ -46,7 +46,7 @@ from nori_jax.core.sampling_modes import (
     multi_step_programs,
     sampler_programs,
 )
-from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, TOP_LOGPROBS_ROWS, StepLayout
+from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, StepLayout
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
@@ -87,14 +87,16 @@ class LaunchTimes:
 class LaunchedSamples:
     """A launched step's samples: `array` is the host's copy (int32[2, S], or [K, 2, S] from a
     multi-step launch), None until the next launch or `fetch` makes it from the runner's buffer
-    (`source`: None for `samples`, "multi-step" for `all_samples`); `prompt`, in a step with
-    prompt-logprob rows, their output (fresh, already on its way to the host) and row count."""
+    (`source`: None for `samples`, "multi-step" for `all_samples`); `top` and `prompt`, in a
+    step with top-logprob or prompt-logprob rows, their output (fresh, already on its way to the
+    host) and row count."""
 
-    __slots__ = ("array", "source", "prompt")
+    __slots__ = ("array", "source", "top", "prompt")
 
     def __init__(self, source: str | None = None):
         self.array: jax.Array | None = None
         self.source = source
+        self.top: tuple[jax.Array, int] | None = None  # (output, rows)
         self.prompt: tuple[jax.Array, int, int] | None = None  # (output, rows, top)
 
 
@@ -190,19 +192,16 @@ class ModelRunner:
             )
             for program in {p for p, _ in self.sampler_keys}
         }
-        # The top logprobs of a step whose plan asks for them, per logit rows R.
-        self.top_keys = sorted({logit_rows(layout.max_num_seqs, t) for t in self.buckets})
+        # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
+        # One per bucket of the step's listed rows (penalties, top and prompt logprobs): the
+        # sampler's filter buckets.
+        self.row_buckets = filter_buckets(layout.max_num_seqs)
+        # The top logprobs of a step whose plan lists rows for them, per bucket of those rows.
         self._top_fn = jax.jit(
             functools.partial(top_logprobs_from_logits, layout),
             static_argnums=(0,),
-            donate_argnums=(1,),
-            keep_unused=True,
             out_shardings=self._replicated,
         )
-        # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
-        # One per bucket of the step's listed rows (penalties, prompt logprobs): the sampler's
-        # filter buckets.
-        self.row_buckets = filter_buckets(layout.max_num_seqs)
         self._penalize_fn = jax.jit(
             functools.partial(penalize, layout),
             static_argnums=(0,),
@@ -273,9 +272,9 @@ class ModelRunner:
         self.copy_back_early = True
         # The device buffers every step reads and writes in place (module docstring: their
         # addresses never change, so XLA's CUDA graphs launch without an update).
-        s, w, vocab = layout.max_num_seqs, layout.samples_width, cfg.vocab_size
+        s, vocab = layout.max_num_seqs, cfg.vocab_size
         self._step_state = put(layout.new_step(), self._replicated)
-        self._samples_state = put(np.zeros((2, w), np.int32), self._replicated)
+        self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
         # Per slot: each token's count among its request's outputs, and whether its prompt holds
         # it (1,024 x 49,152 x 5 bytes = 250 MB for SmolLM2; outside the KV pool's budget, like
@@ -284,7 +283,7 @@ class ModelRunner:
         self._penalty_in_prompt = put(np.zeros((s, vocab), bool), self._replicated)
         k = num_scheduler_steps
         self._all_samples_state = (
-            put(np.zeros((k, 2, w), np.int32), self._replicated) if self.multi_step_keys else None
+            put(np.zeros((k, 2, s), np.int32), self._replicated) if self.multi_step_keys else None
         )
         # The last launch's samples while only the runner's buffer holds them (no copy yet).
         self._unpeeked: LaunchedSamples | None = None
@@ -305,12 +304,12 @@ class ModelRunner:
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_abs = [as_abstract(x) for x in self._params]
         kv_abs = [as_abstract(x) for x in self.kv_pages]
-        s, w, i32 = self.layout.max_num_seqs, self.layout.samples_width, jnp.int32
-        prev_abs = self._abstract((2, w), i32)
+        s, i32 = self.layout.max_num_seqs, jnp.int32
+        prev_abs = self._abstract((2, s), i32)
         step_abs = self._abstract((self.layout.size,), i32)
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
-        all_abs = self._abstract((self.num_scheduler_steps, 2, w), i32)
+        all_abs = self._abstract((self.num_scheduler_steps, 2, s), i32)
         counts_abs = self._abstract((s, vocab), i32)
         in_prompt_abs = self._abstract((s, vocab), jnp.bool_)
         # (key, how to lower it), the model's programs first: they take longest to compile.
@@ -327,8 +326,8 @@ class ModelRunner:
                 r, prev_abs, logits_abs, step_abs))
             for p, r in self.sampler_keys
         ] + [
-            (("top", r), lambda r=r: self._top_fn.lower(r, prev_abs, logits_abs, step_abs))
-            for r in self.top_keys
+            (("top", b), lambda b=b: self._top_fn.lower(b, logits_abs, step_abs))
+            for b in self.row_buckets
         ] + [
             (("penalize", b), lambda b=b: self._penalize_fn.lower(
                 b, logits_abs, counts_abs, in_prompt_abs, step_abs))
@@ -358,7 +357,7 @@ class ModelRunner:
             len(self.buckets),
             self.buckets,
             len(self.sampler_keys),
-            len(self.top_keys),
+            len(self.row_buckets),
             len(self.multi_step_keys),
             f" with XLA options {options}" if options else "",
         )
@@ -436,11 +435,13 @@ class ModelRunner:
         # A sampler program runs the same on any logits: each runs once on the last bucket's,
         # without another forward pass (which costs seconds per layer with interpret-mode
         # kernels on CPU).
-        for key in [("sampler", k) for k in self._samplers] + [("top", r) for r in self.top_keys]:
+        for key in [("sampler", k) for k in self._samplers]:
             self._samples_state = self._direct[key](
                 [self._samples_state, self._logits_state, self._step_state]
             )[0]
             self.fetch(self._direct["peek", None]([self._samples_state])[0])
+        for bucket in self.row_buckets:  # (no rows listed: the output is dropped)
+            np.asarray(self._direct["top", bucket]([self._logits_state, self._step_state])[0])
         self._penalize_and_count(self._warm_up_step([1]))
         np.asarray(self._penalty_counts)
         for key in self.prompt_keys:  # (no rows listed: its output is dropped)
@@ -493,9 +494,15 @@ class ModelRunner:
         self._peek_now(handle)
         return handle.array
 
-    def _top_rows(self, step: np.ndarray) -> np.ndarray:
-        """The step's top-logprobs places (max_num_seqs where unused)."""
-        return self.layout.view(step, "top_rows")
+    def _top_logprobs(self, step: np.ndarray) -> tuple[jax.Array, int] | None:
+        """The step's top logprobs, if it lists rows for them: (output on its way to the host,
+        rows)."""
+        n, bucket = self._listed(step, "top_rows")
+        if not n:
+            return None
+        out = self._direct["top", bucket]([self._logits_state, self._step_state])[0]
+        out.copy_to_host_async()
+        return out, n
 
     def _prompt_logprobs(self, step: np.ndarray) -> tuple[jax.Array, int, int] | None:
         """The step's prompt logprobs, if it has prompt-logprob rows: (output on its way to the
@@ -582,12 +589,9 @@ class ModelRunner:
                 )[0]
             if penalties:
                 self._count()
-            # Read from the buffer, so a follower of a multi-host engine runs it too.
-            if self._top_rows(step)[0] < self.layout.max_num_seqs:
-                self._samples_state = self._direct["top", rows](
-                    [self._samples_state, self._logits_state, self._step_state]
-                )[0]
             handle = self._unpeeked = LaunchedSamples()
+            # Read from the buffer, so a follower of a multi-host engine runs them too.
+            handle.top = self._top_logprobs(step)
             handle.prompt = self._prompt_logprobs(step)
         # (the next launch copies the samples for the host, or fetch does)
         self.kv_pages = out[2:]
@@ -612,29 +616,25 @@ class ModelRunner:
             )[0]
 
     def fetch(self, handle: LaunchedSamples | jax.Array) -> tuple:
-        """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S], (top token
-        ids int32[P, TOP_LOGPROBS], their logprobs float32[P, TOP_LOGPROBS]), prompt logprobs),
-        with a leading [K] on each of the first three for a multi-step launch. Prompt logprobs:
-        (ids int32[L, 1 + top], logprobs float32[L, 1 + top]) of the step's prompt-logprob rows
-        (the target's first), or None."""
-        prompt = None
+        """Wait for a launched step's samples: (tokens int32[S], logprobs float32[S], top
+        logprobs, prompt logprobs), with a leading [K] on the first two for a multi-step launch.
+        Top logprobs: (token ids int32[N, TOP_LOGPROBS], their logprobs float32[N, TOP_LOGPROBS])
+        of the step's N `top_rows`, or None. Prompt logprobs: (ids int32[L, 1 + top], logprobs
+        float32[L, 1 + top]) of the step's prompt-logprob rows (the target's first), or None."""
+        top = prompt = None
         if isinstance(handle, LaunchedSamples):
             self._peek_now(handle)
+            if handle.top is not None:
+                out, n = handle.top
+                pairs = np.asarray(out).reshape(2, -1, TOP_LOGPROBS)[:, :n]
+                top = (pairs[0], pairs[1].view(np.float32))
             if handle.prompt is not None:
-                out, n, top = handle.prompt
-                pairs = np.asarray(out).reshape(2, -1, 1 + top)[:, :n]
+                out, n, k = handle.prompt
+                pairs = np.asarray(out).reshape(2, -1, 1 + k)[:, :n]
                 prompt = (pairs[0], pairs[1].view(np.float32))
             handle = handle.array
         samples = np.asarray(handle)
-        s = self.layout.max_num_seqs
-        top = samples[..., s:].reshape(*samples.shape[:-1], TOP_LOGPROBS_ROWS, TOP_LOGPROBS)
-        rows = samples[..., :s]
-        return (
-            rows[..., 0, :],
-            rows[..., 1, :].view(np.float32),
-            (top[..., 0, :, :], top[..., 1, :, :].view(np.float32)),
-            prompt,
-        )
+        return (samples[..., 0, :], samples[..., 1, :].view(np.float32), top, prompt)
 
     def step(self, plan: StepPlan) -> tuple:
         """Launch and wait: the synchronous step."""

@@ -8,16 +8,16 @@
     penalize[B](logits, counts, in_prompt, step_state) -> (logits, counts, in_prompt)
     sample_from_logits[program, R](samples, logits, step_state) -> samples
     count_sampled(counts, samples, step_state) -> counts
-    top_logprobs_from_logits[R](samples, logits, step_state) -> samples (with the top logprobs)
+    top_logprobs_from_logits[L](logits, step_state) -> int32[2, L x TOP_LOGPROBS] (fresh)
     prompt_logprobs_from_logits[top, L](logits, step_state) -> int32[2, L x (1 + top)] (fresh)
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
         -> (all_samples int32[K, 2, W], samples, kv_pages)
 
-`samples` int32[2, W] packs each row's token (row 0) and its logprob's float32 bits (row 1) in its
-first S columns, then the top logprobs of the step's `top_rows` (TOP_LOGPROBS token ids and
-logprobs each, core/step_layout.py: W = layout.samples_width), which only a step whose plan has
-such rows computes, in a program of its own after the forward pass and sampler (zeros else).
+`samples` int32[2, S] packs each row's token (row 0) and its logprob's float32 bits (row 1). The
+top logprobs of the step's `top_rows` (core/step_layout.py) and its prompt logprobs come from
+programs of their own after the forward pass and sampler, only in a step whose plan lists such
+rows, each in a fresh output that the host copies back only then.
 A step with rows whose request has a penalty (executor/penalties.py) penalizes their logits in
 place after the forward pass, samples again (greedy rows too), and counts the sampled tokens;
 `logits` is float32[S, V], of which a step of T tokens fills the first R = min(S, T) rows
@@ -90,18 +90,22 @@ def logit_rows(max_num_seqs: int, bucket: int) -> int:
 
 
 def _pad_rows(samples, width):
-    """int32[..., 2, R] -> int32[..., 2, width] (S, or W with the top logprobs' room)."""
+    """int32[..., 2, R] -> int32[..., 2, width]: R rows' samples padded to S."""
     pad = width - samples.shape[-1]
     return jnp.pad(samples, [(0, 0)] * (samples.ndim - 1) + [(0, pad)]) if pad else samples
 
 
-def _top_logprobs(logits, row):
-    """int32[2, P x TOP_LOGPROBS]: for each place of `top_rows` (P of them), the most likely
-    tokens of its row, best first, and their logprobs' bits, under the same distribution as
-    the sampled token's logprob. A place left unused (max_num_seqs) reads the last row: the host
-    drops it. One log-softmax and top-k over P rows, not over the batch."""
-    r, vocab = logits.shape
-    picked = logits[jnp.minimum(row["top_rows"], r - 1)]  # [P, V]
+def top_logprobs_from_logits(layout, count, logits_state, step):
+    """int32[2, count x TOP_LOGPROBS]: for each of the step's first `count` `top_rows`, the most
+    likely tokens of its row, best first, and their logprobs' bits, under the same distribution
+    as the sampled token's logprob (the logits carry logit_bias from the forward pass and, when
+    that program runs, the penalties, both applied in place). An entry past the step's own
+    (max_num_seqs) reads the last row: the host drops it. One log-softmax and top-k over `count`
+    rows, not over the batch; one program per bucket of `count`, run only in a step with such
+    rows, its output a fresh array the host copies back only then."""
+    row = unpack_rows(layout, step)
+    r, vocab = logits_state.shape
+    picked = logits_state[jnp.minimum(row["top_rows"][:count], r - 1)]  # [count, V]
     k = min(TOP_LOGPROBS, vocab)
     values, ids = jax.lax.top_k(jax.nn.log_softmax(picked, axis=-1), k)
     if k < TOP_LOGPROBS:  # a vocabulary smaller than the places: the host never asks for more
@@ -174,7 +178,7 @@ def forward(
     # Greedy sampling in the same program: a greedy step needs no second launch. (The argmax and
     # log-sum-exp are one pass over the logits, which the sampler programs would make anyway.)
     greedy = _pack(*_sample_row(GREEDY, logits, row, row["sample_index"]))
-    samples = _pad_rows(greedy, layout.samples_width)  # no top logprobs: zeros
+    samples = _pad_rows(greedy, layout.max_num_seqs)
     if logits.shape[0] < logits_state.shape[0]:  # R < S rows: into the first R
         logits = jax.lax.dynamic_update_slice(logits_state, logits, (0, 0))
     return samples, logits, kv_pages
@@ -253,13 +257,6 @@ def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
     return _pack(ids.reshape(-1), values.reshape(-1))
 
 
-def top_logprobs_from_logits(layout, rows, samples, logits_state, step):
-    """`samples` (donated) with the top logprobs of the step's `top_rows` after its S rows,
-    from the first `rows` logits (those the forward pass wrote)."""
-    top = _top_logprobs(logits_state[:rows], unpack_rows(layout, step))
-    return jax.lax.dynamic_update_slice(samples, top, (0, layout.max_num_seqs))
-
-
 def multi_step(
     graphdef,
     packed,
@@ -319,7 +316,7 @@ def multi_step(
         sampled, logprobs = _sample_row(program, logits, row, row["sample_index"] + i)
         next_ids = jnp.where(is_row, sampled[token_row], 0)
         # no top logprobs: the scheduler plans no multi-step launch for a request that asks
-        return (kv_pages, next_ids), _pad_rows(_pack(sampled, logprobs), layout.samples_width)
+        return (kv_pages, next_ids), _pad_rows(_pack(sampled, logprobs), layout.max_num_seqs)
 
     del all_samples  # its buffer becomes the first output's
     (kv_pages, _), samples = jax.lax.scan(
