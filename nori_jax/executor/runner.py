@@ -518,9 +518,11 @@ class ModelRunner:
     def _listed(self, step: np.ndarray, field: str) -> tuple[int, int]:
         """(entries, the bucket of rows that holds them) of a list field of the step's buffer
         (penalty rows, prompt-logprob rows: entries first, then max_num_seqs); (0, 0): none."""
-        s = self.layout.max_num_seqs
-        n = int(np.count_nonzero(self.layout.view(step, field) < s))
-        return (n, next(b for b in self.row_buckets if b >= n)) if n else (0, 0)
+        s, listed = self.layout.max_num_seqs, self.layout.view(step, field)
+        if listed[0] >= s:  # none (the common step): no pass over the field
+            return 0, 0
+        n = int(np.count_nonzero(listed < s))
+        return n, next(b for b in self.row_buckets if b >= n)
 
     def _penalty_bucket(self, step: np.ndarray) -> int:
         """The bucket that holds the step's rows with a penalty (0: none)."""
