@@ -2,6 +2,7 @@
 
     python benchmarks/engine/host_step_bench.py [--requests 1024] [--context 1024] [--steps 100]
         [--num-scheduler-steps K] [--penalized SHARE] [--min-tokens N]
+        [--top-logprobs K [--top-share SHARE]]
 
 Fills N requests of `--context` random prompt tokens, runs until all of them decode, then times
 the engine core's host stages per decode step: schedule (the scheduler), plan (the plan builder's
@@ -12,12 +13,15 @@ With `--num-scheduler-steps K` every decode step is a multi-step launch of K ste
 per launch, and per decode step (a launch's over K) beside them. `--penalized` gives that share
 of the requests presence, frequency and repetition penalties (listed rows in every step);
 `--min-tokens N` gives every request min_tokens N (banned-id entries while below it: the first
-N - 1 decode steps are timed unless --steps is larger).
+N - 1 decode steps are timed unless --steps is larger); `--top-logprobs K` gives that share of
+them (`--top-share`, all by default) logprobs=K, the fake device returning each listed row's
+TOP_LOGPROBS pairs as the runner does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -28,6 +32,8 @@ from nori_jax.core.paging import PageAllocator
 from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.core.step_layout import TOP_LOGPROBS
+from nori_jax.heap_freeze import heap_frozen
 from nori_jax.sampling_params import SamplingParams
 
 VOCAB = 49152
@@ -42,10 +48,17 @@ class FakeExecutor:
 
     def launch(self, plan):
         shape = (self.rows,) if plan.num_steps == 1 else (plan.num_steps, self.rows)
-        return self.rng.integers(10, VOCAB, shape).astype(np.int32)
+        tokens = self.rng.integers(10, VOCAB, shape).astype(np.int32)
+        n = len(plan.scheduled.top_rows)  # the runner's top-logprobs output, for its listed rows
+        top = None
+        if n:
+            ids = self.rng.integers(10, VOCAB, (n, TOP_LOGPROBS)).astype(np.int32)
+            top = (ids, -np.sort(self.rng.random((n, TOP_LOGPROBS), np.float32), axis=1))
+        return tokens, top
 
     def fetch(self, handle):
-        return handle, np.zeros(handle.shape, np.float32)
+        tokens, top = handle
+        return tokens, np.zeros(tokens.shape, np.float32), top, None
 
 
 def main() -> None:
@@ -57,6 +70,8 @@ def main() -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode's K")
     p.add_argument("--penalized", type=float, default=0.0, help="share of requests with penalties")
     p.add_argument("--min-tokens", type=int, default=0, help="every request's min_tokens")
+    p.add_argument("--top-logprobs", type=int, default=0, help="logprobs=K for a share of them")
+    p.add_argument("--top-share", type=float, default=1.0, help="share with --top-logprobs")
     args = p.parse_args()
     n, ps, k = args.requests, 64, args.num_scheduler_steps
     cfg = SchedulerConfig(
@@ -85,6 +100,8 @@ def main() -> None:
     for i in range(n):
         prompt = rng.integers(10, VOCAB, args.context).tolist()
         params = penalized if i < args.penalized * n else plain
+        if args.top_logprobs and i >= n - args.top_share * n:  # the last share of them
+            params = dataclasses.replace(params, logprobs=args.top_logprobs)
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, 0, [2], time.monotonic()))
         processor.add(f"r{i}", None, prompt, params, (2,), stream=args.stream)
     while True:  # prefill everything
@@ -101,22 +118,23 @@ def main() -> None:
     # Time the stages of a decode step directly (the same calls EngineCore.step makes).
     totals = dict(schedule=0.0, plan=0.0, update=0.0, outputs=0.0)
     ex = core.executor
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        scheduled = sched()
-        t1 = time.perf_counter()
-        plan = builder.build(scheduled)
-        t2 = time.perf_counter()
-        tokens, logprobs = ex.fetch(ex.launch(plan))[:2]  # (no top logprobs here)
-        t3 = time.perf_counter()
-        upd = scheduler.update(scheduled, tokens, logprobs)
-        t4 = time.perf_counter()
-        processor.process(core._outputs(upd))
-        t5 = time.perf_counter()
-        totals["schedule"] += t1 - t0
-        totals["plan"] += t2 - t1
-        totals["update"] += t4 - t3
-        totals["outputs"] += t5 - t4
+    with heap_frozen(collect=True):  # as the engine runs its loop (nori_jax/heap_freeze.py)
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            scheduled = sched()
+            t1 = time.perf_counter()
+            plan = builder.build(scheduled)
+            t2 = time.perf_counter()
+            tokens, logprobs, top, _ = ex.fetch(ex.launch(plan))
+            t3 = time.perf_counter()
+            upd = scheduler.update(scheduled, tokens, logprobs, top)
+            t4 = time.perf_counter()
+            processor.process(core._outputs(upd))
+            t5 = time.perf_counter()
+            totals["schedule"] += t1 - t0
+            totals["plan"] += t2 - t1
+            totals["update"] += t4 - t3
+            totals["outputs"] += t5 - t4
     per = {k: 1e3 * v / args.steps for k, v in totals.items()}
     rows, kind = scheduled.num_decodes, "streamed" if args.stream else "final-only"
     launch = f"launch of {k} steps" if k > 1 else "step"
