@@ -35,7 +35,6 @@ v_scale into the output's normalisation). Scales: DEFAULT_KV_SCALE (1.0, as vLLM
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -297,13 +296,5 @@ def write_kv_step(
     return write(kv_pages, k, v, slot_mapping, kv_scales, unique_indices=True)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def write_kv(
-    kv_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-    kv_scales: jax.Array | None = None,
-) -> jax.Array:
-    """Jitted, donating KV write (in place); inside the engine's step the body is inlined."""
-    return write_kv_step(kv_pages, k, v, slot_mapping, kv_scales)
+# Jitted, donating KV write (in place); inside the engine's step `write_kv_step` is inlined.
+write_kv = jax.jit(write_kv_step, donate_argnums=(0,))
