@@ -61,8 +61,6 @@ class Request:
     times: RequestTimes = dataclasses.field(default_factory=lambda: RequestTimes(time.monotonic()))
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    # logprobs >= 1: per output token, its most likely (token id, logprob) pairs
-    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     pages: list[int] = dataclasses.field(default_factory=list)

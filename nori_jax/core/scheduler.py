@@ -906,7 +906,8 @@ class Scheduler:
             pairs = [
                 list(zip(ids[p, :k].tolist(), values[p, :k].astype(float).tolist(), strict=True))
             ]
-            req.output_top_logprobs.extend(pairs)
+            # Only the update carries them: the output processor keeps a request's pairs (in the
+            # API process when serving), so the engine core lets them go once they are sent.
             update.top_logprobs[req.request_id] = pairs
 
     @staticmethod
