@@ -192,16 +192,16 @@ class ModelRunner:
             )
             for program in {p for p, _ in self.sampler_keys}
         }
-        # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
-        # One per bucket of the step's listed rows (penalties, top and prompt logprobs): the
-        # sampler's filter buckets.
+        # The programs of a step's listed rows (penalties, top and prompt logprobs): one per
+        # bucket of them, the sampler's filter buckets.
         self.row_buckets = filter_buckets(layout.max_num_seqs)
-        # The top logprobs of a step whose plan lists rows for them, per bucket of those rows.
+        # The top logprobs of a step whose plan lists rows for them.
         self._top_fn = jax.jit(
             functools.partial(top_logprobs_from_logits, layout),
             static_argnums=(0,),
             out_shardings=self._replicated,
         )
+        # Penalties (executor/penalties.py): before the sampler, and its tokens counted after.
         self._penalize_fn = jax.jit(
             functools.partial(penalize, layout),
             static_argnums=(0,),
