@@ -245,6 +245,10 @@ def split_outputs(
     rows: list[list[int]] = [[] for _ in range(num_clients)]
     for row, rid in enumerate(out.request_ids):
         rows[owner.get(rid, 0)].append(row)
+    top = out.top_logprobs
+    top_rows: list[list[int]] = [[] for _ in range(num_clients)]
+    for row, rid in enumerate(top.request_ids if top is not None else ()):
+        top_rows[owner.get(rid, 0)].append(row)
     # (a prompt's logprobs may complete in a step without a token of its request)
     prompt_logprobs: dict[int, dict] = {}
     for rid, value in out.prompt_logprobs.items():
@@ -254,7 +258,6 @@ def split_outputs(
     for client, mine in enumerate(rows):
         ids = [out.request_ids[r] for r in mine]
         logprobs = {rid: out.logprobs[rid] for rid in ids if rid in out.logprobs}
-        top = {rid: out.top_logprobs[rid] for rid in ids if rid in out.top_logprobs}
         parts.append(
             EngineCoreOutputs(
                 ids,
@@ -264,7 +267,7 @@ def split_outputs(
                 out.first_tokens,
                 out.stats,
                 out.transfers,
-                top,
+                top.select(top_rows[client]) if top is not None and top_rows[client] else None,
                 prompt_logprobs.get(client, {}),
             )
         )

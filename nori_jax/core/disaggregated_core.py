@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, KVTransfer, StepStats
 from nori_jax.core.request import Request
+from nori_jax.core.top_logprob_rows import TopLogprobRows
 
 
 class PageMover(Protocol):
@@ -73,7 +74,6 @@ def _moved_request(req: Request, pages: list[int], num_cached_pages: int) -> Req
         eos_token_ids=req.eos_token_ids,
         times=req.times,
         output_token_ids=list(req.output_token_ids),
-        output_logprobs=list(req.output_logprobs),
         pages=pages,
         num_computed_tokens=req.num_computed_tokens if pages else 0,
         num_cached_tokens=req.num_cached_tokens,
@@ -263,7 +263,7 @@ class DisaggregatedCore:
             {k: v for o in outs for k, v in o.logprobs.items()},
             [f for o in outs for f in o.finished],
             [f for o in outs for f in o.first_tokens],
-            top_logprobs={k: v for o in outs for k, v in o.top_logprobs.items()},
+            top_logprobs=TopLogprobRows.concat([o.top_logprobs for o in outs]),
             prompt_logprobs={k: v for o in outs for k, v in o.prompt_logprobs.items()},
         )
         merged.transfers, self._transfers = self._transfers, []

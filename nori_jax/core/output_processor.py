@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestOutput
+from nori_jax.core.top_logprob_rows import TopLogprobRows
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -30,7 +31,7 @@ class _Stream:
     detok: IncrementalDetokenizer | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # logprobs >= 1
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # logprobs >= 1
     # prompt_logprobs: set whole once the core has them all (RequestOutput's fields)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -119,7 +120,7 @@ class OutputProcessor:
         ended: dict[str, str] = {}
         lp = outs.logprobs
         lp_used: dict[str, int] = {}  # logprobs taken per request (several tokens: multi-step)
-        top = outs.top_logprobs
+        top = _TopPairs(outs.top_logprobs) if outs.top_logprobs is not None else None
         plain = self._plain
         if self._at_finish == len(streams):
             rows = ()  # every stream takes its tokens from its finish: nothing per row
@@ -140,8 +141,9 @@ class OutputProcessor:
                 values = lp.get(rid)
                 s.logprobs.append(values[j] if values is not None and j < len(values) else 0.0)
                 if s.top_logprobs is not None:
-                    pairs = top.get(rid)
-                    s.top_logprobs.append(pairs[j] if pairs is not None and j < len(pairs) else [])
+                    # (one row a request: never in a multi-step launch, TopLogprobRows)
+                    pairs = top.pairs(rid, s.params.logprobs) if top and j == 0 else ()
+                    s.top_logprobs.append(pairs)
             if s.detok is not None:
                 f = finished.get(rid)
                 try:
@@ -325,6 +327,25 @@ class OutputProcessor:
         self._plain.pop(request_id, None)
         if s is not None and s.ids_at_finish:
             self._at_finish -= 1
+
+
+class _TopPairs:
+    """A step's top-logprob rows (TopLogprobRows) as (id, logprob) pairs, made in one pass over
+    the block; each request then takes its own `logprobs` of its row's pairs."""
+
+    __slots__ = ("width", "by_request")
+
+    def __init__(self, block: TopLogprobRows):
+        self.width = block.width
+        rows = zip(block.ids.tolist(), block.logprobs.tolist(), strict=True)
+        self.by_request = dict(
+            zip(block.request_ids, (tuple(zip(i, v, strict=True)) for i, v in rows), strict=True)
+        )
+
+    def pairs(self, request_id: str, k: int) -> tuple[tuple[int, float], ...]:
+        """The request's k (id, logprob) pairs (none if none came)."""
+        pairs = self.by_request.get(request_id, ())
+        return pairs if k >= self.width else pairs[:k]
 
 
 def _new(values: list | None, reported: int) -> list | None:

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from nori_jax.core.top_logprob_rows import TopLogprobRows
+
 
 class RequestMetrics(NamedTuple):
     """A request's stage timings in seconds (None where the stage was not reached).
@@ -96,8 +98,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     first_tokens: list[FirstToken]
     stats: StepStats | None = None
     transfers: list[KVTransfer] = []  # disaggregated engines: KV moves that landed or failed
-    # For the requests with logprobs >= 1: per token gained, its (token id, logprob) pairs
-    top_logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+    # For the requests with logprobs >= 1: per token gained, its most likely (token id,
+    # logprob) pairs as two arrays (each request reads its own `logprobs` of them)
+    top_logprobs: TopLogprobRows | None = None
     # For the requests with prompt_logprobs whose prompt's are complete with this step: each
     # prompt token's logprob after the first, (prompt_logprobs >= 1) its top pairs, and its rank
     prompt_logprobs: dict[
@@ -130,9 +133,11 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": why the engine failed this request alone
     # logprobs >= 1: per token of new_token_ids (new_top_logprobs) and, on the finished output,
     # of the whole output (top_logprobs), its `logprobs` most likely (token id, logprob) pairs,
-    # best first, of the distribution the sampled token's logprob is taken from.
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # best first, of the distribution the sampled token's logprob is taken from. A token's pairs
+    # are a tuple, not a list: the cyclic collector stops walking a tuple of numbers once it has
+    # seen it, and walks a list for ever (10 -> 4.5 ms a step at 1,024 rows asking for 20).
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     # prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before
     # it, and with prompt_logprobs = k >= 1 its position's k most likely (token id, logprob)
     # pairs; on every output once the prompt is computed (None before, and without them).

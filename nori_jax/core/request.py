@@ -60,7 +60,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     times: RequestTimes = dataclasses.field(default_factory=lambda: RequestTimes(time.monotonic()))
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     pages: list[int] = dataclasses.field(default_factory=list)

@@ -46,6 +46,7 @@ from nori_jax.core.slot_counters import SlotCounters
 from nori_jax.core.step_layout import PENALTY_MARKS
 from nori_jax.core.step_plan import token_buckets
 from nori_jax.core.step_room import step_rooms
+from nori_jax.core.top_logprob_rows import TopLogprobRows
 
 
 class QueueFullError(RuntimeError):
@@ -69,9 +70,9 @@ class StepUpdate:
     logprobs: dict[str, list[float]]
     finished: list[Request]  # finished by these samples (stop token, length)
     first_tokens: list[Request]  # requests whose first output token this was
-    # For the requests with logprobs >= 1: per token gained, its `logprobs` most likely
-    # (token id, logprob) pairs, best first.
-    top_logprobs: dict[str, list[list[tuple[int, float]]]] = dataclasses.field(default_factory=dict)
+    # For the requests with logprobs >= 1: per token gained, its most likely (token id,
+    # logprob) pairs, best first, as arrays (each request reads its own `logprobs` of them).
+    top_logprobs: TopLogprobRows | None = None
     # For the requests with prompt_logprobs whose prompt's logprobs are complete with this step:
     # (each prompt token's logprob after the first, with k >= 1 its k (id, logprob) pairs, and
     # each token's rank at its position)
@@ -311,7 +312,7 @@ class Scheduler:
             and not self.hand_off
             # top logprobs and penalties run in programs of their own after a single step's
             # forward pass; min_tokens's banned ids are the launch's, not each inner step's
-            and not c.wants_top_logprobs[decodes].any()
+            and not c.top_logprobs[decodes].any()
             and not c.has_penalties[decodes].any()
             and not (total[is_decode] - c.prompt_len[decodes] < c.min_tokens[decodes]).any()
         ):
@@ -703,9 +704,10 @@ class Scheduler:
 
     def _top_rows(self, samples: np.ndarray, row_slots: np.ndarray) -> np.ndarray:
         """The sampling rows of requests with logprobs >= 1 (none running: no pass over rows)."""
-        if not self.slots.wants_top_logprobs.any():
+        asked = self.slots.top_logprobs
+        if not asked.any():
             return np.zeros(0, np.int32)
-        return np.flatnonzero(samples & self.slots.wants_top_logprobs[row_slots]).astype(np.int32)
+        return np.flatnonzero(samples & (asked[row_slots] > 0)).astype(np.int32)
 
     def _advance(self, slot: int, n: int, row: int) -> bool:
         """Advance a planned chunk of n tokens; True if it ends on the last token (samples)."""
@@ -763,13 +765,14 @@ class Scheduler:
         for j in np.flatnonzero(c.known[sslots] - c.prompt_len[sslots] == 1).tolist():
             reqs[rows[j]].times.first_token = now
             update.first_tokens.append(reqs[rows[j]])
-        if logprobs is not None:
-            for j in np.flatnonzero(c.wants_logprobs[sslots]).tolist():
-                req, lp = reqs[rows[j]], float(logprobs[rows[j]])
-                req.output_logprobs.append(lp)
-                update.logprobs[req.request_id] = [lp]
+        if logprobs is not None and c.wants_logprobs.any():
+            asked = np.flatnonzero(c.wants_logprobs[sslots])
+            values = logprobs[rows[asked]].astype(float).tolist()
+            update.logprobs.update(
+                zip(c.request_ids[sslots[asked]].tolist(), ([v] for v in values), strict=True)
+            )
         if top is not None and len(out.top_rows):
-            self._deliver_top(out, *top, update)
+            self._deliver_top(out, *top, live, update)
         if prompt is not None and out.prompt_logprobs:
             self._deliver_prompt_logprobs(out, *prompt, update)
 
@@ -802,7 +805,6 @@ class Scheduler:
             update.request_ids.append(req.request_id)
             update.token_ids = np.append(update.token_ids, np.int32(tok))
             if logprobs is not None and req.params.logprobs is not None:
-                req.output_logprobs.append(float(logprobs[i]))
                 update.logprobs[req.request_id] = [float(logprobs[i])]
             reason = self._finish_reason(req, tok)
             if reason is not None:
@@ -874,9 +876,7 @@ class Scheduler:
             ]
             for j in lp_rows:
                 req, n = reqs[rows[j]], int(take_r[j])
-                lps = logprobs[:n, rows[j]].astype(float).tolist()
-                req.output_logprobs.extend(lps)
-                update.logprobs[req.request_id] = lps
+                update.logprobs[req.request_id] = logprobs[:n, rows[j]].astype(float).tolist()
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
         # Finishes: rows that stopped, reached their length, or were preempted (checked alone).
@@ -890,25 +890,35 @@ class Scheduler:
                 update.finished.append(self.finish_request(req.request_id, reason))
         return update
 
-    @staticmethod
     def _deliver_top(
-        out: SchedulerOutput, ids: np.ndarray, values: np.ndarray, update: StepUpdate
+        self,
+        out: SchedulerOutput,
+        ids: np.ndarray,
+        values: np.ndarray,
+        live: np.ndarray,
+        update: StepUpdate,
     ) -> None:
-        """The top logprobs of the step's `top_rows` (`ids`, `values`: [N, TOP_LOGPROBS]) to
-        their requests, each its own `logprobs` pairs. Before this step's finishes: a request
-        that finished earlier (abort, stop string) gets none."""
-        reqs = out.row_requests
-        for p, i in enumerate(out.top_rows.tolist()):
-            req = reqs[i]
-            if req.is_finished:
-                continue
-            k = req.params.logprobs
-            pairs = [
-                list(zip(ids[p, :k].tolist(), values[p, :k].astype(float).tolist(), strict=True))
-            ]
-            # Only the update carries them: the output processor keeps a request's pairs (in the
-            # API process when serving), so the engine core lets them go once they are sent.
-            update.top_logprobs[req.request_id] = pairs
+        """The top logprobs of the step's `top_rows` (`ids`, `values`: [N, TOP_LOGPROBS]) into
+        the update as arrays (top_logprob_rows.py), cut to the widest count a listed request
+        asked for. Before this step's finishes; a request that finished earlier (abort, stop
+        string) gets none, one preempted after the step was planned gets its token's."""
+        listed, c = out.top_rows, self.slots
+        if live[listed].all():  # the common step: every listed request is in its slot
+            slots = out.row_slots[listed]
+            request_ids = c.request_ids[slots].tolist()
+            width = int(c.top_logprobs[slots].max())
+            keep = slice(None)
+        else:  # some left their slot after the step was planned: asked of each request
+            reqs = [out.row_requests[i] for i in listed.tolist()]
+            keep = [p for p, req in enumerate(reqs) if not req.is_finished]
+            request_ids = [reqs[p].request_id for p in keep]
+            width = max((reqs[p].params.logprobs for p in keep), default=0)
+        if request_ids:
+            # Only the update carries them: the output processor keeps a request's pairs (in
+            # the API process when serving), so the engine core lets them go once sent.
+            update.top_logprobs = TopLogprobRows.of(
+                request_ids, ids[keep, :width], values[keep, :width]
+            )
 
     @staticmethod
     def _deliver_prompt_logprobs(

@@ -33,7 +33,8 @@ class SlotCounters:
         self.ignore_eos = np.zeros(n, bool)
         self.has_stop_ids = np.zeros(n, bool)
         self.wants_logprobs = np.zeros(n, bool)
-        self.wants_top_logprobs = np.zeros(n, bool)  # logprobs >= 1 (False on a free slot)
+        # logprobs (>= 1: top pairs per token; 0 without them and on a free slot)
+        self.top_logprobs = np.zeros(n, np.int8)
         self.has_penalties = np.zeros(n, bool)  # a penalty place
         self.min_tokens = np.zeros(n, i64)
         self.last_token_time = np.zeros(n, np.float64)
@@ -65,7 +66,7 @@ class SlotCounters:
         self.ignore_eos[slot] = p.ignore_eos
         self.has_stop_ids[slot] = bool(p.stop_token_ids)
         self.wants_logprobs[slot] = p.logprobs is not None
-        self.wants_top_logprobs[slot] = bool(p.logprobs)
+        self.top_logprobs[slot] = p.logprobs or 0
         self.has_penalties[slot] = p.has_penalties
         self.min_tokens[slot] = p.min_tokens
         self.last_token_time[slot] = req.times.last_token or 0.0
@@ -87,7 +88,7 @@ class SlotCounters:
         self.requests[slot] = None
         self.request_ids[slot] = None
         self.output_lists[slot] = None
-        self.wants_top_logprobs[slot] = False  # so that `.any()` says whether a running one asks
+        self.top_logprobs[slot] = 0  # so that `.any()` says whether a running one asks
         self.epoch[slot] += 1
         self._free.append(slot)
         req.slot = None

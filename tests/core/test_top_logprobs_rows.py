@@ -15,6 +15,8 @@ from fake_runner import (
     make_scheduler,
 )
 
+from nori_jax.core.output_processor import OutputProcessor
+from nori_jax.core.outputs import EngineCoreOutputs
 from nori_jax.core.step_layout import TOP_LOGPROBS
 
 
@@ -44,11 +46,44 @@ def test_the_plan_lists_the_sampling_rows_that_asked_in_row_order():
     assert "long" in names  # scheduled, but its chunk ends before its prompt does
     tokens = FakeDevice(s).execute(plan)
     update = s.update(out, tokens, np.zeros(len(tokens), np.float32), (ids, values))
-    assert update.top_logprobs == {
-        "three": [[(0, 0.0), (1, -1.0), (2, -2.0)]],
-        "twenty": [[(1000 + j, -float(j)) for j in range(TOP_LOGPROBS)]],
+    block = update.top_logprobs  # the listed rows' arrays, as wide as the widest request asked
+    assert block.request_ids == ["three", "twenty"] and block.width == TOP_LOGPROBS
+    assert block.pairs() == {
+        "three": [(j, -float(j)) for j in range(TOP_LOGPROBS)],
+        "twenty": [(1000 + j, -float(j)) for j in range(TOP_LOGPROBS)],
     }
     s.check_invariants()
+
+    # The output processor hands each request its own k of them.
+    processor = OutputProcessor(None)
+    for r in reqs:
+        processor.add(r.request_id, None, r.prompt_token_ids, r.params, stream=True)
+    outputs, _ = processor.process(
+        EngineCoreOutputs(
+            update.request_ids,
+            update.token_ids.tobytes(),
+            update.logprobs,
+            [],
+            [],
+            top_logprobs=update.top_logprobs,
+        )
+    )
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["three"].new_top_logprobs == [((0, 0.0), (1, -1.0), (2, -2.0))]
+    assert by_id["twenty"].new_top_logprobs == [tuple((1000 + j, -float(j)) for j in range(20))]
+    assert by_id["zero"].new_top_logprobs is None and by_id["none"].new_top_logprobs is None
+
+
+def test_the_block_is_cut_to_the_widest_count_asked():
+    s = make_scheduler(num_pages=64, max_num_seqs=4, max_num_batched_tokens=64)
+    s.add_request(make_request("two", [5] * 8, 2, logprobs=2))
+    s.add_request(make_request("four", [6] * 8, 2, logprobs=4))
+    out = s.schedule()
+    tokens = FakeDevice(s).execute(build(s, out))
+    ids = np.arange(2 * TOP_LOGPROBS).reshape(2, TOP_LOGPROBS)
+    values = -np.ones((2, TOP_LOGPROBS), np.float32)
+    block = s.update(out, tokens, np.zeros(len(tokens), np.float32), (ids, values)).top_logprobs
+    assert block.width == 4 and block.ids.tolist() == ids[:, :4].tolist()
 
 
 def test_every_request_asking_runs_at_once_past_the_old_64_places():
@@ -78,4 +113,26 @@ def test_every_request_asking_runs_at_once_past_the_old_64_places():
     assert most == n
     for r in asking + plain:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 4), r.request_id
-    assert s.allocator.num_used_pages == 0 and not s.slots.wants_top_logprobs.any()
+    assert s.allocator.num_used_pages == 0 and not s.slots.top_logprobs.any()
+
+
+def test_rows_whose_request_left_its_slot_go_to_the_preempted_not_the_finished():
+    """A request preempted after its step was planned still gets that step's token, so its top
+    logprobs too; one finished meanwhile (abort, stop string) gets neither."""
+    s = make_scheduler(num_pages=64, max_num_seqs=4, max_num_batched_tokens=64)
+    reqs = [make_request(n, [5 + i] * 8, 4, logprobs=2 + i) for i, n in enumerate("abc")]
+    for r in reqs:
+        s.add_request(r)
+    out = s.schedule()
+    tokens = FakeDevice(s).execute(build(s, out))
+    s.finish_request("a", "abort")
+    s._preempt(reqs[1])  # "b" leaves its slot for the waiting queue
+    ids = np.arange(3 * TOP_LOGPROBS).reshape(3, TOP_LOGPROBS)
+    values = np.zeros((3, TOP_LOGPROBS), np.float32)
+    block = s.update(out, tokens, np.zeros(len(tokens), np.float32), (ids, values)).top_logprobs
+    names = [r.request_id for r in out.row_requests]
+    rows = {names[i]: p for p, i in enumerate(out.top_rows)}
+    assert block.request_ids == ["b", "c"] and block.width == 4  # c asked 4, b 3, a is gone
+    assert block.ids.tolist() == [ids[rows["b"], :4].tolist(), ids[rows["c"], :4].tolist()]
+    assert reqs[1].output_token_ids == [tokens[names.index("b")]]
+    s.check_invariants()

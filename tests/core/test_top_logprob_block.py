@@ -1,0 +1,58 @@
+"""TopLogprobRows: a step's top logprobs as two arrays through the engine-core process and its
+clients (split per API server, merged across disaggregated engines), pairs made only at the end."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from nori_jax.core.outputs import EngineCoreOutputs
+from nori_jax.core.top_logprob_rows import TopLogprobRows
+from nori_jax.engine_core_process import split_outputs
+
+
+def block(rids, width, base=0):
+    ids = base + np.arange(len(rids) * width).reshape(len(rids), width)
+    return TopLogprobRows.of(rids, ids, -ids.astype(np.float32) / 8)
+
+
+def test_arrays_and_pairs_round_trip_through_msgpack():
+    b = block(["a", "b"], 3)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=TopLogprobRows)
+    assert back.ids.dtype == np.int32 and back.logprobs.dtype == np.float32
+    assert back.ids.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert back.pairs() == {
+        "a": [(0, -0.0), (1, -0.125), (2, -0.25)],
+        "b": [(3, -0.375), (4, -0.5), (5, -0.625)],
+    }
+
+
+def test_select_and_concat_pad_to_the_widest():
+    b = block(["a", "b", "c"], 2)
+    assert b.select([2, 0]).request_ids == ["c", "a"]
+    assert b.select([2, 0]).ids.tolist() == [[4, 5], [0, 1]]
+    merged = TopLogprobRows.concat([None, b.select([1]), block(["x"], 4, base=100)])
+    assert merged.request_ids == ["b", "x"] and merged.width == 4
+    assert merged.ids.tolist() == [[2, 3, -1, -1], [100, 101, 102, 103]]
+    assert merged.logprobs[0, 2:].tolist() == [-np.inf, -np.inf]
+    assert TopLogprobRows.concat([None, block([], 2)]) is None
+    assert TopLogprobRows.concat([b]) is b
+
+
+def test_mismatched_arrays_are_refused_naming_the_shapes():
+    with pytest.raises(ValueError, match=r"ids \(2, 3\) and logprobs \(2, 4\)"):
+        TopLogprobRows.of(["a", "b"], np.zeros((2, 3)), np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="for 1 request ids"):
+        TopLogprobRows.of(["a"], np.zeros((2, 3)), np.zeros((2, 3)))
+
+
+def test_each_api_server_gets_the_rows_of_its_own_requests():
+    out = EngineCoreOutputs(["a", "b", "c"], np.array([1, 2, 3], np.int32).tobytes(), {}, [], [])
+    out.top_logprobs = block(["a", "c"], 2)
+    zero, one, two = split_outputs(out, {"a": 1, "b": 0, "c": 1}, 3)
+    assert zero.top_logprobs is None and two.top_logprobs is None
+    assert one.top_logprobs.request_ids == ["a", "c"]
+    assert one.top_logprobs.ids.tolist() == [[0, 1], [2, 3]]
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(one), type=EngineCoreOutputs)
+    assert wire.top_logprobs.pairs() == one.top_logprobs.pairs()
