@@ -15,7 +15,7 @@ of the requests presence, frequency and repetition penalties (listed rows in eve
 `--min-tokens N` gives every request min_tokens N (banned-id entries while below it: the first
 N - 1 decode steps are timed unless --steps is larger); `--top-logprobs K` gives that share of
 them (`--top-share`, all by default) logprobs=K, the fake device returning each listed row's
-TOP_LOGPROBS pairs as the runner does.
+TOP_LOGPROBS pairs as the runner does (K = 0: each sampled token's logprob alone).
 """
 
 from __future__ import annotations
@@ -70,7 +70,12 @@ def main() -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode's K")
     p.add_argument("--penalized", type=float, default=0.0, help="share of requests with penalties")
     p.add_argument("--min-tokens", type=int, default=0, help="every request's min_tokens")
-    p.add_argument("--top-logprobs", type=int, default=0, help="logprobs=K for a share of them")
+    p.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=None,
+        help="logprobs=K for a share of them (0: each sampled token's logprob alone)",
+    )
     p.add_argument("--top-share", type=float, default=1.0, help="share with --top-logprobs")
     args = p.parse_args()
     n, ps, k = args.requests, 64, args.num_scheduler_steps
@@ -100,7 +105,7 @@ def main() -> None:
     for i in range(n):
         prompt = rng.integers(10, VOCAB, args.context).tolist()
         params = penalized if i < args.penalized * n else plain
-        if args.top_logprobs and i >= n - args.top_share * n:  # the last share of them
+        if args.top_logprobs is not None and i >= n - args.top_share * n:  # the last share of them
             params = dataclasses.replace(params, logprobs=args.top_logprobs)
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, 0, [2], time.monotonic()))
         processor.add(f"r{i}", None, prompt, params, (2,), stream=args.stream)
