@@ -146,6 +146,7 @@ def main() -> None:
                 row = dict(case=cname, form=form, error=f"{type(e).__name__}: {str(e)[:300]}")
             print(json.dumps(row), flush=True)
             rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kv_write_bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"\n{'case':34s} {'form':13s} {'us/call':>8s} {'GB/s':>6s} exact  kernels (us)")

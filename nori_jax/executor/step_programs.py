@@ -44,6 +44,7 @@ from nori_jax.core.step_layout import TOP_LOGPROBS
 from nori_jax.executor.penalties import apply_penalties, count_samples, record_step_tokens
 from nori_jax.executor.sampler import add_logit_bias, sample
 from nori_jax.executor.step_inputs import unpack_rows, unpack_tokens
+from nori_jax.executor.top_k import top_k
 from nori_jax.models.llama import AttentionInputs
 
 
@@ -107,7 +108,7 @@ def top_logprobs_from_logits(layout, count, logits_state, step):
     r, vocab = logits_state.shape
     picked = logits_state[jnp.minimum(row["top_rows"][:count], r - 1)]  # [count, V]
     k = min(TOP_LOGPROBS, vocab)
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(picked, axis=-1), k)
+    values, ids = top_k(jax.nn.log_softmax(picked, axis=-1), k)  # no full sort at k > 16
     if k < TOP_LOGPROBS:  # a vocabulary smaller than the places: the host never asks for more
         pad = [(0, 0), (0, TOP_LOGPROBS - k)]
         values, ids = jnp.pad(values, pad, constant_values=-1e30), jnp.pad(ids, pad)
@@ -242,13 +243,13 @@ def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
     target = jnp.clip(targets, 0, vocab - 1)[:, None]
     values = jnp.take_along_axis(logprobs, target, axis=-1)
     ids = 1 + jnp.sum(logprobs > values, axis=-1, keepdims=True, dtype=jnp.int32)  # its rank
-    if top == 1:  # an argmax: no sort (lax.top_k past 16 is a full sort on XLA:GPU)
+    if top == 1:  # an argmax: one read of the row
         best = jnp.argmax(logprobs, axis=-1)[:, None].astype(jnp.int32)
         ids = jnp.concatenate([ids, best], axis=1)
         values = jnp.concatenate([values, jnp.take_along_axis(logprobs, best, axis=-1)], axis=1)
     elif top > 1:
         k = min(top, vocab)
-        best_values, best = jax.lax.top_k(logprobs, k)
+        best_values, best = top_k(logprobs, k)
         if k < top:  # a vocabulary smaller than the places: never asked for more
             pad = [(0, 0), (0, top - k)]
             best_values, best = jnp.pad(best_values, pad, constant_values=-1e30), jnp.pad(best, pad)
