@@ -12,8 +12,11 @@ Two exact forms that never ask for more than 16 at once, with the same result as
 - `chunks`: the best k of each chunk of the row, then the best k of those candidates (every
   member of the row's top k is among its chunk's top k).
 
-Which is fastest on the GPU is measured by `benchmarks/kernels/top_k_bench.py`;
-`NORI_JAX_TOP_K` (`xla`, `passes`, `chunks`) picks the engine's form for an A/B.
+On an H100 (`benchmarks/kernels/top_k_bench.py`, docs/benchmarks.md) k = 20 took 2.3-3.0x less
+time in passes than `lax.top_k` from 128 rows on (1,024 x 49,152: 3.90 -> 1.61 ms), and chunks won
+up to about 4M elements (64 x 49,152: 440 -> 182 us, against passes' 220), so `auto`, the
+default, takes chunks up to CHUNKS_MAX_ELEMENTS and passes above. `NORI_JAX_TOP_K` (`auto`,
+`xla`, `passes`, `chunks`) picks the engine's form, for an A/B.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import jax
 import jax.numpy as jnp
 
 FAST_K = 16  # the largest k XLA:GPU's own top-k kernel takes
-FORMS = ("xla", "passes", "chunks")
+FORMS = ("auto", "xla", "passes", "chunks")
 CHUNK = 512  # `chunks`: elements per chunk (rows are padded to a whole number of them)
+# `auto`: chunks for inputs of at most this many elements (the H100's crossover: chunks won at
+# 32 x 128,256 and 64 x 49,152, passes at 64 x 128,256 and 128 x 49,152).
+CHUNKS_MAX_ELEMENTS = 1 << 22
 
 
 def default_form() -> str:
-    form = os.environ.get("NORI_JAX_TOP_K", "passes")
+    form = os.environ.get("NORI_JAX_TOP_K", "auto")
     if form not in FORMS:
         raise ValueError(f"NORI_JAX_TOP_K={form!r} must be one of {FORMS}")
     return form
@@ -46,6 +52,8 @@ def top_k(x: jax.Array, k: int, form: str | None = None) -> tuple[jax.Array, jax
         raise ValueError(f"k={k} must be from 1 to the row's length {n}")
     if k <= FAST_K or form == "xla":
         return jax.lax.top_k(x, k)
+    if form == "auto":
+        form = "chunks" if x.size <= CHUNKS_MAX_ELEMENTS else "passes"
     if form == "passes":
         return _passes(x, k)
     return _chunks(x, k)

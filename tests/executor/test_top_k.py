@@ -59,3 +59,19 @@ def test_the_environment_picks_the_engine_form(monkeypatch):
     monkeypatch.setenv("NORI_JAX_TOP_K", "bogus")
     with pytest.raises(ValueError, match="NORI_JAX_TOP_K='bogus'"):
         module.default_form()
+
+
+def test_auto_takes_chunks_for_small_inputs_and_passes_above(monkeypatch):
+    from nori_jax.executor import top_k as module
+
+    seen = []
+    for name in ("_chunks", "_passes"):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda x, k, real=real, name=name: seen.append(name) or real(x, k)
+        )
+    monkeypatch.setattr(module, "CHUNKS_MAX_ELEMENTS", 4 * 1000)
+    x = rows(0, (4, 1000), "normal")
+    module.top_k(x, 20, "auto")
+    module.top_k(jnp.concatenate([x, x]), 20, "auto")
+    assert seen == ["_chunks", "_passes"]
