@@ -34,7 +34,7 @@ class _Stream:
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # logprobs >= 1
     # prompt_logprobs: set whole once the core has them all (RequestOutput's fields)
     prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
     released: list[str] = dataclasses.field(default_factory=list)  # text pieces handed out
     held: str = ""  # text not yet released: it may be the start of a stop string

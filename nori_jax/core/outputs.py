@@ -104,7 +104,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     # For the requests with prompt_logprobs whose prompt's are complete with this step: each
     # prompt token's logprob after the first, (prompt_logprobs >= 1) its top pairs, and its rank
     prompt_logprobs: dict[
-        str, tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]
+        str, tuple[list[float], list[tuple[tuple[int, float], ...]] | None, list[int]]
     ] = {}
 
     @property
@@ -142,7 +142,7 @@ class RequestOutput:
     # it, and with prompt_logprobs = k >= 1 its position's k most likely (token id, logprob)
     # pairs; on every output once the prompt is computed (None before, and without them).
     prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] | None = None
     # each prompt token's rank at its position (1: the likeliest; None for the first)
     prompt_logprob_ranks: list[int | None] | None = None
     _text: str | None = dataclasses.field(default=None, repr=False)

@@ -85,7 +85,9 @@ class Request:
     # a preemption) and, per prompt token after the first, its logprob (and top pairs)
     prompt_logprobs_planned: int = 0
     prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(
+        default_factory=list
+    )
     prompt_logprob_ranks: list[int] = dataclasses.field(default_factory=list)
     # The prompt as int32, made on first use (the prompt never changes): prefill chunks and page
     # hashes read slices of it instead of converting a list of ints each time.

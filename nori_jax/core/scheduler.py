@@ -77,7 +77,7 @@ class StepUpdate:
     # (each prompt token's logprob after the first, with k >= 1 its k (id, logprob) pairs, and
     # each token's rank at its position)
     prompt_logprobs: dict[
-        str, tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]
+        str, tuple[list[float], list[tuple[tuple[int, float], ...]] | None, list[int]]
     ] = dataclasses.field(default_factory=dict)
 
 
@@ -938,8 +938,8 @@ class Scheduler:
             req.prompt_logprob_ranks.extend(ids[rows, 0].tolist())
             k = req.params.prompt_logprobs
             if k:
-                req.prompt_top_logprobs.extend(
-                    list(zip(t, v, strict=True))
+                req.prompt_top_logprobs.extend(  # a tuple a position, as top_logprobs
+                    tuple(zip(t, v, strict=True))
                     for t, v in zip(
                         ids[rows, 1 : k + 1].tolist(),
                         values[rows, 1 : k + 1].astype(float).tolist(),

@@ -56,3 +56,12 @@ def test_each_api_server_gets_the_rows_of_its_own_requests():
     assert one.top_logprobs.ids.tolist() == [[0, 1], [2, 3]]
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(one), type=EngineCoreOutputs)
     assert wire.top_logprobs.pairs() == one.top_logprobs.pairs()
+
+
+def test_a_positions_pairs_stay_tuples_across_the_process_boundary():
+    """Top pairs are a tuple per token (and per prompt position) in one process and after
+    msgpack alike, so a served engine's outputs read as an in-process engine's."""
+    out = EngineCoreOutputs([], b"", {}, [], [])
+    out.prompt_logprobs = {"a": ([-1.0], [((4, -0.5), (6, -1.5))], [2])}
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineCoreOutputs)
+    assert wire.prompt_logprobs == {"a": ([-1.0], [((4, -0.5), (6, -1.5))], [2])}
