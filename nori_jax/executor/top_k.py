@@ -12,7 +12,7 @@ Two exact forms that never ask for more than 16 at once, with the same result as
 - `chunks`: the best k of each chunk of the row, then the best k of those candidates (every
   member of the row's top k is among its chunk's top k).
 
-On an H100 (`benchmarks/kernels/top_k_bench.py`, docs/benchmarks.md) k = 20 took 2.3-3.0x less
+On an H100 (`benchmarks/kernels/top_k_bench.py`, docs/benchmarks.md) k = 20 took 2.1-3.0x less
 time in passes than `lax.top_k` from 128 rows on (1,024 x 49,152: 3.90 -> 1.61 ms), and chunks won
 up to about 4M elements (64 x 49,152: 440 -> 182 us, against passes' 220), so `auto`, the
 default, takes chunks up to CHUNKS_MAX_ELEMENTS and passes above. `NORI_JAX_TOP_K` (`auto`,
