@@ -135,7 +135,8 @@ class RequestOutput:
     # of the whole output (top_logprobs), its `logprobs` most likely (token id, logprob) pairs,
     # best first, of the distribution the sampled token's logprob is taken from. A token's pairs
     # are a tuple, not a list: the cyclic collector stops walking a tuple of numbers once it has
-    # seen it, and walks a list for ever (10 -> 4.5 ms a step at 1,024 rows asking for 20).
+    # seen it, and walks a list for ever (at 1,024 rows asking for 20, the output processor took
+    # 9.5-11.8 ms a step with lists, 4.3-5.1 with tuples: docs/benchmarks.md, "Host costs").
     new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     # prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before
