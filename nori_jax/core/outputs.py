@@ -136,7 +136,7 @@ class RequestOutput:
     # best first, of the distribution the sampled token's logprob is taken from. A token's pairs
     # are a tuple, not a list: the cyclic collector stops walking a tuple of numbers once it has
     # seen it, and walks a list for ever (at 1,024 rows asking for 20, the output processor took
-    # 9.5-11.8 ms a step with lists, 4.3-5.1 with tuples: docs/benchmarks.md, "Host costs").
+    # 9.5-11.8 ms a step with lists, 4.0-5.1 with tuples: docs/benchmarks.md, "Host costs").
     new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     # prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before
