@@ -337,10 +337,7 @@ class _TopPairs:
 
     def __init__(self, block: TopLogprobRows):
         self.width = block.width
-        rows = zip(block.ids.tolist(), block.logprobs.tolist(), strict=True)
-        self.by_request = dict(
-            zip(block.request_ids, (tuple(zip(i, v, strict=True)) for i, v in rows), strict=True)
-        )
+        self.by_request = block.pairs()
 
     def pairs(self, request_id: str, k: int) -> tuple[tuple[int, float], ...]:
         """The request's k (id, logprob) pairs (none if none came)."""

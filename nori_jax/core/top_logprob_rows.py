@@ -78,11 +78,12 @@ class TopLogprobRows(msgspec.Struct, array_like=True, gc=False):
             np.concatenate([pad(b.logprobs, -np.inf) for b in blocks]),
         )
 
-    def pairs(self) -> dict[str, list[tuple[int, float]]]:
-        """Per request: its row's `width` (id, logprob) pairs (the output processor cuts each
-        to the request's own count)."""
+    def pairs(self) -> dict[str, tuple[tuple[int, float], ...]]:
+        """Per request: its row's `width` (id, logprob) pairs, a tuple as outputs carry them
+        (the output processor cuts each to the request's own count). One bulk conversion of
+        the arrays, then one tuple a row."""
         rows = zip(self.ids.tolist(), self.logprobs.tolist(), strict=True)
         return {
-            rid: list(zip(ids, values, strict=True))
+            rid: tuple(zip(ids, values, strict=True))
             for rid, (ids, values) in zip(self.request_ids, rows, strict=True)
         }

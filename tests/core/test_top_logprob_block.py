@@ -23,8 +23,8 @@ def test_arrays_and_pairs_round_trip_through_msgpack():
     assert back.ids.dtype == np.int32 and back.logprobs.dtype == np.float32
     assert back.ids.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert back.pairs() == {
-        "a": [(0, -0.0), (1, -0.125), (2, -0.25)],
-        "b": [(3, -0.375), (4, -0.5), (5, -0.625)],
+        "a": ((0, -0.0), (1, -0.125), (2, -0.25)),
+        "b": ((3, -0.375), (4, -0.5), (5, -0.625)),
     }
 
 

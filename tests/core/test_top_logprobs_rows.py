@@ -49,8 +49,8 @@ def test_the_plan_lists_the_sampling_rows_that_asked_in_row_order():
     block = update.top_logprobs  # the listed rows' arrays, as wide as the widest request asked
     assert block.request_ids == ["three", "twenty"] and block.width == TOP_LOGPROBS
     assert block.pairs() == {
-        "three": [(j, -float(j)) for j in range(TOP_LOGPROBS)],
-        "twenty": [(1000 + j, -float(j)) for j in range(TOP_LOGPROBS)],
+        "three": tuple((j, -float(j)) for j in range(TOP_LOGPROBS)),
+        "twenty": tuple((1000 + j, -float(j)) for j in range(TOP_LOGPROBS)),
     }
     s.check_invariants()
 
