@@ -253,16 +253,15 @@ def split_outputs(
     prompt_logprobs: dict[int, dict] = {}
     for rid, value in out.prompt_logprobs.items():
         prompt_logprobs.setdefault(owner.get(rid, 0), {})[rid] = value
-    tokens = out.token_ids
+    tokens, logprobs = out.token_ids, out.logprobs
     parts = []
     for client, mine in enumerate(rows):
         ids = [out.request_ids[r] for r in mine]
-        logprobs = {rid: out.logprobs[rid] for rid in ids if rid in out.logprobs}
         parts.append(
             EngineCoreOutputs(
                 ids,
                 tokens[mine].tobytes(),
-                logprobs,
+                logprobs[mine].tobytes() if len(logprobs) else b"",
                 out.finished,
                 out.first_tokens,
                 out.stats,

@@ -121,7 +121,7 @@ def test_a_streamed_output_of_invalid_bytes_still_carries_its_text():
     final = FinishedRequest("r", "length", 2, 3, RequestMetrics(*[None] * 5, 0, 0))
     for step in range(3):
         done = [final] if step == 2 else []
-        outs = EngineCoreOutputs(["r"], np.int32([0xFE]).tobytes(), {}, done, [])
+        outs = EngineCoreOutputs(["r"], np.int32([0xFE]).tobytes(), b"", done, [])
         emitted, ended = proc.process(outs)
         assert not ended
         deltas += "".join(o.new_text for o in emitted)

@@ -87,6 +87,14 @@ def _moved_request(req: Request, pages: list[int], num_cached_pages: int) -> Req
     )
 
 
+def _joined_logprobs(outs: list[EngineCoreOutputs]) -> bytes:
+    """The cores' logprob columns end to end, as their rows are; a core that gave none (never,
+    with a real executor) contributes zeros so the column stays aligned."""
+    if not any(o.logprob_bytes for o in outs):
+        return b""
+    return b"".join(o.logprob_bytes or bytes(4 * len(o.request_ids)) for o in outs)
+
+
 def _load(core: EngineCore) -> int:
     s = core.scheduler
     return len(s.running) + s.num_waiting + len(s.handed_off) + len(s.arrived)
@@ -260,7 +268,7 @@ class DisaggregatedCore:
         merged = EngineCoreOutputs(
             [rid for o in outs for rid in o.request_ids],
             b"".join(o.token_bytes for o in outs),
-            {k: v for o in outs for k, v in o.logprobs.items()},
+            _joined_logprobs(outs),
             [f for o in outs for f in o.finished],
             [f for o in outs for f in o.first_tokens],
             top_logprobs=TopLogprobRows.concat([o.top_logprobs for o in outs]),

@@ -306,7 +306,7 @@ class EngineCore:
         return EngineCoreOutputs(
             upd.request_ids,
             upd.token_ids.astype(np.int32).tobytes(),
-            upd.logprobs,
+            b"" if upd.logprobs is None else upd.logprobs.astype(np.float32).tobytes(),
             [finished_request(r) for r in upd.finished],
             [
                 FirstToken(r.request_id, r.times.first_token - r.times.arrival)

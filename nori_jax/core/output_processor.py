@@ -12,6 +12,7 @@ final output when the core confirms the finish. An exception while handling one 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, RequestOutput
@@ -59,6 +60,7 @@ class OutputProcessor:
         # Streams that need nothing per token at all: plain ones whose tokens come with the
         # core's finish. A step whose rows are all theirs is not read row by row.
         self._at_finish = 0
+        self._with_logprobs = 0  # streams that asked for logprobs: only then are they read
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -85,6 +87,7 @@ class OutputProcessor:
             s.detok = self._detokenizer(s)
         if params.logprobs is not None:
             s.logprobs = []
+            self._with_logprobs += 1
         if params.logprobs:
             s.top_logprobs = []
         if params.prompt_logprobs is not None and len(prompt_token_ids) == 1:
@@ -118,15 +121,18 @@ class OutputProcessor:
         finished = {f.request_id: f for f in outs.finished}
         touched: dict[str, _Stream] = {}
         ended: dict[str, str] = {}
-        lp = outs.logprobs
-        lp_used: dict[str, int] = {}  # logprobs taken per request (several tokens: multi-step)
         top = _TopPairs(outs.top_logprobs) if outs.top_logprobs is not None else None
         plain = self._plain
         if self._at_finish == len(streams):
             rows = ()  # every stream takes its tokens from its finish: nothing per row
         else:
-            rows = zip(outs.request_ids, outs.token_ids.tolist(), strict=True)
-        for rid, tok in rows:
+            lps = outs.logprobs  # a column: every row's, or none given (0.0 for those asking)
+            if self._with_logprobs and len(lps):
+                lp_column = lps.tolist()
+            else:  # no Python float per row where no stream reads them
+                lp_column = itertools.repeat(0.0, len(outs.request_ids))
+            rows = zip(outs.request_ids, outs.token_ids.tolist(), lp_column, strict=True)
+        for rid, tok, lp in rows:
             token_ids = plain.get(rid)
             if token_ids is not None:  # the common row: one dict lookup and an append
                 token_ids.append(tok)
@@ -136,14 +142,9 @@ class OutputProcessor:
                 continue  # not ours, tokens sampled after a stop string, or taken at the finish
             s.token_ids.append(tok)
             if s.logprobs is not None:
-                j = lp_used.get(rid, 0)
-                lp_used[rid] = j + 1
-                values = lp.get(rid)
-                s.logprobs.append(values[j] if values is not None and j < len(values) else 0.0)
+                s.logprobs.append(lp)
                 if s.top_logprobs is not None:
-                    # (one row a request: never in a multi-step launch, TopLogprobRows)
-                    pairs = top.pairs(rid, s.params.logprobs) if top and j == 0 else ()
-                    s.top_logprobs.append(pairs)
+                    s.top_logprobs.append(top.take(rid, s.params.logprobs) if top else ())
             if s.detok is not None:
                 f = finished.get(rid)
                 try:
@@ -199,6 +200,7 @@ class OutputProcessor:
         s = self._streams.pop(f.request_id, None)
         if s is None:
             return None
+        self._with_logprobs -= s.logprobs is not None
         self._plain.pop(f.request_id, None)
         if s.ids_at_finish:
             self._at_finish -= 1
@@ -327,6 +329,8 @@ class OutputProcessor:
         self._plain.pop(request_id, None)
         if s is not None and s.ids_at_finish:
             self._at_finish -= 1
+        if s is not None and s.logprobs is not None:
+            self._with_logprobs -= 1
 
 
 class _TopPairs:
@@ -339,9 +343,11 @@ class _TopPairs:
         self.width = block.width
         self.by_request = block.pairs()
 
-    def pairs(self, request_id: str, k: int) -> tuple[tuple[int, float], ...]:
-        """The request's k (id, logprob) pairs (none if none came)."""
-        pairs = self.by_request.get(request_id, ())
+    def take(self, request_id: str, k: int) -> tuple[tuple[int, float], ...]:
+        """The request's k (id, logprob) pairs, once: none if none came, or for a second token
+        of the request in the step (a block has one row a request: top logprobs never run in a
+        multi-step launch)."""
+        pairs = self.by_request.pop(request_id, ())
         return pairs if k >= self.width else pairs[:k]
 
 

@@ -93,7 +93,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     # launch) is listed once per token, in order.
     request_ids: list[str]
     token_bytes: bytes  # int32[len(request_ids)] (numpy bytes: one buffer, not a list)
-    logprobs: dict[str, list[float]]  # sampled tokens' logprobs, for the requests that asked
+    # float32[len(request_ids)]: each row's sampled token's logprob, every row's whether its
+    # request asked or not (b"" where the executor gave none): a column like the tokens, so
+    # neither the core nor the output processor does per-row work for them
+    logprob_bytes: bytes
     finished: list[FinishedRequest]
     first_tokens: list[FirstToken]
     stats: StepStats | None = None
@@ -111,9 +114,14 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.token_bytes, np.int32)
 
+    @property
+    def logprobs(self) -> np.ndarray:
+        """float32, one per row, or empty where the executor gave none."""
+        return np.frombuffer(self.logprob_bytes, np.float32)
+
     @classmethod
     def empty(cls) -> EngineCoreOutputs:
-        return cls([], b"", {}, [], [])
+        return cls([], b"", b"", [], [])
 
 
 @dataclasses.dataclass(slots=True)

@@ -66,8 +66,9 @@ class StepUpdate:
 
     request_ids: list[str]  # requests that gained a token, in row order
     token_ids: np.ndarray  # int32[len(request_ids)]
-    # For the requests that asked for them: one per token the request gained, in order.
-    logprobs: dict[str, list[float]]
+    # float32[len(request_ids)]: each row's sampled token's logprob (None: none were given);
+    # the requests that asked read theirs where their outputs are made
+    logprobs: np.ndarray | None
     finished: list[Request]  # finished by these samples (stop token, length)
     first_tokens: list[Request]  # requests whose first output token this was
     # For the requests with logprobs >= 1: per token gained, its most likely (token id,
@@ -760,17 +761,12 @@ class Scheduler:
         c.last_token[sslots] = tokens
         c.last_token_time[sslots] = now
         request_ids = c.request_ids[sslots].tolist()
-        update = StepUpdate(request_ids, tokens, {}, [], [])
+        lps = None if logprobs is None else logprobs[rows].astype(np.float32)
+        update = StepUpdate(request_ids, tokens, lps, [], [])
 
         for j in np.flatnonzero(c.known[sslots] - c.prompt_len[sslots] == 1).tolist():
             reqs[rows[j]].times.first_token = now
             update.first_tokens.append(reqs[rows[j]])
-        if logprobs is not None and c.wants_logprobs.any():
-            asked = np.flatnonzero(c.wants_logprobs[sslots])
-            values = logprobs[rows[asked]].astype(float).tolist()
-            update.logprobs.update(
-                zip(c.request_ids[sslots[asked]].tolist(), ([v] for v in values), strict=True)
-            )
         if top is not None and len(out.top_rows):
             self._deliver_top(out, *top, live, update)
         if prompt is not None and out.prompt_logprobs:
@@ -804,8 +800,8 @@ class Scheduler:
             req.times.last_token = now
             update.request_ids.append(req.request_id)
             update.token_ids = np.append(update.token_ids, np.int32(tok))
-            if logprobs is not None and req.params.logprobs is not None:
-                update.logprobs[req.request_id] = [float(logprobs[i])]
+            if update.logprobs is not None:
+                update.logprobs = np.append(update.logprobs, np.float32(logprobs[i]))
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 update.finished.append(self.finish_request(req.request_id, reason))
@@ -868,15 +864,12 @@ class Scheduler:
             reqs[i].num_pending_tokens -= int(steps[i])
             reqs[i].times.last_token = now
 
-        delivered = by_row[np.arange(k)[None, :] < take_r[:, None]]  # row by row, in order
-        update = StepUpdate(np.repeat(ids, take_r).tolist(), delivered, {}, [], [])
+        taken = np.arange(k)[None, :] < take_r[:, None]
+        delivered = by_row[taken]  # row by row, in order
+        lps = None
         if logprobs is not None:
-            lp_rows = [
-                j for j, i in enumerate(rows.tolist()) if reqs[i].params.logprobs is not None
-            ]
-            for j in lp_rows:
-                req, n = reqs[rows[j]], int(take_r[j])
-                update.logprobs[req.request_id] = logprobs[:n, rows[j]].astype(float).tolist()
+            lps = logprobs[:, : len(slots)][:, rows].T[taken].astype(np.float32)
+        update = StepUpdate(np.repeat(ids, take_r).tolist(), delivered, lps, [], [])
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
         # Finishes: rows that stopped, reached their length, or were preempted (checked alone).

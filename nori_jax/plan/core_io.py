@@ -92,7 +92,7 @@ def measure(
                 times = []
                 answers: list[list] = [[] for _ in range(api_servers)]
                 for _ in range(iterations):
-                    out = EngineCoreOutputs(list(ids), tokens, {}, list(finished), [], stats, [])
+                    out = EngineCoreOutputs(list(ids), tokens, b"", list(finished), [], stats, [])
                     t0 = time.perf_counter()
                     clients.send_step(out, answers, answers, encode)
                     times.append(time.perf_counter() - t0)

@@ -89,18 +89,18 @@ def test_rows_are_skipped_only_while_every_stream_takes_its_ids_at_the_finish():
     params = SamplingParams(max_tokens=4)
     proc.add("plain", None, [1], params, stream=False, final_ids_from_core=True)
     proc.add("streamed", None, [1], params, stream=True, final_ids_from_core=True)
-    rows = EngineCoreOutputs(["plain", "streamed"], np.int32([5, 6]).tobytes(), {}, [], [])
+    rows = EngineCoreOutputs(["plain", "streamed"], np.int32([5, 6]).tobytes(), b"", [], [])
     outputs, _ = proc.process(rows)
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("streamed", [6])]
     assert proc._streams["plain"].token_ids == []  # nothing kept per step: they come at the finish
     proc.drop("streamed")
     proc.add("streamed2", None, [1], params, stream=True, final_ids_from_core=True)
-    rows = EngineCoreOutputs(["streamed2"], np.int32([7]).tobytes(), {}, [], [])
+    rows = EngineCoreOutputs(["streamed2"], np.int32([7]).tobytes(), b"", [], [])
     assert [o.new_token_ids for o in proc.process(rows)[0]] == [[7]]  # the count survived drop
     proc.drop("streamed2")
     done = FinishedRequest("plain", "length", 1, 2, RequestMetrics(*[None] * 5, 0, 0), None, [5, 9])
     (final,), _ = proc.process(
-        EngineCoreOutputs(["plain"], np.int32([9]).tobytes(), {}, [done], [])
+        EngineCoreOutputs(["plain"], np.int32([9]).tobytes(), b"", [done], [])
     )
     assert final.finished and final.token_ids == [5, 9] and final.new_token_ids == []
 

@@ -167,7 +167,7 @@ def test_engine_core_streams_every_token_and_logprob_of_a_launch_in_order():
 def _outputs(rows: list[tuple[str, int]], finished=()) -> EngineCoreOutputs:
     ids = [r for r, _ in rows]
     tokens = np.array([t for _, t in rows], np.int32)
-    return EngineCoreOutputs(ids, tokens.tobytes(), {}, list(finished), [])
+    return EngineCoreOutputs(ids, tokens.tobytes(), b"", list(finished), [])
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -48,7 +48,7 @@ def test_mismatched_arrays_are_refused_naming_the_shapes():
 
 
 def test_each_api_server_gets_the_rows_of_its_own_requests():
-    out = EngineCoreOutputs(["a", "b", "c"], np.array([1, 2, 3], np.int32).tobytes(), {}, [], [])
+    out = EngineCoreOutputs(["a", "b", "c"], np.array([1, 2, 3], np.int32).tobytes(), b"", [], [])
     out.top_logprobs = block(["a", "c"], 2)
     zero, one, two = split_outputs(out, {"a": 1, "b": 0, "c": 1}, 3)
     assert zero.top_logprobs is None and two.top_logprobs is None
@@ -61,7 +61,31 @@ def test_each_api_server_gets_the_rows_of_its_own_requests():
 def test_a_positions_pairs_stay_tuples_across_the_process_boundary():
     """Top pairs are a tuple per token (and per prompt position) in one process and after
     msgpack alike, so a served engine's outputs read as an in-process engine's."""
-    out = EngineCoreOutputs([], b"", {}, [], [])
+    out = EngineCoreOutputs([], b"", b"", [], [])
     out.prompt_logprobs = {"a": ([-1.0], [((4, -0.5), (6, -1.5))], [2])}
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineCoreOutputs)
     assert wire.prompt_logprobs == {"a": ([-1.0], [((4, -0.5), (6, -1.5))], [2])}
+
+
+def test_the_processor_reads_the_logprob_column_for_the_streams_that_asked():
+    """Sampled-token logprobs travel as a column, one a row (several rows of a request in a
+    multi-step launch), and a stream without them pays for none."""
+    from nori_jax.core.output_processor import OutputProcessor
+    from nori_jax.sampling_params import SamplingParams
+
+    processor = OutputProcessor(None)
+    processor.add("lp", None, [1, 2], SamplingParams(logprobs=0), stream=True)
+    processor.add("plain", None, [1, 2], SamplingParams(), stream=True)
+    lps = np.array([-0.5, -1.5, -2.5, -3.5], np.float32)
+    out = EngineCoreOutputs(
+        ["lp", "plain", "lp", "plain"], np.int32([5, 6, 7, 8]).tobytes(), lps.tobytes(), [], []
+    )
+    outputs, _ = processor.process(out)
+    got = {o.request_id: o for o in outputs}
+    assert got["lp"].new_token_ids == [5, 7] and got["lp"].new_logprobs == [-0.5, -2.5]
+    assert got["plain"].new_token_ids == [6, 8] and got["plain"].new_logprobs is None
+    processor.drop("lp")
+    assert processor._with_logprobs == 0  # only streams that asked make it read the column
+    processor.add("lp2", None, [1], SamplingParams(logprobs=1), stream=True)
+    processor.add("lp2", None, [1], SamplingParams(logprobs=1), stream=True)  # added again
+    assert processor._with_logprobs == 1

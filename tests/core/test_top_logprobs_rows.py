@@ -62,7 +62,7 @@ def test_the_plan_lists_the_sampling_rows_that_asked_in_row_order():
         EngineCoreOutputs(
             update.request_ids,
             update.token_ids.tobytes(),
-            update.logprobs,
+            update.logprobs.tobytes(),
             [],
             [],
             top_logprobs=update.top_logprobs,
