@@ -32,8 +32,7 @@ class SlotCounters:
         self.epoch = np.zeros(n, i64)  # bumped on every release: a row of an older epoch is stale
         self.ignore_eos = np.zeros(n, bool)
         self.has_stop_ids = np.zeros(n, bool)
-        self.wants_logprobs = np.zeros(n, bool)
-        # logprobs (>= 1: top pairs per token; 0 without them and on a free slot)
+        # `logprobs` where >= 1 (top pairs per token); 0 below, without them and on a free slot
         self.top_logprobs = np.zeros(n, np.int8)
         self.has_penalties = np.zeros(n, bool)  # a penalty place
         self.min_tokens = np.zeros(n, i64)
@@ -65,7 +64,6 @@ class SlotCounters:
         self.last_row[slot] = req.last_row
         self.ignore_eos[slot] = p.ignore_eos
         self.has_stop_ids[slot] = bool(p.stop_token_ids)
-        self.wants_logprobs[slot] = p.logprobs is not None
         self.top_logprobs[slot] = p.logprobs or 0
         self.has_penalties[slot] = p.has_penalties
         self.min_tokens[slot] = p.min_tokens
