@@ -285,9 +285,7 @@ class PlanBuilder:
         filter_rows = view("filter_rows")
         filter_rows[:] = s  # padding: out of range, dropped by the sampler's scatter
         filter_rows[: len(filtered)] = filtered
-        top_rows = view("top_rows")
-        # unused places stay max_num_seqs (new_step): no top-logprobs program runs without one
-        if len(out.top_rows) > len(top_rows):  # the scheduler's admission keeps this away
-            raise AssertionError(f"{len(out.top_rows)} rows with top logprobs in one step")
-        top_rows[: len(out.top_rows)] = out.top_rows
+        # (max_num_seqs entries, one per row at most; the rest stay max_num_seqs from new_step,
+        # and a step listing none runs no top-logprobs program)
+        view("top_rows")[: len(out.top_rows)] = out.top_rows
         return StepPlan(layout, buffer, bucket, program, out)

@@ -105,8 +105,8 @@ class SchedulerOutput:
     # context ends it first). One step: num_steps 1, decode_steps None.
     num_steps: int = 1
     decode_steps: np.ndarray | None = None  # int32[D]
-    # The sampling rows of requests with logprobs >= 1, in the order of the step's top-logprobs
-    # places (core/step_layout.py, `top_rows`): place p's top tokens are row top_rows[p]'s.
+    # The sampling rows of requests with logprobs >= 1, in row order, as the step buffer lists
+    # them (core/step_layout.py, `top_rows`): the top-logprobs output's row p is row top_rows[p]'s.
     top_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     # Rows of requests with prompt_logprobs and the positions whose logprobs the step computes.
     prompt_logprobs: list[PromptLogprobRows] = dataclasses.field(default_factory=list)

@@ -152,8 +152,8 @@ class StepLayout:
         return self._by_name[name]
 
     def new_step(self) -> np.ndarray:
-        """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs
-        places, penalty rows and prompt-logprob rows unused (max_num_seqs)."""
+        """A zeroed step buffer; prev_index starts at -1 (every id known), the top-logprobs,
+        penalty and prompt-logprob row lists empty (max_num_seqs)."""
         buf = np.zeros(self.size, np.int32)
         self.tokens(buf)[TOKEN_FIELDS.index("prev_index")] = -1
         self.view(buf, "top_rows")[:] = self.max_num_seqs

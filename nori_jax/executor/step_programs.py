@@ -12,7 +12,7 @@
     prompt_logprobs_from_logits[top, L](logits, step_state) -> int32[2, L x (1 + top)] (fresh)
     peek(samples) -> a copy for the host
     multi_step[bucket, program](params, kv_pages, samples, all_samples, step_state)
-        -> (all_samples int32[K, 2, W], samples, kv_pages)
+        -> (all_samples int32[K, 2, S], samples, kv_pages)
 
 `samples` int32[2, S] packs each row's token (row 0) and its logprob's float32 bits (row 1). The
 top logprobs of the step's `top_rows` (core/step_layout.py) and its prompt logprobs come from
@@ -109,7 +109,7 @@ def top_logprobs_from_logits(layout, count, logits_state, step):
     picked = logits_state[jnp.minimum(row["top_rows"][:count], r - 1)]  # [count, V]
     k = min(TOP_LOGPROBS, vocab)
     values, ids = top_k(jax.nn.log_softmax(picked, axis=-1), k)  # no full sort at k > 16
-    if k < TOP_LOGPROBS:  # a vocabulary smaller than the places: the host never asks for more
+    if k < TOP_LOGPROBS:  # a vocabulary smaller than TOP_LOGPROBS: never asked for more
         pad = [(0, 0), (0, TOP_LOGPROBS - k)]
         values, ids = jnp.pad(values, pad, constant_values=-1e30), jnp.pad(ids, pad)
     return _pack(ids.reshape(-1), values.reshape(-1))
@@ -250,7 +250,7 @@ def prompt_logprobs_from_logits(layout, top, count, logits_state, step):
     elif top > 1:
         k = min(top, vocab)
         best_values, best = top_k(logprobs, k)
-        if k < top:  # a vocabulary smaller than the places: never asked for more
+        if k < top:  # a vocabulary smaller than `top`: never asked for more
             pad = [(0, 0), (0, top - k)]
             best_values, best = jnp.pad(best_values, pad, constant_values=-1e30), jnp.pad(best, pad)
         ids = jnp.concatenate([ids, best.astype(jnp.int32)], axis=1)
@@ -280,7 +280,7 @@ def multi_step(
     first `decode_steps[i]` steps; in the later ones its token writes the null page and reads
     its last real length, and its samples are garbage the host drops.
 
-    Returns (samples int32[k, 2, W], the last step's samples int32[2, W] (the next launch's
+    Returns (samples int32[k, 2, S], the last step's samples int32[2, S] (the next launch's
     `prev_samples`), kv_pages).
     """
     model, kv_scales = model_from(graphdef, packed, params, kv_scales)
