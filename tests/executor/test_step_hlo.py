@@ -39,7 +39,7 @@ def test_every_bucket_and_sampler_mode_is_checked(programs):
     assert {"sampler random (8 rows)", "sampler filter-8 (8 rows)"} <= set(programs)
     assert {"sampler greedy (8 rows)", "penalties (8 rows)", "penalty counts"} <= set(programs)
     assert {"multi-step bucket 16 greedy", "multi-step bucket 16 filter-8"} <= set(programs)
-    assert {"top logprobs (8 rows)"} <= set(programs)  # lax.top_k of the rows that ask
+    assert {"top logprobs (8 rows)"} <= set(programs)  # the top-k of the rows that ask
     assert {f"prompt logprobs top {k} (8 rows)" for k in (0, 1, 20)} <= set(programs)
 
 
