@@ -10,8 +10,8 @@ Per row (on logits that already carry the row's logit_bias, `add_logit_bias`):
     as the most likely one, vLLM's order), then the k-th largest value for top-k, then the
     smallest value whose nucleus (mass of the strictly larger ones) stays below top_p, computed
     on the distribution renormalized over the tokens min-p and top-k keep. Thresholds come from
-    one sort of the filtering rows, gathered into a bucket of R rows; ties at the threshold are
-    all kept.
+    the filtering rows gathered into a bucket of R rows, by one sort of each or by counting
+    passes (filter_search.py); ties at the threshold are all kept.
 The Gumbel noise of a row comes from a key derived from (request seed, output index): it does not
 depend on the batch, and a preempted request that is recomputed draws the same tokens.
 """
@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from nori_jax.core.sampling_modes import SamplerProgram
+from nori_jax.executor.filter_search import FORMS as FILTER_FORMS
+from nori_jax.executor.filter_search import default_form as default_filter_form
+from nori_jax.executor.filter_search import search_thresholds
 
 _NEG_INF = -jnp.inf
 
@@ -40,14 +43,27 @@ def add_logit_bias(
 
 
 def filter_thresholds(
-    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+    scaled: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    form: str | None = None,
 ) -> jax.Array:
-    """float32[R]: each row's smallest kept value under min-p, top-k, then top-p (one sort per
-    row)."""
+    """float32[R]: each row's smallest kept value under min-p, top-k, then top-p: from one sort
+    per row (`sort`) or from counting passes (`search`, executor/filter_search.py); the same
+    threshold either way. `form` None: `NORI_JAX_FILTER`'s."""
+    form = form or default_filter_form()
+    if form not in FILTER_FORMS:
+        raise ValueError(f"filter form {form!r} must be one of {FILTER_FORMS}")
     vocab = scaled.shape[-1]
     # min-p: p >= min_p * p_max, i.e. scaled >= max + log(min_p) (-inf, no floor, for min_p 0).
-    floor = jnp.max(scaled, axis=-1) + jnp.log(min_p)
+    row_max = jnp.max(scaled, axis=-1)
+    floor = row_max + jnp.log(min_p)
     scaled = jnp.where(scaled >= floor[:, None], scaled, _NEG_INF)
+    if form != "sort":
+        siblings = form == "search_siblings"
+        threshold = search_thresholds(scaled, top_k, top_p, row_max, siblings=siblings)
+        return jnp.maximum(threshold, floor)
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
     ranks = jnp.arange(vocab)[None, :]
     in_k = ranks < jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]

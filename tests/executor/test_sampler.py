@@ -48,18 +48,27 @@ def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 
 
 
 @functools.cache
-def _sampler(program: SamplerProgram):
-    return jax.jit(functools.partial(sample, program=program))
+def _sampler(program: SamplerProgram, filter_form: str = "sort"):
+    jitted = jax.jit(functools.partial(sample, program=program))
+
+    def call(*args):
+        with pytest.MonkeyPatch.context() as mp:  # the form is read while tracing
+            mp.setenv("NORI_JAX_FILTER", filter_form)
+            return jitted(*args)
+
+    return call
 
 
-def draw(rows: dict[str, np.ndarray], program: SamplerProgram | None = None) -> np.ndarray:
+def draw(
+    rows: dict[str, np.ndarray], program: SamplerProgram | None = None, filter_form: str = "sort"
+) -> np.ndarray:
     n = len(rows["temperature"])
     top_k = np.asarray([normalize_top_k(int(k), VOCAB) for k in rows["top_k"]], np.int32)
     min_p = rows.get("min_p", np.zeros(n, np.float32))
     chosen, filtered = choose_program(rows["temperature"], rows["top_p"], top_k, n, min_p)
     filter_rows = np.full(n, n, np.int32)
     filter_rows[: len(filtered)] = filtered
-    tokens, _ = _sampler(program or chosen)(
+    tokens, _ = _sampler(program or chosen, filter_form)(
         jnp.asarray(np.broadcast_to(LOGITS, (n, VOCAB))),
         jnp.asarray(rows["temperature"], jnp.float32),
         jnp.asarray(rows["top_p"], jnp.float32),
@@ -99,13 +108,14 @@ def rows_of(
         (1.0, 2, 1.0, 0.5),  # a top-k narrower than min-p's set
     ],
 )
-def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, min_p):
+@pytest.mark.parametrize("filter_form", ["sort", "search"])
+def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, min_p, filter_form):
     rows = rows_of(DRAWS, temperature, top_k, top_p, min_p=min_p)
     program, _ = choose_program(
         rows["temperature"], rows["top_p"], rows["top_k"], DRAWS, rows["min_p"]
     )
     assert program.kind == ("random" if top_k == 0 and top_p == 1.0 and min_p == 0 else "filter")
-    counts = np.bincount(draw(rows), minlength=VOCAB)
+    counts = np.bincount(draw(rows, filter_form=filter_form), minlength=VOCAB)
     p = expected_probs(temperature, top_k, top_p, min_p)
     assert counts[p == 0].sum() == 0, f"tokens outside the kept set were drawn: {counts}"
     kept = p > 0
