@@ -123,25 +123,27 @@ def test_distribution_matches_the_exact_computation(temperature, top_k, top_p, m
     assert result.pvalue > 1e-4, (counts, np.round(p * DRAWS, 1), result)
 
 
-def test_a_row_draws_the_same_token_alone_and_in_any_batch_and_program():
+@pytest.mark.parametrize("filter_form", ["sort", "search"])
+def test_a_row_draws_the_same_token_alone_and_in_any_batch_and_program(filter_form):
     """Tokens depend on a request's own seed and settings, not on its neighbours or the program
     (and filter bucket) their settings choose."""
+    pick = functools.partial(draw, filter_form=filter_form)
     mine = rows_of(16, temperature=0.9, top_k=4, top_p=0.95, seed0=100)
     plain = rows_of(16, temperature=1.1, seed0=300)
-    alone, plain_alone = draw(mine), draw(plain)
+    alone, plain_alone = pick(mine), pick(plain)
     neighbours = rows_of(40, temperature=1.0, top_k=0, top_p=0.5, seed0=7)
     with_min_p = rows_of(8, temperature=1.2, min_p=0.2, seed0=500)
     neighbours = {k: np.concatenate([neighbours[k], with_min_p[k]]) for k in neighbours}
     greedy = rows_of(8, temperature=0.0, top_k=3, top_p=0.5)
     mixed = {k: np.concatenate([neighbours[k], mine[k], greedy[k], plain[k]]) for k in mine}
-    got = draw(mixed)  # 64 filtering rows: a bigger bucket than `mine` alone took
+    got = pick(mixed)  # 64 filtering rows: a bigger bucket than `mine` alone took
     assert got[48:64].tolist() == alone.tolist()
-    assert got[40:48].tolist() == draw(with_min_p).tolist()
+    assert got[40:48].tolist() == pick(with_min_p).tolist()
     assert got[72:].tolist() == plain_alone.tolist()
     assert (got[64:72] == int(np.argmax(LOGITS))).all()
     # A greedy row is the argmax in every program.
     for program in sampler_programs(8):
-        assert (draw(greedy, program) == int(np.argmax(LOGITS))).all()
+        assert (pick(greedy, program) == int(np.argmax(LOGITS))).all()
 
 
 def test_seed_and_output_index_select_the_stream():
