@@ -31,10 +31,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FORMS = ("sort", "search", "search_siblings")
 BITS = 4  # bits of the key settled per pass: 15 pivots a pass, 8 passes a threshold
-_SIGN = jnp.uint32(0x80000000)
+_SIGN = np.uint32(0x80000000)  # numpy: a jnp constant would start JAX's backend at import
 
 
 def default_form() -> str:
@@ -61,9 +62,9 @@ def smallest_true(
     """float32[R]: the value of the smallest key in [lo, hi] (uint32[R]) at which `test` holds.
 
     `test(values float32[R, P]) -> bool[R, P]` must be monotone in the value (false below the
-    answer, true from it on) and true at `hi`. The search counts the keys where the test fails:
-    each pass adds the next `bits` bits of that count, testing its 2**bits - 1 candidates at
-    once (those past `hi` count as true without being tested)."""
+    answer, true from it on); where it is false even at `hi`, the answer is `hi`. The search
+    counts the keys where the test fails: each pass adds the next `bits` bits of that count,
+    testing its 2**bits - 1 candidates at once (those past `hi` count as true untested)."""
     if 32 % bits:
         raise ValueError(f"bits={bits} must divide 32")
     width = hi - lo
@@ -75,7 +76,9 @@ def smallest_true(
         inside = last <= width[:, None]
         fails = inside & ~test(key_to_float(lo[:, None] + jnp.where(inside, last, 0)))
         failing = failing + (jnp.sum(fails, axis=-1, dtype=jnp.uint32) << shift)
-    found = key_to_float(lo + failing)
+    # A test false even at `hi` (a top_p that rounded to 0.0 in float32) stops at `hi`. (As a
+    # `where`: `jnp.minimum(failing, width)` made XLA's CPU compiler hang at bits=1.)
+    found = key_to_float(jnp.where(failing > width, hi, lo + failing))
     # Where comparisons flush denormals to zero (XLA's float32 on CPU), every denormal tests as
     # zero does and the search stops at the most negative one: 0.0 compares alike, and reads so.
     return jnp.where(found == 0.0, jnp.float32(0.0), found)

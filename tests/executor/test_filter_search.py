@@ -32,14 +32,15 @@ def test_keys_follow_the_float_order():
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_the_search_finds_the_smallest_value_where_the_test_turns_true(bits):
     # One row per answer: inside the range, at each end, below zero, zero (which a search under
-    # flushed denormals reaches from the most negative denormal), the smallest normal.
-    answers = np.asarray([0.75, -3.0, -np.inf, 7.0, 0.0, -1.2e-38], np.float32)
-    lo = float_to_key(jnp.full(6, -np.inf, jnp.float32))
-    hi = float_to_key(jnp.full(6, 7.0, jnp.float32))
+    # flushed denormals reaches from the most negative denormal), the smallest normal, and past
+    # the range's end (a test false everywhere: the end).
+    answers = np.asarray([0.75, -3.0, -np.inf, 7.0, 0.0, -1.2e-38, np.inf], np.float32)
+    lo = float_to_key(jnp.full(7, -np.inf, jnp.float32))
+    hi = float_to_key(jnp.full(7, 7.0, jnp.float32))
     found = jax.jit(smallest_true, static_argnums=(0, 3))(
         lambda v: v >= jnp.asarray(answers)[:, None], lo, hi, bits
     )
-    np.testing.assert_array_equal(np.asarray(found), answers)
+    np.testing.assert_array_equal(np.asarray(found), np.minimum(answers, 7.0))
 
 
 def test_a_number_of_bits_that_does_not_divide_32_is_refused():
@@ -63,6 +64,7 @@ def _rows(seed: int, kind: str, rows: int = 12, vocab: int = 700):
     top_p = rng.uniform(0.05, 1.0, rows).astype(np.float32)
     top_p[::4] = 1.0
     top_p[5] = 1e-7  # the most likely token alone
+    top_p[6] = 1e-50  # valid, and 0.0 in float32: the most likely token alone too
     min_p = np.where(rng.random(rows) < 0.4, rng.uniform(0.01, 0.6, rows), 0.0)
     return x, top_k, top_p, min_p.astype(np.float32)
 
@@ -126,7 +128,7 @@ def test_the_sampler_draws_the_same_tokens_under_either_form():
 
 
 def test_the_search_program_has_no_control_flow():
-    x, top_k, top_p, min_p = _rows(0, "normal", rows=6, vocab=64)
+    x, top_k, top_p, min_p = _rows(0, "normal", rows=8, vocab=64)
     hlo = _thresholds("search").lower(x, top_k, top_p, min_p).compile().as_text()
     assert "sort(" not in hlo
     assert not [line for line in hlo.splitlines() if " while(" in line or " conditional(" in line]
