@@ -51,7 +51,8 @@ def filter_thresholds(
 ) -> jax.Array:
     """float32[R]: each row's smallest kept value under min-p, top-k, then top-p: from one sort
     per row (`sort`) or from counting passes (`search`, executor/filter_search.py); the same
-    threshold either way. `form` None: `NORI_JAX_FILTER`'s."""
+    threshold either way, but where float rounding differs at the top-p boundary itself.
+    `form` None: `NORI_JAX_FILTER`'s."""
     form = form or default_filter_form()
     if form not in FILTER_FORMS:
         raise ValueError(f"filter form {form!r} must be one of {FILTER_FORMS}")
