@@ -51,12 +51,13 @@ def _is_number(x: object) -> bool:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables top-p; min_p keeps
-    the tokens at least min_p times as likely as the most likely one (0 disables it; applied
-    after temperature and before top-k / top-p, as vLLM does). `logit_bias` maps token ids to a
-    bias in [-100, 100] added to their logits before anything else (greedy too; logprobs are
-    then those of the biased logits). `seed` makes a
-    request's sampled tokens reproducible whatever else runs beside it. `logprobs` returns the
+    temperature 0 is greedy, and so is any temperature below 1e-5 (vLLM's rule: dividing the
+    logits by much less overflows float32). top_k 0 or -1 disables top-k; top_p 1.0 disables
+    top-p; min_p keeps the tokens at least min_p times as likely as the most likely one (0
+    disables it; applied after temperature and before top-k / top-p, as vLLM does).
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before anything
+    else (greedy too; logprobs are then those of the biased logits). `seed` makes a request's
+    sampled tokens reproducible whatever else runs beside it. `logprobs` returns the
     log-probability of each sampled token under the model's unscaled distribution (after
     logit_bias and penalties), and with logprobs = k >= 1 also the k most likely tokens with
     theirs.

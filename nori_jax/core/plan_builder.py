@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nori_jax.core.sampling_modes import choose_program, normalize_top_k
+from nori_jax.core.sampling_modes import choose_program, effective_temperature, normalize_top_k
 from nori_jax.core.scheduler_output import Acquire, AddPages, BatchEvent, Release, SchedulerOutput
 from nori_jax.core.step_layout import (
     PENALTY_FRESH,
@@ -72,7 +72,8 @@ class PlanBuilder:
                 s = ev.slot
                 self.page_table[s] = 0
                 self._write_pages(s, 0, ev.pages)
-                self.temperature[s], self.top_p[s] = ev.temperature, ev.top_p
+                self.temperature[s] = effective_temperature(ev.temperature)
+                self.top_p[s] = ev.top_p
                 self.seeds[s] = ev.seed
                 self.top_k[s] = normalize_top_k(ev.top_k, self.vocab_size)
                 self.min_p[s] = ev.min_p

@@ -68,6 +68,17 @@ def multi_step_programs(
     return [(b, p) for b in buckets if b <= top_bucket for p in programs]
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32
+# for T near 1e-38 (a logit of 5 / 1.2e-38 is inf), and the overflowed tokens then tie, so the
+# draw would pick the lowest id among them, or token 0 once top-p's softmax turns them to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a row samples at: 0.0 (greedy) below GREEDY_BELOW_TEMPERATURE."""
+    return 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
+
+
 def normalize_top_k(top_k: int, vocab_size: int) -> int:
     """0 (off) for a top_k that keeps the whole vocabulary; the value otherwise."""
     return 0 if top_k <= 0 or top_k >= vocab_size else top_k
