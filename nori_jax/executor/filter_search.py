@@ -2,8 +2,9 @@
 without sorting the row.
 
 The sampler keeps a row's tokens at or above one threshold (sampler.py). The sort form finds it
-by sorting the row whole: 4.7 ms at 1,024 rows x 49,152 on the H200 (docs/benchmarks.md, the
-sampler's primitives), more than the rest of the step's sampling together. Both thresholds are
+by sorting the row whole: its sampler program took 4.7 ms at 1,024 rows x 49,152 on the H200,
+against 0.59 ms sampling the same rows unfiltered (docs/benchmarks.md, the sampler's
+primitives). Both thresholds are
 values of the row, and each is the smallest value at which a monotone test turns true:
 
 - top-k: T_k, the k-th largest value, is the smallest value u with count(x > u) < k;
@@ -84,27 +85,25 @@ def smallest_true(
     return jnp.where(found == 0.0, jnp.float32(0.0), found)
 
 
-def _count_above(x: jax.Array, pivots: jax.Array, siblings: bool) -> jax.Array:
-    """int32[R, P]: entries of each row of x above each of its pivots: one reduction over the
-    broadcast [R, V, P], or P row reductions over the same x (`siblings`, which XLA may fuse
-    into one read; 5x the CPU compile time)."""
-    if not siblings:
-        return jnp.sum(x[:, :, None] > pivots[:, None, :], axis=1, dtype=jnp.int32)
-    cols = [
-        jnp.sum(x > pivots[:, j : j + 1], axis=-1, dtype=jnp.int32) for j in range(pivots.shape[1])
-    ]
-    return jnp.stack(cols, axis=-1)
-
-
-def _mass_above(x: jax.Array, weight: jax.Array, pivots: jax.Array, siblings: bool) -> jax.Array:
-    """float32[R, P]: the weight of each row's entries above each of its pivots."""
+def _sum_above(
+    x: jax.Array, pivots: jax.Array, weight: jax.Array | None, siblings: bool
+) -> jax.Array:
+    """[R, P]: for each row of x and each of its pivots, the entries above the pivot counted
+    (int32, weight None) or their weights summed. One reduction over the broadcast [R, V, P],
+    or P row reductions over the same x (`siblings`, which XLA may fuse into one read; 5x the
+    CPU compile time)."""
     if not siblings:
         above = x[:, :, None] > pivots[:, None, :]
+        if weight is None:
+            return jnp.sum(above, axis=1, dtype=jnp.int32)
         return jnp.sum(jnp.where(above, weight[:, :, None], 0.0), axis=1)
-    cols = [
-        jnp.sum(jnp.where(x > pivots[:, j : j + 1], weight, 0.0), axis=-1)
-        for j in range(pivots.shape[1])
-    ]
+    cols = []
+    for j in range(pivots.shape[1]):
+        above = x > pivots[:, j : j + 1]
+        if weight is None:
+            cols.append(jnp.sum(above, axis=-1, dtype=jnp.int32))
+        else:
+            cols.append(jnp.sum(jnp.where(above, weight, 0.0), axis=-1))
     return jnp.stack(cols, axis=-1)
 
 
@@ -123,7 +122,7 @@ def search_thresholds(
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     lo = jnp.full_like(k, float_to_key(jnp.float32(-jnp.inf)), dtype=jnp.uint32)
     hi = float_to_key(row_max)
-    t_k = smallest_true(lambda v: _count_above(x, v, siblings) < k[:, None], lo, hi, bits)
+    t_k = smallest_true(lambda v: _sum_above(x, v, None, siblings) < k[:, None], lo, hi, bits)
     weight = jnp.exp(x - row_max[:, None])  # 0 at -inf
     above_k = x > t_k[:, None]
     ties = (k - jnp.sum(above_k, axis=-1, dtype=jnp.int32)).astype(jnp.float32)
@@ -131,6 +130,6 @@ def search_thresholds(
     total = total + jnp.where(ties > 0, ties * jnp.exp(t_k - row_max), 0.0)
     target = top_p * total
     t_p = smallest_true(
-        lambda v: _mass_above(x, weight, v, siblings) < target[:, None], float_to_key(t_k), hi, bits
+        lambda v: _sum_above(x, v, weight, siblings) < target[:, None], float_to_key(t_k), hi, bits
     )
     return jnp.where(top_p >= 1.0, t_k, t_p)
