@@ -1,16 +1,17 @@
 """Device time of the sampler programs and of the top-k / sort primitives they are built from.
 
     python benchmarks/engine/sampler_bench.py [--rows 256,1024] [--vocab 49152,128256]
-        [--forms sort,search,search_siblings] [--json F]
+        [--forms sort,auto,search,search_siblings] [--json F]
 
 For each (rows, vocab): the sampler programs on random logits (greedy; random without filters;
 top_p=0.95 on 16, 64, ... and all rows, each in its filter bucket, and top_k=50 with top_p=0.95
-on all rows, under each filter form of executor/filter_search.py, every search form's tokens
-checked against the sort form's), plus `lax.top_k` at several k and a full-vocabulary sort,
-each timed in a stream of calls with one wait (stream_timing.py: a wait after each call lets
-the GPU's clock drop between calls, which overstates short programs; `--per-call` times them
-that way for comparison). This is the evidence behind sampling_modes.py's choice of filtering
-only the filtering rows, and the one that picks the filter form.
+on all rows, under each filter form of executor/filter_search.py, every other form's tokens
+checked against the sort form's, which runs first), plus `lax.top_k` at several k and a
+full-vocabulary sort, each timed in a stream of calls with one wait (stream_timing.py: a wait
+after each call lets the GPU's clock drop between calls, which overstates short programs;
+`--per-call` times them that way for comparison). This is the evidence behind
+sampling_modes.py's choice of filtering only the filtering rows, and behind filter_search.py's
+`auto` table.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
             logits = jax.random.normal(jax.random.key(0), (s, v), jnp.float32) * 3
             seeds = jnp.arange(s, dtype=jnp.int32)
             idx = jnp.zeros(s, jnp.int32)
-            forms = args.forms.split(",")
+            forms = sorted(args.forms.split(","), key=lambda f: f != "sort")  # the reference first
             cases = [("greedy", 0.0, 0, 0, "sort"), ("random, no filter", 0.8, 0, 0, "sort")]
             for form in forms:
                 cases += [

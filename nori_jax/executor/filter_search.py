@@ -20,9 +20,24 @@ decides how many passes run, so the program has no loop and no host synchronizat
 equals the sort form's except where float rounding differs between a cumulative sum and a masked
 sum at the top-p boundary itself.
 
-`NORI_JAX_FILTER` picks the sampler's form: `sort` (the default until the GPU has timed the
-search), `search` (a pass's pivots tested in one reduction over a broadcast row) or
-`search_siblings` (one reduction a pivot over the same row).
+Three forms: `sort`, `search` (a pass's pivots tested in one reduction over a broadcast row) and
+`search_siblings` (one reduction a pivot over the same row, which XLA:GPU fuses into one read).
+On an H100 (`benchmarks/engine/sampler_bench.py --forms`, docs/benchmarks.md), top_p 0.95 on R
+filtering rows (16 to 256 of a batch of 256; 1,024 of 1,024):
+
+| R | 49,152 tokens: sort / search / siblings (ms) | 128,256 tokens |
+|---|---|---|
+| 16 | **0.34** / 0.35 / 0.53 | 0.81 / **0.51** / 0.77 |
+| 64 | **0.58** / 0.78 / 0.65 | 1.43 / **0.98** / 1.12 |
+| 256 | 1.31 / 2.44 / **1.30** | 3.09 / 2.78 / **2.68** |
+| 1,024 | 4.76 / 9.55 / **3.61** | 11.89 / 10.64 / **9.17** |
+
+so `auto`, the default, takes for a bucket of R rows of V tokens on a GPU the form fastest there:
+the siblings from SIBLINGS_MIN_ROWS rows, the broadcast search below that for vocabularies past
+SORT_MAX_VOCAB, the sort otherwise. On other backends it takes the sort: the table is the GPU's,
+and on the development machine's CPU the siblings' program compiles in 2.3 s against the sort's
+0.17 s (16 or 256 rows x 49,152), which every start-up and test pays. `NORI_JAX_FILTER`
+(`auto`, `sort`, `search`, `search_siblings`) picks the engine's form, for an A/B.
 """
 
 from __future__ import annotations
@@ -34,16 +49,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMS = ("sort", "search", "search_siblings")
+FORMS = ("auto", "sort", "search", "search_siblings")
 BITS = 4  # bits of the key settled per pass: 15 pivots a pass, 8 passes a threshold
 _SIGN = np.uint32(0x80000000)  # numpy: a jnp constant would start JAX's backend at import
+# `auto` on a GPU (the H100's table above): the siblings from this many filtering rows (even with
+# the sort at 256 x 49,152, ahead beyond), the broadcast search below it past this vocabulary.
+SIBLINGS_MIN_ROWS = 256
+SORT_MAX_VOCAB = 65_536
 
 
 def default_form() -> str:
-    form = os.environ.get("NORI_JAX_FILTER", "sort")
+    form = os.environ.get("NORI_JAX_FILTER", "auto")
     if form not in FORMS:
         raise ValueError(f"NORI_JAX_FILTER={form!r} must be one of {FORMS}")
     return form
+
+
+def auto_form(rows: int, vocab: int, platform: str) -> str:
+    """The form `auto` runs for a bucket of `rows` filtering rows of `vocab` tokens."""
+    if platform != "gpu":
+        return "sort"
+    if rows >= SIBLINGS_MIN_ROWS:
+        return "search_siblings"
+    return "search" if vocab > SORT_MAX_VOCAB else "sort"
 
 
 def float_to_key(x: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from nori_jax.core.sampling_modes import SamplerProgram
 from nori_jax.executor.filter_search import FORMS as FILTER_FORMS
+from nori_jax.executor.filter_search import auto_form as auto_filter_form
 from nori_jax.executor.filter_search import default_form as default_filter_form
 from nori_jax.executor.filter_search import search_thresholds
 
@@ -52,11 +53,13 @@ def filter_thresholds(
     """float32[R]: each row's smallest kept value under min-p, top-k, then top-p: from one sort
     per row (`sort`) or from counting passes (`search`, executor/filter_search.py); the same
     threshold either way, but where float rounding differs at the top-p boundary itself.
-    `form` None: `NORI_JAX_FILTER`'s."""
+    `form` None: `NORI_JAX_FILTER`'s; `auto` picks by the bucket's shape and the backend."""
     form = form or default_filter_form()
     if form not in FILTER_FORMS:
         raise ValueError(f"filter form {form!r} must be one of {FILTER_FORMS}")
-    vocab = scaled.shape[-1]
+    rows, vocab = scaled.shape
+    if form == "auto":
+        form = auto_filter_form(rows, vocab, jax.default_backend())
     # min-p: p >= min_p * p_max, i.e. scaled >= max + log(min_p) (-inf, no floor, for min_p 0).
     row_max = jnp.max(scaled, axis=-1)
     floor = row_max + jnp.log(min_p)

@@ -136,7 +136,7 @@ def test_the_search_program_has_no_control_flow():
 
 def test_the_environment_picks_the_form(monkeypatch):
     monkeypatch.delenv("NORI_JAX_FILTER", raising=False)
-    assert filter_search.default_form() == "sort"
+    assert filter_search.default_form() == "auto"
     monkeypatch.setenv("NORI_JAX_FILTER", "search_siblings")
     assert filter_search.default_form() == "search_siblings"
     monkeypatch.setenv("NORI_JAX_FILTER", "radix")
@@ -146,3 +146,32 @@ def test_the_environment_picks_the_form(monkeypatch):
         filter_thresholds(
             jnp.zeros((1, 4)), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1), "radix"
         )
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, platform, form",
+    [
+        (16, 49_152, "gpu", "sort"),
+        (64, 49_152, "gpu", "sort"),
+        (16, 128_256, "gpu", "search"),
+        (64, 128_256, "gpu", "search"),
+        (256, 49_152, "gpu", "search_siblings"),
+        (1024, 128_256, "gpu", "search_siblings"),
+        (1024, 128_256, "cpu", "sort"),
+        (16, 128_256, "cpu", "sort"),
+    ],
+)
+def test_auto_takes_the_form_measured_fastest_for_the_bucket(rows, vocab, platform, form):
+    assert filter_search.auto_form(rows, vocab, platform) == form
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, sorts", [(16, 300, True), (16, 70_000, False), (256, 300, False)]
+)
+def test_the_sampler_runs_the_form_auto_picks_on_a_gpu(monkeypatch, rows, vocab, sorts):
+    monkeypatch.delenv("NORI_JAX_FILTER", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = jnp.zeros((rows, vocab), jnp.float32)
+    settings = (jnp.zeros(rows, jnp.int32), jnp.full(rows, 0.9), jnp.zeros(rows))
+    hlo = jax.jit(filter_thresholds).lower(x, *settings).as_text()
+    assert ("stablehlo.sort" in hlo) == sorts
