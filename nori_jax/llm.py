@@ -12,7 +12,7 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_defaults import resolve_engine_config
 from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
-from nori_jax.sampling_params import SamplingParams
+from nori_jax.sampling_params import SamplingParams, sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
 
 Prompt = str | list[int]
@@ -68,6 +68,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
 
+        A prompt whose SamplingParams has n > 1 gives n outputs, one after the other (`index` 0
+        to n - 1), so with one `n` for all, prompt i's sample j is output i * n + j.
         Any iterable of prompts is taken (a grain MapDataset, a generator), read whole first;
         `generate_stream` reads one as it goes and yields outputs as they finish. `priority`
         (one for all or one per prompt): with `scheduling_policy="priority"`, lower runs first."""
@@ -94,9 +96,15 @@ class LLM:
         for p, rank in zip(param_list, priorities, strict=True):
             p.validate()
             check_priority(rank, policy)
-        ids = [
-            self.engine.add_request(None, prompt, p, tokenized=tok, stream=False, priority=rank)
+        ids = [  # (request id, sample index), n of them per prompt
+            (
+                self.engine.add_request(
+                    None, prompt, sample, tokenized=tok, stream=False, priority=rank
+                ),
+                j,
+            )
             for prompt, p, tok, rank in zip(prompts, param_list, tokenized, priorities, strict=True)
+            for j, sample in enumerate(sample_choices(p))
         ]
         finished: dict[str, RequestOutput] = {}
         with heap_frozen():  # no full garbage collection walks the engine's heap mid-loop
@@ -105,7 +113,12 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
             self.engine.drain()
-        return [finished[i] for i in ids]
+        outputs = []
+        for request_id, j in ids:
+            out = finished[request_id]
+            out.index = j
+            outputs.append(out)
+        return outputs
 
     def generate_stream(
         self,
@@ -116,7 +129,8 @@ class LLM:
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Generate over an iterable of prompts (a list, a generator, a grain dataset), reading
         it only as room frees up; yields `(index in the iterable, finished output)` as requests
-        finish, so not in input order.
+        finish, so not in input order. A prompt sampled n > 1 times (SamplingParams.n) yields n
+        outputs under its index, told apart by their `index`.
 
         An element is a prompt (text or token ids) or a `(prompt, SamplingParams)` pair, which
         overrides `params` for that prompt. At most `max_in_flight` requests (default: twice
@@ -133,20 +147,27 @@ class LLM:
         if limit is None:
             limit = 2 * self.engine.scheduler_config.max_num_seqs
 
-        def requests() -> Iterator[StreamRequest[int]]:
+        def requests() -> Iterator[StreamRequest[tuple[int, int]]]:
             for i, item in enumerate(prompts):
                 if (
                     isinstance(item, tuple)
                     and len(item) == 2
                     and isinstance(item[1], SamplingParams)
                 ):
-                    yield StreamRequest(i, item[0], item[1])
+                    prompt, item_params = item
                 else:
-                    yield StreamRequest(i, item, default)
+                    prompt, item_params = item, default
+                try:
+                    samples = sample_choices(item_params)
+                except ValueError as e:  # as a refusal by the engine reads
+                    raise ValueError(f"prompt {i}: {e}") from e
+                for j, sample in enumerate(samples):
+                    yield StreamRequest((i, j), prompt, sample)
 
-        for i, result in stream_requests(self.engine, requests(), limit):
+        for (i, j), result in stream_requests(self.engine, requests(), limit):
             if isinstance(result, ValueError):
                 raise ValueError(f"prompt {i}: {result}") from result
+            result.index = j
             yield i, result
 
     def chat(

@@ -29,6 +29,9 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # one, bounded so that neither can overflow float32 (logits are within a few hundred).
 MAX_PRESENCE_PENALTY = 2.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# n: samples of one prompt, each a request of its own (sample_choices); past this, a caller means
+# a bug, not a batch (the HTTP server bounds a request's choices lower, serve/choices.py).
+MAX_N = 4096
 
 
 class ParameterError(ValueError):
@@ -69,6 +72,11 @@ class SamplingParams:
     values favour repetition). `min_tokens`: no EOS or stop token id can be sampled, and no stop
     string is matched, before that many tokens are generated.
 
+    `n` (vLLM's): independent samples of the prompt. The offline API queues them as n requests
+    (`sample_choices`: sample j seeded with seed + j where a seed is given) and returns each as
+    an output of its own, `RequestOutput.index` j; the prompt is computed once, the others
+    waiting for its pages in the prefix cache. The engine itself takes n = 1 only.
+
     `prompt_logprobs` (vLLM's): each prompt token's logprob given the tokens before it, under the
     model's raw distribution (no logit_bias or penalty), and with k >= 1 the k most likely tokens
     at each position with theirs (`RequestOutput.prompt_logprobs`, `prompt_top_logprobs`, and
@@ -93,6 +101,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    n: int = 1
 
     @property
     def has_penalties(self) -> bool:
@@ -118,6 +127,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ParameterError naming the first setting the engine cannot hold."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ParameterError("n", f"n={self.n!r:.50} must be an integer in [1, {MAX_N}]")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise ParameterError(
                 "max_tokens", f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31)"
@@ -243,3 +254,20 @@ class SamplingParams:
                 "logit_bias",
                 f"logit_bias keys {bad[:5]} are outside the vocabulary [0, {vocab_size})",
             )
+
+
+def sample_choices(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """The settings of each of `n` (default `params.n`) samples of one prompt, one request each:
+    n = 1, and sample j seeded with seed + j (modulo 2**31) where a seed is given, so a seeded
+    prompt's samples differ from one another and each answers the same whatever runs beside it
+    (without a seed each request draws its own). ParameterError for settings out of range."""
+    params.validate()  # `n` too: a field set after construction was not checked
+    n = params.n if n is None else n
+    if n == 1 and params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else (params.seed + j) % (INT32_MAX + 1)
+        )
+        for j in range(n)
+    ]

@@ -2,30 +2,22 @@
 
 The engine sees n requests with the same prompt; its scheduler admits the first, and the others
 wait for its prompt pages to reach the prefix cache (`wait_for_shared_prefix`), so the prompt is
-computed and held once. Choice i samples with the request's seed + i (modulo 2^31): a seeded
-request answers the same whatever runs beside it, and its choices differ from one another.
+computed and held once. Choice i samples with the request's seed + i (modulo 2^31), the offline
+API's rule too (`sampling_params.sample_choices`): a seeded request answers the same whatever runs
+beside it, and its choices differ from one another.
 `Choices` makes the n streams one: outputs tagged with their choice index, one abort for all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 
 from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
-from nori_jax.sampling_params import INT32_MAX, SamplingParams
 
 MAX_N = 64  # choices per prompt: each is a sequence in the engine's batch
 MAX_CHOICES = 256  # choices per request, of all its prompts (completions takes a batch of them)
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Each choice's settings: the request's, with seed + i where a seed is given."""
-    if n == 1 or params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=(params.seed + i) % (INT32_MAX + 1)) for i in range(n)]
 
 
 def choice_request_ids(request_id: str, n: int, first: int = 0) -> list[str]:

@@ -11,9 +11,9 @@ from fastapi import Request
 from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine_client import EngineClient
-from nori_jax.sampling_params import ParameterError, SamplingParams
+from nori_jax.sampling_params import ParameterError, SamplingParams, sample_choices
 from nori_jax.tokenizer import Tokenizer
-from serve.choices import Choices, choice_params, choice_request_ids
+from serve.choices import Choices, choice_request_ids
 from serve.errors import api_error_from, parameter_error
 from serve.settings import ServerSettings
 from serve.streaming import result_unless_disconnected
@@ -51,7 +51,7 @@ class ServeContext:
         try:
             for i, (prompt_ids, params) in enumerate(prompts):
                 for p, rid in zip(
-                    choice_params(params, n),
+                    sample_choices(params, n),
                     choice_request_ids(request_id, n, first=i * n),
                     strict=True,
                 ):

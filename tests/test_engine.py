@@ -136,6 +136,42 @@ def test_same_seed_same_output_whatever_the_batch(llm):
     assert a != c[0].token_ids
 
 
+def test_n_samples_of_a_prompt_are_seeded_requests_of_their_own(llm):
+    """n = 3: each prompt's samples one after the other, sample j the tokens of the same prompt
+    alone with seed + j; the prompt's full pages computed once (the others read them from the
+    prefix cache); generate_stream yields the same samples under the prompt's index."""
+    prompts = [list(range(40, 80)), list(range(90, 125))]  # 40 and 35 tokens: 2 full pages each
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=50, ignore_eos=True, n=3)
+    before = llm.get_metrics()["nori:prefix_cache_hits_total"]
+    outs = llm.generate(prompts, params)
+    hits = llm.get_metrics()["nori:prefix_cache_hits_total"] - before
+    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    alone = [
+        llm.generate([prompt], SamplingParams(max_tokens=10, seed=50 + j, ignore_eos=True))[0]
+        for prompt in prompts
+        for j in range(3)
+    ]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # seeds apart, samples apart
+    assert [o.prompt_token_ids for o in outs] == [prompts[0]] * 3 + [prompts[1]] * 3
+    assert hits >= 2 * 2 * 16  # two later samples of each prompt read its two full pages
+    streamed = sorted((i, o.index, o.token_ids) for i, o in llm.generate_stream(prompts, params))
+    assert streamed == [(i, j, outs[3 * i + j].token_ids) for i in range(2) for j in range(3)]
+
+
+def test_the_engine_itself_takes_one_sample_a_request(llm):
+    with pytest.raises(ValueError, match="n=2: a request is one sample"):
+        llm.engine.add_request(None, [5, 6, 7], SamplingParams(n=2))
+    p = SamplingParams(max_tokens=4)
+    p.n = 0  # set after construction: still refused, before anything is queued
+    with pytest.raises(ValueError, match="n=0"):
+        llm.generate([[5, 6], [7, 8]], p)
+    with pytest.raises(ValueError, match="prompt 1: n=0"):
+        list(llm.generate_stream([[5, 6], ([7, 8], p)], GREEDY))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.allocator.num_used_pages == 0
+
+
 def test_top_k_one_tiny_top_p_and_min_p_one_equal_greedy(llm):
     prompt = [[9, 8, 7, 6]]
     greedy = llm.generate(prompt, GREEDY)[0].token_ids
@@ -313,6 +349,10 @@ def test_bad_prompts_raise_value_error(text_llm, prompt, params, match):
         (dict(logit_bias={-1: 1.0}), "logit_bias key -1"),
         (dict(logit_bias={i: 1.0 for i in range(257)}), "257 entries"),
         (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(n=0), "n=0"),
+        (dict(n=4097), "n=4097"),
+        (dict(n=True), "n=True"),
+        (dict(n="2"), "n='2'"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, match):

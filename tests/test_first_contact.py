@@ -37,6 +37,7 @@ def test_readme_python_example_picks_the_cpu_preset(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Paris" in r.stdout and "CONFIG-OK [16, 32, 64, 128]" in r.stdout, r.stdout
+    assert "\n8 1\n" in r.stdout, r.stdout  # n=4 samples of each of two prompts
     assert any((tmp_path / "xla").iterdir())  # it did compile into the empty cache
 
 

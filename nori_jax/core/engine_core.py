@@ -133,6 +133,12 @@ def vetted_params(r: EngineCoreRequest, vocab_size: int, max_model_len: int) -> 
         raise ParameterError("seed", f"seed={r.seed} must be in [0, 2**31)")
     params = dataclasses.replace(r.params)  # runs validate(); copies the stop lists
     params.check_vocab(vocab_size)
+    if params.n != 1:
+        raise ParameterError(
+            "n",
+            f"n={params.n}: a request is one sample; the frontends (LLM.generate, the server's "
+            "`n`) queue n requests (sampling_params.sample_choices)",
+        )
     return params
 
 

@@ -139,6 +139,9 @@ class RequestOutput:
     logprobs: list[float] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # finish_reason "error": why the engine failed this request alone
+    # Which of its prompt's SamplingParams.n samples this is (0 to n - 1), as the offline API
+    # (llm.py) sets it; the server numbers its choices itself.
+    index: int = 0
     # logprobs >= 1: per token of new_token_ids (new_top_logprobs) and, on the finished output,
     # of the whole output (top_logprobs), its `logprobs` most likely (token id, logprob) pairs,
     # best first, of the distribution the sampled token's logprob is taken from. A token's pairs

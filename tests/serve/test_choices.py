@@ -9,8 +9,8 @@ import pytest
 
 from nori_jax.async_engine import RequestStream
 from nori_jax.core.outputs import RequestOutput
-from nori_jax.sampling_params import INT32_MAX, SamplingParams
-from serve.choices import Choices, choice_params, choice_request_ids
+from nori_jax.sampling_params import INT32_MAX, SamplingParams, sample_choices
+from serve.choices import Choices, choice_request_ids
 
 
 class FakeEngine:
@@ -92,7 +92,7 @@ def test_result_gives_every_final_output_in_index_order():
 
 def test_choice_seeds_and_ids():
     p = SamplingParams(max_tokens=4, seed=INT32_MAX - 1)
-    assert [q.seed for q in choice_params(p, 3)] == [INT32_MAX - 1, INT32_MAX, 0]
-    assert choice_params(SamplingParams(max_tokens=4), 2)[1].seed is None  # drawn per request
+    assert [q.seed for q in sample_choices(p, 3)] == [INT32_MAX - 1, INT32_MAX, 0]
+    assert sample_choices(SamplingParams(max_tokens=4), 2)[1].seed is None  # drawn per request
     assert choice_request_ids("cmpl-1", 1) == ["cmpl-1"]
     assert choice_request_ids("cmpl-1", 2) == ["cmpl-1-0", "cmpl-1-1"]
