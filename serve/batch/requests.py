@@ -117,8 +117,6 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
         route = route_class(ctx, body)
         if body.stream:
             raise bad_request("stream is not supported in a batch job", "stream")
-        if route.n > 1:
-            raise bad_request(f"n={route.n}: a batch line has one choice; write n lines", "n")
         prompt_ids, params = route.prepare()
     except Exception as e:  # noqa: BLE001 - whatever the server would answer, this line answers
         error = api_error_from(e, ctx.settings.retry_after_s)
@@ -128,18 +126,24 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
 
 
 def answer_record(
-    prepared: Prepared, request_id: str, head: dict[str, Any], result: RequestOutput | ValueError
+    prepared: Prepared,
+    request_id: str,
+    head: dict[str, Any],
+    results: list[RequestOutput | ValueError],
 ) -> dict[str, Any]:
-    """The output record of a request the engine took: the server's answer; or its 500 (the
-    engine failed it alone) or 400 (the engine refused its prompt or settings)."""
-    if isinstance(result, ValueError):
-        error = api_error_from(result)
-        if isinstance(result, ParameterError):
-            error = parameter_error(result, prepared.route.prompt_param)
-        return error_record(prepared.custom_id, request_id, error)
-    if result.finish_reason == "error":
-        return error_record(prepared.custom_id, request_id, api_error_from(request_failed(result)))
-    answer = prepared.route.answer(head, [result])
+    """The output record of a request the engine took, from its `n` choices' results in index
+    order: the server's answer; or, for the first choice that failed, its 500 (the engine failed
+    it alone) or 400 (the engine refused its prompt or settings)."""
+    for result in results:
+        if isinstance(result, ValueError):
+            error = api_error_from(result)
+            if isinstance(result, ParameterError):
+                error = parameter_error(result, prepared.route.prompt_param)
+            return error_record(prepared.custom_id, request_id, error)
+        if result.finish_reason == "error":
+            error = api_error_from(request_failed(result))
+            return error_record(prepared.custom_id, request_id, error)
+    answer = prepared.route.answer(head, cast(list[RequestOutput], results))
     return response_record(prepared.custom_id, request_id, 200, answer)
 
 

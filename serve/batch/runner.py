@@ -4,8 +4,9 @@ checkpoint.
     grain: JsonlSource -> this shard -> skip what is committed -> read_line (parse, validate,
            tokenize; in `reader_threads` threads, at most `read_ahead` lines ahead)
       -> stream_requests: at most `max_concurrency` requests queued or running in the engine
-      -> answer_record (the server's body) -> BatchOutput (commit every `flush_lines` lines or
-         `flush_seconds`, and at the end)
+         (a line's `n` choices are n of them)
+      -> answer_record (the server's body, once every choice of the line is in)
+      -> BatchOutput (commit every `flush_lines` lines or `flush_seconds`, and at the end)
 
 Throughput is the engine's: the step loop is LLMEngine's own (no HTTP, no engine-core process),
 and parsing and tokenizing happen in grain's threads while the device runs.
@@ -25,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 from nori_jax.array_record_source import SUFFIXES as ARRAY_RECORD_SUFFIXES
 from nori_jax.array_record_source import ArrayRecordLines
 from nori_jax.jsonl_source import JsonlSource, import_grain, jsonl_dataset
+from nori_jax.sampling_params import sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
 from serve.batch.format import encode
 from serve.batch.output import BatchOutput, Totals
 from serve.batch.progress import Progress
 from serve.batch.requests import Refused, answer_record, batch_context, read_line
+from serve.choices import choice_request_ids
 from serve.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -223,17 +226,28 @@ class BatchJob:
                 if isinstance(item, Refused):
                     finish(position, item.record, Totals(requests=1, failed=1))
                     continue
-                request_id = item.route.new_request_id()
+                # A line's `n` choices are requests of their own, as the server queues them.
+                request_id, n = item.route.new_request_id(), item.route.n
                 key = (position, item, request_id, item.route.head(request_id))
-                yield StreamRequest(key, item.prompt_ids, item.params, request_id, item.priority)
+                samples = zip(
+                    choice_request_ids(request_id, n), sample_choices(item.params, n), strict=True
+                )
+                for j, (choice_id, params) in enumerate(samples):
+                    yield StreamRequest((key, j), item.prompt_ids, params, choice_id, item.priority)
 
         start = time.perf_counter()
         finished_job = False
+        waiting: dict[int, list[Any]] = {}  # a line's choices' results until all are in
         try:
             with contextlib.closing(stream_requests(engine, requests(), limit)) as results:
-                for (position, prepared, request_id, head), result in results:
-                    record = answer_record(prepared, request_id, head, result)
-                    finish(position, record, _counts(record, result))
+                for ((position, prepared, request_id, head), j), result in results:
+                    choices = waiting.setdefault(position, [None] * prepared.route.n)
+                    choices[j] = result
+                    if any(c is None for c in choices):
+                        continue
+                    del waiting[position]
+                    record = answer_record(prepared, request_id, head, choices)
+                    finish(position, record, _counts(record, choices))
             finished_job = True
         finally:
             # Also on Ctrl-C or an error: what finished is kept, and a rerun goes on from there.
@@ -251,10 +265,12 @@ def _open_source(path: str, max_line_bytes: int) -> JsonlSource | ArrayRecordLin
     return JsonlSource(path, max_line_bytes)
 
 
-def _counts(record: dict[str, Any], result: Any) -> Totals:
+def _counts(record: dict[str, Any], choices: list[Any]) -> Totals:
+    """A line's totals: its prompt once, every choice's output (as the answer's usage)."""
     if record["response"]["status_code"] != 200:
         return Totals(requests=1, failed=1)
-    return Totals(1, 0, len(result.prompt_token_ids), len(result.token_ids))
+    completion = sum(len(c.token_ids) for c in choices)
+    return Totals(1, 0, len(choices[0].prompt_token_ids), completion)
 
 
 def run_batch(

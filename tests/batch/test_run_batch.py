@@ -58,8 +58,12 @@ def read_output(path: Path) -> dict[str | None, dict]:
 
 
 def comparable(body: dict) -> dict:
-    """An answer without what differs between two runs of one request: ids, clock, timings."""
-    return {k: v for k, v in body.items() if k not in ("id", "created", "metrics")}
+    """An answer without what differs between two runs of one request: ids, clock, timings
+    (with n > 1, each choice's own)."""
+    kept = {k: v for k, v in body.items() if k not in ("id", "created", "metrics")}
+    if "choices" in kept:
+        kept["choices"] = [{k: v for k, v in c.items() if k != "metrics"} for c in kept["choices"]]
+    return kept
 
 
 REQUESTS = [
@@ -71,6 +75,17 @@ REQUESTS = [
         {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4, "logprobs": True},
     ),
     ("stop", "/v1/completions", {"prompt": "abc", "max_tokens": 8, "stop": ["\n"], "seed": 3}),
+    (  # three sampled choices: choice i with seed 11 + i, as the server samples them
+        "choices",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 6,
+            "n": 3,
+            "temperature": 1.0,
+            "seed": 11,
+        },
+    ),  # fmt: skip
     ("bad-type", "/v1/completions", {"prompt": "x", "top_p": "high"}),
     ("extra-field", "/v1/completions", {"prompt": "x", "best_of_n": 2}),
     ("other-model", "/v1/completions", {"model": "gpt-4o", "prompt": "x"}),
@@ -84,16 +99,16 @@ REQUESTS = [
 
 
 def test_bodies_are_the_servers(llm: LLM, tmp_path: Path) -> None:
-    """Each request answered over HTTP and from a batch file: the same status and body (greedy),
-    apart from ids and timings."""
+    """Each request answered over HTTP and from a batch file: the same status and body (greedy,
+    or seeded), apart from ids and timings."""
     settings = ServerSettings(model_name=MODEL, chat_template=CHAT_TEMPLATE)
     served = {}
     with TestClient(create_app(AsyncEngine(llm.engine), settings)) as http:
         for cid, url, body in REQUESTS:
-            r = http.post(url, json=body | GREEDY)
+            r = http.post(url, json=GREEDY | body)
             served[cid] = (r.status_code, r.json())
     assert not llm.engine.has_unfinished_requests()  # the server's thread has stopped
-    src = write_jsonl(tmp_path / "in.jsonl", [line(c, b | GREEDY, u) for c, u, b in REQUESTS])
+    src = write_jsonl(tmp_path / "in.jsonl", [line(c, GREEDY | b, u) for c, u, b in REQUESTS])
     out = tmp_path / "out.jsonl"
     summary = run_batch(
         llm.engine, str(src), str(out), options(chat_template=CHAT_TEMPLATE, max_concurrency=1)
@@ -108,11 +123,17 @@ def test_bodies_are_the_servers(llm: LLM, tmp_path: Path) -> None:
         assert comparable(response["body"]) == comparable(body), cid
         if status == 200:
             assert response["body"]["id"] == response["request_id"]
-    assert {c for c, (s, _) in served.items() if s == 200} == {"text", "ids", "chat", "stop"}
+    answered = {"text", "ids", "chat", "stop", "choices"}
+    assert {c for c, (s, _) in served.items() if s == 200} == answered
+    choices = got["choices"]["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in choices}) > 1  # seeds apart, samples apart
     assert summary.run.requests == len(REQUESTS) and summary.run.failed == 5
     assert summary.run.completion_tokens == sum(
-        got[c]["response"]["body"]["usage"]["completion_tokens"]
-        for c in ("text", "ids", "chat", "stop")
+        got[c]["response"]["body"]["usage"]["completion_tokens"] for c in answered
+    )
+    assert summary.run.prompt_tokens == sum(
+        got[c]["response"]["body"]["usage"]["prompt_tokens"] for c in answered
     )
 
 
@@ -128,7 +149,7 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
         {"method": "POST", "url": "/v1/completions", "body": good},  # no custom_id
         line("not-a-dict", "prompt"),  # type: ignore[arg-type]
         line("streamed", good | {"stream": True}),
-        line("choices", good | {"n": 2}),
+        line("choices", good | {"n": 2}),  # fine: a line's choices are requests of their own
         line("prompts", good | {"prompt": ["one", "two"]}),  # a batch of prompts in one line
         line("huge", {"prompt": "z" * 400}),  # over --max-line-bytes
         line("c", good),
@@ -139,8 +160,9 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(records) == len(rows)
     by_id = {r["custom_id"]: r for r in records if r["custom_id"] is not None}
-    for cid in "abc":
+    for cid in ("a", "b", "c", "choices"):
         assert by_id[cid]["response"]["status_code"] == 200
+    assert len(by_id["choices"]["response"]["body"]["choices"]) == 2
     line_errors = {
         (r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[0])
         for r in records
@@ -158,11 +180,9 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
     assert all(r["response"] is None for r in records if r["error"] is not None)
     streamed = by_id["streamed"]["response"]
     assert streamed["status_code"] == 400 and streamed["body"]["error"]["param"] == "stream"
-    choices = by_id["choices"]["response"]
-    assert choices["status_code"] == 400 and choices["body"]["error"]["param"] == "n"
     prompts = by_id["prompts"]["response"]
     assert prompts["status_code"] == 400 and prompts["body"]["error"]["param"] == "prompt"
-    assert summary.run.requests == len(rows) and summary.run.failed == len(rows) - 3
+    assert summary.run.requests == len(rows) and summary.run.failed == len(rows) - 4
 
 
 def test_two_shards_cover_the_file_once_with_bounded_read_ahead(llm: LLM, tmp_path: Path) -> None:
