@@ -20,6 +20,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         "--prompt", action="append", help="a prompt (repeatable; default: read one from stdin)"
     )
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="samples of each prompt (seeded with --sampling-seed + j); with n > 1 each text "
+        "follows a line `[prompt i, sample j]`",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
@@ -98,6 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        n=args.n,
     )
     config = engine_config_from_args(args)
     if not config.distributed.is_leader:  # a multi-host follower: process 0 has the prompts
@@ -107,7 +115,9 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or [sys.stdin.read()]
     llm = LLM.from_config(config)
     with exit_when_a_follower_is_lost():
-        for out in llm.generate(prompts, params):
+        for i, out in enumerate(llm.generate(prompts, params)):
+            if params.n > 1:
+                print(f"[prompt {i // params.n}, sample {out.index}]")
             if out.prompt_logprobs is not None:
                 print(prompt_logprob_lines(llm.tokenizer, out))
             print(out.text)

@@ -130,6 +130,26 @@ def test_generate_refuses_a_bad_min_p_before_starting_an_engine():
         run_generate(_parse("--min-p", "2"))
 
 
+def test_generate_prints_each_prompts_samples(capsys):
+    """--n 2: each text after its `[prompt i, sample j]` line, sample j seeded with the seed + j
+    (so sample 1 of seed 5 is sample 0 of seed 6); --n 0 is refused before an engine starts."""
+    from nori_jax.generate_cli import run_generate
+
+    with pytest.raises(ValueError, match="n=0"):
+        run_generate(_parse("--n", "0"))
+
+    def stdout(seed: int, n: int) -> str:
+        argv = ["generate", "--prompt", "ab", "--config", "tiny-cpu", "--max-tokens", "6"]
+        argv += ["--temperature", "1", "--ignore-eos", "--sampling-seed", str(seed), "--n", str(n)]
+        capsys.readouterr()
+        assert run_generate(build_parser().parse_args(argv)) == 0
+        return capsys.readouterr().out
+
+    first, second = stdout(5, 1), stdout(6, 1)
+    assert first != second
+    assert stdout(5, 2) == f"[prompt 0, sample 0]\n{first}[prompt 0, sample 1]\n{second}"
+
+
 def test_generate_logprobs_lines_and_bound():
     from nori_jax.core.outputs import RequestOutput
     from nori_jax.generate_cli import logprob_lines, run_generate
