@@ -74,8 +74,9 @@ class SamplingParams:
 
     `n` (vLLM's): independent samples of the prompt. The offline API queues them as n requests
     (`sample_choices`: sample j seeded with seed + j where a seed is given) and returns each as
-    an output of its own, `RequestOutput.index` j; the prompt is computed once, the others
-    waiting for its pages in the prefix cache. The engine itself takes n = 1 only.
+    an output of its own, `RequestOutput.index` j; with prefix caching (the default) the prompt
+    is computed once, the others waiting for its pages in the cache. The engine itself takes
+    n = 1 only.
 
     `prompt_logprobs` (vLLM's): each prompt token's logprob given the tokens before it, under the
     model's raw distribution (no logit_bias or penalty), and with k >= 1 the k most likely tokens
