@@ -46,9 +46,11 @@ def put_replicated(values: Sequence[np.ndarray], sharding: Sharding) -> tuple[ja
     if sharding.is_fully_addressable:
         return tuple(jax.device_put(tuple(values), sharding))
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    kind = sharding.memory_kind  # each piece in the memory the sharding names
+    places = [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devices]
     out = []
     for v in values:
-        pieces = [jax.device_put(v, d) for d in devices]
+        pieces = [jax.device_put(v, place) for place in places]
         out.append(jax.make_array_from_single_device_arrays(v.shape, sharding, pieces))
     return tuple(out)
 
