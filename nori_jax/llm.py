@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from nori_jax.core.engine_core import check_priority
@@ -14,6 +16,8 @@ from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams, sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
+from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors
+from nori_jax.weights.update import Tensors
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -181,6 +185,25 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
         return self.generate(prompts, params)
+
+    def update_weights(self, weights: Tensors | str | os.PathLike) -> None:
+        """Generate with new weights from the next call on, without rebuilding or recompiling
+        the engine: a trainer's latest parameters in an RL loop, say.
+
+        `weights`: every parameter as Hugging Face names it (`model.layers.0.self_attn.q_proj.
+        weight`, ...), a mapping or (name, array) pairs of numpy, torch-on-CPU (`.numpy()`) or JAX
+        arrays, or the path of a Hugging Face directory of safetensors. They are placed as
+        loading that checkpoint would place them (fused, quantized under the engine's
+        `quantization`, sharded), on every replica; the prefix cache is emptied. Call it between
+        `generate` calls: ValueError while requests are in flight, and for a tensor the model
+        does not take (naming it; the weights are then unchanged). The device needs room for a
+        second copy of the weights while both are placed."""
+        if isinstance(weights, (str, os.PathLike)):
+            path = Path(weights).expanduser()
+            if not is_hf_dir(path):
+                raise ValueError(f"{str(path)!r} is not a Hugging Face directory (config.json)")
+            weights = iter_safetensors(path)
+        self.engine.update_weights(weights)
 
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics (the same numbers the server exposes at /metrics)."""

@@ -60,6 +60,9 @@ class ReplicatedEngine(LLMEngine):
     def num_recompiles(self) -> int:
         return sum(c.executor.num_recompiles for c in self.cores)
 
+    def _parts_to_update(self) -> list[EngineParts]:
+        return self.replicas
+
     def replica_of(self, request_id: str) -> int | None:
         """The replica serving a request (None once it finished, or if unknown)."""
         return self.router.owner(request_id)

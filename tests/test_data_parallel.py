@@ -1,6 +1,7 @@
 """Data-parallel replicas in one process (`LLM(mesh=MeshConfig(data=2))`): the single engine's
 greedy tokens, each replica on its own device, launches before fetches, routing by prefix and by
-load, one metrics view, no compile after warm-up, and the same engine under AsyncEngine.
+load, one metrics view, no compile after warm-up, new weights on every replica, and the same
+engine under AsyncEngine.
 
 One subprocess with two CPU devices (the device count is fixed when JAX starts) runs every case;
 each test reads its part of the result.
@@ -86,6 +87,7 @@ SCRIPT = textwrap.dedent(
     out["free_pages"] = [c.scheduler.allocator.num_free_pages for c in engine.cores]
     out["router_load"] = engine.router.load
 
+
     async def serve_one():
         a = AsyncEngine(engine)
         a.start()
@@ -95,6 +97,21 @@ SCRIPT = textwrap.dedent(
         finally:
             await a.shutdown(5)
     out["async"] = asyncio.run(serve_one())
+
+    # New weights on both replicas (every tensor's rows reversed): the single engine's tokens
+    # on the same new weights, each replica's parameters still on its own device.
+    import numpy as np
+    from nori_jax.weights.safetensors_dir import iter_safetensors
+    from pathlib import Path
+    new = {n: np.ascontiguousarray(a[::-1]) for n, a in iter_safetensors(Path(path))}
+    reference.update_weights(new)
+    llm.update_weights(new)
+    out["updated_single"] = [o.token_ids for o in reference.generate(prompts, greedy)]
+    out["updated_dp"] = [o.token_ids for o in llm.generate(prompts, greedy)]
+    out["updated_param_devices"] = [
+        sorted({d.id for leaf in jax.tree.leaves(r.model.state) for d in leaf.devices()})
+        for r in engine.replicas]
+    out["updated_recompiles"] = engine.num_recompiles
     print(json.dumps(out))
     """
 )
@@ -121,6 +138,13 @@ def test_two_replicas_give_the_single_engine_tokens(result) -> None:
     assert result["dp"] == result["single"]
     assert result["shared_tokens"] == result["shared_single"]
     assert result["async"] == result["single"][1]
+
+
+def test_new_weights_reach_every_replica(result) -> None:
+    assert result["updated_single"] != result["single"]
+    assert result["updated_dp"] == result["updated_single"]
+    assert result["updated_param_devices"] == [[0], [1]]
+    assert result["updated_recompiles"] == 0
 
 
 def test_each_replica_holds_its_own_device(result) -> None:

@@ -119,6 +119,14 @@ class PageAllocator:
         self._page_of_hash[h] = page
         self._hash_of_page[page] = h
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (their KV was computed with weights that changed); the
+        pages stay where they are, free or held. Returns how many pages were published."""
+        n = len(self._page_of_hash)
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+        return n
+
     def _evict(self, page: int) -> None:
         h = self._hash_of_page.pop(page, None)
         if h is not None:

@@ -30,21 +30,33 @@ class PackedParams:
                 groups.setdefault(key, []).append(i)
         stacked = {key: idx for key, idx in groups.items() if len(idx) > 1}
         in_stack = {i: (key, row) for key, idx in stacked.items() for row, i in enumerate(idx)}
-        self.arrays: list[jax.Array] = []
+        # Per argument: the leaf it is, or the stack key and its leaves' indices.
+        self._args: list[int | tuple[tuple, list[int]]] = []
         # Per leaf: (argument index, row) where the leaf is a row of a stacked argument, or
         # (argument index, None) where it is the argument itself.
         self._where: list[tuple[int, int | None]] = [None] * len(leaves)  # type: ignore[list-item]
         stack_arg: dict[tuple, int] = {}
-        for i, x in enumerate(leaves):
+        for i in range(len(leaves)):
             if i not in in_stack:
-                self._where[i] = (len(self.arrays), None)
-                self.arrays.append(x)
+                self._where[i] = (len(self._args), None)
+                self._args.append(i)
                 continue
             key, row = in_stack[i]
             if key not in stack_arg:
-                stack_arg[key] = len(self.arrays)
-                self.arrays.append(_stack([leaves[j] for j in stacked[key]], key))
+                stack_arg[key] = len(self._args)
+                self._args.append((key, stacked[key]))
             self._where[i] = (stack_arg[key], row)
+        self.arrays: list[jax.Array] = self.pack(leaves)
+
+    def pack(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        """The launch's parameter arguments from leaves laid out as the ones this was built on
+        (new weights of the same model: the same programs take them)."""
+        if len(leaves) != self.num_leaves:
+            raise ValueError(f"expected {self.num_leaves} parameter leaves, got {len(leaves)}")
+        return [
+            leaves[arg] if isinstance(arg, int) else _stack([leaves[j] for j in arg[1]], arg[0])
+            for arg in self._args
+        ]
 
     @property
     def num_stacked(self) -> int:

@@ -483,6 +483,13 @@ class ModelRunner:
         layout.view(step, "filter_rows")[:] = np.arange(s)
         return step
 
+    def update_weights(self, state) -> None:
+        """Run on `state` from the next launch: the model's parameters as the loader places them
+        (weights/update.py checked them against the current ones), packed as the compiled
+        programs take them. The caller makes sure no launch is in flight."""
+        self._params = self._packed.pack(jax.tree.leaves(state))
+        self.model.state = state
+
     def launch(self, plan: StepPlan) -> LaunchedSamples:
         """Enqueue the step and return a handle to its samples without waiting (`fetch` reads
         it).

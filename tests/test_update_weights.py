@@ -1,0 +1,142 @@
+"""`LLM.update_weights`: a running engine switched to another checkpoint's weights answers as an
+engine loaded from that checkpoint (greedy and seeded tokens), without recompiling, with its
+prefix cache emptied; from a directory, a mapping of numpy arrays or JAX arrays; quantized too.
+A bad set of tensors, or requests in flight, is refused and leaves the weights as they were."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from engine_fixtures import small_llm
+from safetensors.numpy import save_file
+
+from nori_jax import LLM, SamplingParams
+from nori_jax.weights.safetensors_dir import iter_safetensors
+from nori_jax.weights.update import check_like
+
+PARAMS = [
+    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
+]
+# 40 tokens: two full pages of 16, which the prefix cache keeps after the first request
+PROMPTS = [list(range(10, 50)), [7, 8, 9], list(range(100, 123))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny llama and a copy with other weights (every tensor drawn anew, norms included)."""
+    first = hf_checkpoints["llama"]
+    second = tmp_path_factory.mktemp("hf-llama-other")
+    for f in first.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, second / f.name)
+    rng = np.random.default_rng(7)
+    tensors = {
+        name: (rng.standard_normal(a.shape) * a.std() + a.mean()).astype(a.dtype)
+        for name, a in iter_safetensors(first)
+    }
+    save_file(tensors, str(second / "model.safetensors"))
+    return first, second
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS * 2, PARAMS * 3)]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[str, list[list[int]]]:
+    """Each checkpoint's tokens from an engine loaded on it."""
+    first, second = checkpoints
+    return {"a": _tokens(small_llm(str(first))), "b": _tokens(small_llm(str(second)))}
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints) -> LLM:
+    return small_llm(str(checkpoints[0]))
+
+
+def _hits(llm: LLM) -> float:
+    return llm.get_metrics()["nori:prefix_cache_hits_total"]
+
+
+def test_new_weights_answer_as_their_checkpoint_does(llm, checkpoints, expected):
+    assert expected["a"] != expected["b"]
+    assert _tokens(llm) == expected["a"]  # the long prompt's pages are now cached
+    llm.update_weights(str(checkpoints[1]))
+    hits = _hits(llm)
+    assert _tokens(llm) == expected["b"]
+    # The cached pages held the old weights' KV: none were read back, though the long prompt
+    # ran twice (the second of each pair found the first's pages, computed anew).
+    first_pass = llm.generate([PROMPTS[0]], PARAMS[0])[0].token_ids
+    assert first_pass == expected["b"][0]
+    assert _hits(llm) - hits >= 2 * 16  # the cache works again, on the new weights' KV
+    # Back to the first weights from host arrays, then from arrays on the device.
+    llm.update_weights(dict(iter_safetensors(checkpoints[0])))
+    assert _tokens(llm) == expected["a"]
+    llm.update_weights([(n, jax.numpy.asarray(a)) for n, a in iter_safetensors(checkpoints[1])])
+    assert _tokens(llm) == expected["b"]
+    assert llm.engine.num_recompiles == 0
+
+
+def test_the_prefix_cache_is_emptied(llm, checkpoints):
+    llm.generate([PROMPTS[0]], PARAMS[0])
+    allocator = llm.engine.scheduler.allocator
+    assert allocator._page_of_hash
+    llm.update_weights(str(checkpoints[0]))
+    assert not allocator._page_of_hash
+    hits = _hits(llm)
+    llm.generate([PROMPTS[0]], PARAMS[0])
+    assert _hits(llm) == hits  # nothing cached survived the update
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: t | {"model.layers.9.mlp.up_proj.weight": t["model.norm.weight"]}, "layers.9"),
+        (lambda t: t | {"model.norm.weight": t["model.norm.weight"][:-1]}, "model.norm.weight"),
+        (
+            lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.k_proj" not in k},
+            "k_proj",
+        ),
+        (lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"}, "lacks tensors"),
+        (lambda t: [*t.items(), ("model.norm.weight", t["model.norm.weight"])], "given twice"),
+    ],
+)
+def test_a_bad_set_of_tensors_is_refused_and_changes_nothing(
+    llm, checkpoints, expected, change, match
+):
+    llm.update_weights(str(checkpoints[0]))
+    with pytest.raises(ValueError, match=match):
+        llm.update_weights(change(dict(iter_safetensors(checkpoints[1]))))
+    assert _tokens(llm) == expected["a"]
+
+
+def test_only_between_requests(llm, checkpoints, tmp_path):
+    llm.engine.add_request(None, [5, 6, 7], PARAMS[0])
+    with pytest.raises(ValueError, match="requests are queued or running"):
+        llm.update_weights(str(checkpoints[1]))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    with pytest.raises(ValueError, match="not a Hugging Face directory"):
+        llm.update_weights(str(tmp_path))
+
+
+def test_a_quantized_engine_quantizes_the_new_weights(checkpoints):
+    old, new = (small_llm(str(path), quantization="int8") for path in checkpoints)
+    old.update_weights(str(checkpoints[1]))
+    assert _tokens(old) == _tokens(new)
+    assert old.engine.num_recompiles == 0
+
+
+def test_arrays_unlike_the_compiled_ones_are_refused(llm):
+    """The programs take the parameters without jit's checks (executor/direct_call.py): a new
+    array of another dtype or shape than the one it replaces is an error, not a reinterpretation."""
+    state = llm.engine.model.state
+    check_like(state, state)
+    halved = jax.tree.map(lambda x: x.astype(jax.numpy.float16), state)
+    with pytest.raises(ValueError, match=r"embed_tokens would be float16\[320, 64\]"):
+        check_like(halved, state)
