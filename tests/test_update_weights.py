@@ -5,7 +5,9 @@ A bad set of tensors, or requests in flight, is refused and leaves the weights a
 
 from __future__ import annotations
 
+import gc
 import shutil
+import weakref
 from pathlib import Path
 
 import jax
@@ -80,6 +82,18 @@ def test_new_weights_answer_as_their_checkpoint_does(llm, checkpoints, expected)
     llm.update_weights([(n, jax.numpy.asarray(a)) for n, a in iter_safetensors(checkpoints[1])])
     assert _tokens(llm) == expected["b"]
     assert llm.engine.num_recompiles == 0
+
+
+def test_the_old_weights_are_released(checkpoints):
+    """Nothing keeps the replaced arrays alive, the loaded ones included (the compiled programs
+    hold the packing, not the arrays): on a GPU a second copy of the weights would stay in
+    device memory."""
+    llm = small_llm(str(checkpoints[0]))
+    gc.collect()
+    old = [weakref.ref(x) for x in jax.tree.leaves(llm.engine.model.state)]
+    llm.update_weights(str(checkpoints[1]))
+    gc.collect()
+    assert [r() for r in old] == [None] * len(old)
 
 
 def test_the_prefix_cache_is_emptied(llm, checkpoints):

@@ -5,8 +5,9 @@ hand to the CUDA graph): on the H200 0.75-1.6 us per argument, docs/benchmarks.m
 A Llama-family model has two RMSNorm scales per layer and one at the end, 61 vectors of a few
 KiB for SmolLM2-135M's 30 layers, a fifth of the forward pass's ~300 arguments. `PackedParams`
 stacks every group of same-shaped 1-D leaves (same dtype and sharding) into one [n, ...] array,
-made once when the runner starts; the program takes row i where the model reads the vector, a
-slice that fuses into the elementwise op that reads it. Weight matrices go in as they are.
+made when the runner starts (and for new weights); the program takes row i where the model reads
+the vector, a slice that fuses into the elementwise op that reads it. Weight matrices go in as
+they are.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 class PackedParams:
-    """`arrays`: the launch's parameter arguments; `unflatten(args)` (inside a program): the
+    """`pack(leaves)`: the launch's parameter arguments; `unflatten(args)` (inside a program): the
     model's parameter tree from them."""
 
     def __init__(self, leaves: list[jax.Array], treedef):
@@ -46,11 +47,15 @@ class PackedParams:
                 stack_arg[key] = len(self._args)
                 self._args.append((key, stacked[key]))
             self._where[i] = (stack_arg[key], row)
-        self.arrays: list[jax.Array] = self.pack(leaves)
+
+    @property
+    def num_args(self) -> int:
+        return len(self._args)
 
     def pack(self, leaves: list[jax.Array]) -> list[jax.Array]:
         """The launch's parameter arguments from leaves laid out as the ones this was built on
-        (new weights of the same model: the same programs take them)."""
+        (the model's weights, or new weights of the same model: the same programs take them).
+        Holds none of them: the programs keep this object, and new weights must free the old."""
         if len(leaves) != self.num_leaves:
             raise ValueError(f"expected {self.num_leaves} parameter leaves, got {len(leaves)}")
         return [
@@ -65,8 +70,8 @@ class PackedParams:
 
     def unflatten(self, args):
         """The parameter tree from the launch's parameter arguments (traced or concrete)."""
-        if len(args) != len(self.arrays):
-            raise ValueError(f"expected {len(self.arrays)} parameter arguments, got {len(args)}")
+        if len(args) != self.num_args:
+            raise ValueError(f"expected {self.num_args} parameter arguments, got {len(args)}")
         leaves = [args[a] if row is None else args[a][row] for a, row in self._where]
         return jax.tree.unflatten(self.treedef, leaves)
 

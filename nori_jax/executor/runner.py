@@ -153,7 +153,7 @@ class ModelRunner:
         leaves, treedef = jax.tree.flatten(loaded.state)
         # Small vectors (the norm scales) stacked: fewer arguments per launch (param_packing.py).
         self._packed = PackedParams(leaves, treedef)
-        self._params = self._packed.arrays
+        self._params = self._packed.pack(leaves)
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)

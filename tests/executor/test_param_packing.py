@@ -29,14 +29,15 @@ def test_vectors_of_one_shape_dtype_and_sharding_share_an_argument(mesh):
     tree = {"a": norms[0], "b": [weight, norms[1]], "c": bias, "d": norms[2], "e": lone}
     leaves, treedef = jax.tree.flatten(tree)
     packed = PackedParams(leaves, treedef)
+    args = packed.pack(leaves)
 
-    assert len(packed.arrays) == len(leaves) - 2 and packed.num_stacked == 3
-    stacked = [a for a in packed.arrays if a.shape == (3, 6)]
+    assert len(args) == packed.num_args == len(leaves) - 2 and packed.num_stacked == 3
+    stacked = [a for a in args if a.shape == (3, 6)]
     assert len(stacked) == 1
     assert stacked[0].sharding.spec == PartitionSpec(None, None)
     np.testing.assert_array_equal(np.asarray(stacked[0], np.float32)[:, 0], [0, 1, 2])
 
-    back = jax.jit(lambda args: packed.unflatten(args))(packed.arrays)
+    back = jax.jit(lambda args: packed.unflatten(args))(args)
     assert jax.tree.structure(back) == treedef
     for got, want in zip(jax.tree.leaves(back), leaves, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
