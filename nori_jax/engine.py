@@ -39,7 +39,7 @@ from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights.loader import LoadedModel, load_model
-from nori_jax.weights.update import Tensors, named_tensors, placed_weights
+from nori_jax.weights.update import Tensors, named_tensors, prepare_weights
 from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 from pallas_kernels.ragged_paged_attention.pallas_attention import FP8_MIN_PAGE_SIZE
@@ -435,17 +435,16 @@ class LLMEngine:
     def update_weights(self, tensors: Tensors) -> None:
         """Serve with new weights from the next request on (weights/update.py): Hugging Face-named
         tensors (a mapping or (name, array) pairs, host or device arrays) for every parameter,
-        placed, fused and quantized as loading a checkpoint would. No recompilation; the prefix
-        cache is emptied (its KV came from the old weights). Only between requests: ValueError
-        while any is queued or running, or for a tensor the model does not take (the model is
-        then unchanged)."""
+        fused, quantized and placed as loading a checkpoint would, one tensor at a time. No
+        recompilation; the prefix cache is emptied (its KV came from the old weights). Only
+        between requests: ValueError while any is queued or running, or for a tensor the model
+        does not take (the weights are then unchanged)."""
         self._check_idle_for_update()
-        named = named_tensors(tensors)
-        # Every replica's placed before any changes: a refusal leaves them all as they were.
         targets = self._parts_to_update()
-        states = [placed_weights(p.model, named, p.runner.mesh) for p in targets]
-        for parts, state in zip(targets, states, strict=True):
-            parts.runner.update_weights(state)
+        # Checked on the host before any replica changes (the replicas hold one model).
+        prepared = prepare_weights(targets[0].model, named_tensors(tensors))
+        for parts in targets:
+            parts.runner.replace_weights(prepared)
             parts.core.scheduler.allocator.reset_prefix_cache()
 
     def _check_idle_for_update(self) -> None:

@@ -192,12 +192,12 @@ class LLM:
 
         `weights`: every parameter as Hugging Face names it (`model.layers.0.self_attn.q_proj.
         weight`, ...), a mapping or (name, array) pairs of numpy, torch-on-CPU (`.numpy()`) or JAX
-        arrays, or the path of a Hugging Face directory of safetensors. They are placed as
-        loading that checkpoint would place them (fused, quantized under the engine's
-        `quantization`, sharded), on every replica; the prefix cache is emptied. Call it between
+        arrays, or the path of a Hugging Face directory of safetensors. All are checked on the
+        host first, then placed as loading that checkpoint would place them (fused, quantized
+        under the engine's `quantization`, sharded), one tensor at a time, each old array freed
+        as its successor lands, on every replica; the prefix cache is emptied. Call it between
         `generate` calls: ValueError while requests are in flight, and for a tensor the model
-        does not take (naming it; the weights are then unchanged). The device needs room for a
-        second copy of the weights while both are placed."""
+        does not take (naming it; the weights are then unchanged)."""
         if isinstance(weights, (str, os.PathLike)):
             path = Path(weights).expanduser()
             if not is_hf_dir(path):

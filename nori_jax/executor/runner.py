@@ -70,7 +70,8 @@ from nori_jax.executor.step_programs import (
     top_logprobs_from_logits,
 )
 from nori_jax.models.linear import MODEL
-from nori_jax.weights.loader import LoadedModel
+from nori_jax.weights.loader import LoadedModel, PreparedTensor
+from nori_jax.weights.update import replace_weights
 
 logger = logging.getLogger(__name__)
 
@@ -483,12 +484,16 @@ class ModelRunner:
         layout.view(step, "filter_rows")[:] = np.arange(s)
         return step
 
-    def update_weights(self, state) -> None:
-        """Run on `state` from the next launch: the model's parameters as the loader places them
-        (weights/update.py checked them against the current ones), packed as the compiled
-        programs take them. The caller makes sure no launch is in flight."""
-        self._params = self._packed.pack(jax.tree.leaves(state))
-        self.model.state = state
+    def replace_weights(self, prepared: list[PreparedTensor]) -> None:
+        """Run on new weights from the next launch (weights/update.py: checked, laid out on the
+        host), each placed as the array it replaces and swapped in at once; the caller makes
+        sure no launch is in flight. The launch's own references go first, so each old array
+        is freed as its successor lands."""
+        self._params = []
+        try:
+            replace_weights(self.model, prepared)
+        finally:  # after a failure too: the launch takes whatever the state now holds
+            self._params = self._packed.pack(jax.tree.leaves(self.model.state))
 
     def launch(self, plan: StepPlan) -> LaunchedSamples:
         """Enqueue the step and return a handle to its samples without waiting (`fetch` reads

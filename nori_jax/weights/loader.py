@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -153,19 +153,49 @@ def place_tensors(
 
     `quantization` is the scheme the abstract state's QuantizedLinear modules were built with.
     The parts of a fused projection (q/k/v, gate/up) are fused on the way (_fuse_parts)."""
+    prepared = prepare_tensors(tensors, abstract_state, source, num_kv_heads=num_kv_heads)
     shardings = _shardings(abstract_state, mesh)
+    placed: dict[tuple, jax.Array] = {}
+    for tensor in prepared:
+        placed.update(place_prepared(tensor, shardings, quantization))
+    return _fill(abstract_state, placed)
+
+
+@dataclasses.dataclass
+class PreparedTensor:
+    """A checkpoint tensor checked against the model and laid out for it on the host, nothing on
+    the device yet: `values` by the state path each fills (a float parameter's array transposed
+    and cast, or a stored quantized weight's leaves), or, with `quantize_into` (the paths of a
+    QuantizedLinear's qvalue and scale, and the scale's dtype), one float [out, in] weight to
+    quantize on the device."""
+
+    name: str
+    values: dict[tuple, np.ndarray]
+    quantize_into: tuple[tuple, tuple, np.dtype] | None = None
+
+
+def prepare_tensors(
+    tensors: Iterable[tuple[str, np.ndarray | QuantizedTensor]],
+    abstract_state: nnx.State,
+    source: str,
+    *,
+    num_kv_heads: int,
+) -> Iterator[PreparedTensor]:
+    """Each tensor mapped, fused, checked and laid out on the host as it comes (a checkpoint
+    larger than the host's memory streams through), nothing on the device; ValueError (naming
+    the tensor) for one the model does not take, and at the end for parameters not given."""
     flat = dict(nnx.to_flat_state(abstract_state))
     quantized = _quantized_linears(flat)
-    placed: dict[tuple, jax.Array] = {}
+    given: set[tuple] = set()
     for name, array in _fuse_parts(tensors, flat, num_kv_heads, source):
         mapped = hf_names.state_path(name)
         if mapped is None:
             continue
         path, transpose = mapped
         if path in quantized:
-            placed.update(
-                _place_quantized(name, array, path, flat, shardings, source, quantization)
-            )
+            tensor = _prepare_quantized(name, array, path, flat, source)
+            given.update(tensor.values, tensor.quantize_into[:2] if tensor.quantize_into else ())
+            yield tensor
             continue
         if isinstance(array, QuantizedTensor):
             raise ValueError(f"{source}: tensor {name!r} is quantized, the model expects floats")
@@ -180,13 +210,28 @@ def place_tensors(
             raise ValueError(
                 f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
             )
-        placed[path] = put(np.asarray(array).astype(want.dtype), shardings[path])
-    missing = sorted(".".join(map(str, p)) for p in flat if p not in placed)
+        given.add(path)
+        yield PreparedTensor(name, {path: np.asarray(array).astype(want.dtype)})
+    missing = sorted(".".join(map(str, p)) for p in flat if p not in given)
     if missing:
         raise ValueError(
             f"{source}: checkpoint lacks tensors for {missing[:5]} ({len(missing)} in all)"
         )
-    return _fill(abstract_state, placed)
+
+
+def place_prepared(
+    tensor: PreparedTensor,
+    shardings: dict[tuple, NamedSharding],
+    scheme: WeightQuantization | None,
+) -> dict[tuple, jax.Array]:
+    """A prepared tensor on the device, each array on its sharding: {state path: array}."""
+    if tensor.quantize_into is None:
+        return {path: put(value, shardings[path]) for path, value in tensor.values.items()}
+    (weight,) = tensor.values.values()
+    q_path, s_path, scale_dtype = tensor.quantize_into
+    w = put(weight, shardings[q_path])
+    leaves = quantize_on_device(w, scheme, scale_dtype, (shardings[q_path], shardings[s_path]))
+    return {q_path: leaves["qvalue"], s_path: leaves["scale"]}
 
 
 def _fuse_parts(tensors, flat: dict, num_kv_heads: int, source: str):
@@ -256,21 +301,19 @@ def _fuse_leaf(fused, names, values, num_kv_heads: int, source: str, leaf: str =
     return fuse_qkv(*values, num_kv_heads) if qkv else fuse_gate_up(*values)
 
 
-def _place_quantized(
-    name, array, prefix, flat, shardings, source, scheme: WeightQuantization
-) -> dict[tuple, jax.Array]:
-    """A linear weight in HF layout [out, in]: float (quantized here) or a QuantizedTensor."""
-    module = flat[(*prefix, "qvalue")]
+def _prepare_quantized(name, array, prefix, flat, source) -> PreparedTensor:
+    """A linear weight in HF layout [out, in] for the QuantizedLinear at `prefix`: float (to
+    quantize on the device) or a QuantizedTensor whose leaves are the module's."""
     leaf_paths = {leaf: (*prefix, leaf) for leaf in ("qvalue", "scale", "offset")}
     leaf_paths = {k: p for k, p in leaf_paths.items() if p in flat}
     if isinstance(array, QuantizedTensor):
         given = array.leaves()
         if set(given) != set(leaf_paths):
             raise ValueError(
-                f"{source}: tensor {name!r} holds {sorted(given)}, {scheme.describe()} "
-                f"stores {sorted(leaf_paths)}"
+                f"{source}: tensor {name!r} holds {sorted(given)}, the model stores "
+                f"{sorted(leaf_paths)}"
             )
-        out = {}
+        values = {}
         for leaf, path in leaf_paths.items():
             want = flat[path].get_value()
             value = np.asarray(given[leaf])
@@ -279,19 +322,19 @@ def _place_quantized(
                     f"{source}: tensor {name!r} ({leaf}) has shape {value.shape}, model expects "
                     f"{want.shape}"
                 )
-            out[path] = put(value.astype(want.dtype), shardings[path])
-        return out
-    want = module.get_value()
+            values[path] = value.astype(want.dtype)
+        return PreparedTensor(name, values)
+    want = flat[leaf_paths["qvalue"]].get_value()
     if tuple(array.shape) != tuple(want.shape):
         raise ValueError(
             f"{source}: tensor {name!r} has shape {array.shape}, model expects {want.shape}"
         )
-    w = put(np.asarray(array, np.float32), shardings[leaf_paths["qvalue"]])
     scale_dtype = flat[leaf_paths["scale"]].get_value().dtype
-    leaves = quantize_on_device(
-        w, scheme, scale_dtype, (shardings[leaf_paths["qvalue"]], shardings[leaf_paths["scale"]])
+    return PreparedTensor(
+        name,
+        {leaf_paths["qvalue"]: np.asarray(array, np.float32)},
+        (leaf_paths["qvalue"], leaf_paths["scale"], scale_dtype),
     )
-    return {leaf_paths[k]: v for k, v in leaves.items()}
 
 
 def dummy_state(
