@@ -440,12 +440,22 @@ class LLMEngine:
         between requests: ValueError while any is queued or running, or for a tensor the model
         does not take (the weights are then unchanged)."""
         self._check_idle_for_update()
+        start = time.perf_counter()
         targets = self._parts_to_update()
         # Checked on the host before any replica changes (the replicas hold one model).
         prepared = prepare_weights(targets[0].model, named_tensors(tensors))
+        checked = time.perf_counter()
         for parts in targets:
             parts.runner.replace_weights(prepared)
             parts.core.scheduler.allocator.reset_prefix_cache()
+        logger.info(
+            "weights updated in %.2fs (%d tensors checked in %.2fs, placed on %d replica(s)); "
+            "prefix cache emptied",
+            time.perf_counter() - start,
+            len(prepared),
+            checked - start,
+            len(targets),
+        )
 
     def _check_idle_for_update(self) -> None:
         if self.has_unfinished_requests():
