@@ -47,6 +47,19 @@ def test_greedy_tokens_match_one_device_for_tp_2_4_8(report):
     assert engines["qwen2 tp4"]["tokens"] == engines["qwen2 tp1"]["tokens"]
 
 
+def test_new_weights_on_a_mesh_match_one_device(report):
+    """update_weights places each new array on the sharding of the one it replaces (kv heads
+    split or replicated): the one-device tokens on the same new weights, the projections'
+    shardings unchanged (checked in the subprocess), no recompiles."""
+    engines = report["engines"]
+    single = engines["reference tp1"]["updated_tokens"]
+    assert single != engines["reference tp1"]["tokens"]
+    for tp in (2, 4, 8):
+        assert engines[f"reference tp{tp}"]["updated_tokens"] == single, f"tp{tp}"
+    qwen2 = engines["qwen2 tp1"]["updated_tokens"]
+    assert engines["qwen2 tp4"]["updated_tokens"] == qwen2 != engines["qwen2 tp1"]["tokens"]
+
+
 def test_penalties_and_prompt_logprobs_match_one_device(report):
     """The per-slot penalty tables and the prompt-logprob rows on a mesh (replicated, like the
     logits): the same tokens and prompt logprobs as on one device."""

@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 from nori_jax import LLM, MeshConfig, SamplingParams
 from nori_jax.executor.mesh import make_mesh
 from nori_jax.models.llama import DOWN_PROJ_SCOPE, O_PROJ_SCOPE
+from nori_jax.weights.safetensors_dir import iter_safetensors
 from pallas_kernels import attention_step, attention_step_sharded
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 
@@ -82,12 +84,22 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
     )
     scored = llm.generate(prompts[:1], scoring)[0]
     attn = llm.engine.model.state["layers"][0]["self_attn"]
+    specs = {n: str(attn[n].get_value().sharding.spec) for n in attn if n.endswith("_proj")}
+    updated = None
+    if backend == "reference":  # new weights (every tensor's rows reversed) placed on the mesh
+        new = {n: np.ascontiguousarray(a[::-1]) for n, a in iter_safetensors(Path(path))}
+        llm.update_weights(new)
+        updated = [o.token_ids for o in llm.generate(prompts, params)]
+        attn = llm.engine.model.state["layers"][0]["self_attn"]
+        after = {n: str(attn[n].get_value().sharding.spec) for n in attn if n.endswith("_proj")}
+        assert after == specs, (specs, after)
     kv = llm.engine.runner.kv_pages[0]
     programs = llm.engine.runner.compiled_programs()
     return {
         "seconds": round(time.perf_counter() - started, 1),
         "mesh": llm.engine.config.mesh.model,
         "tokens": tokens,
+        "updated_tokens": updated,
         "scored": {"tokens": scored.token_ids, "prompt_logprobs": scored.prompt_logprobs[1:]},
         "recompiles": llm.engine.num_recompiles,
         # Interpret-mode kernels run as host programs (sharded.py): none may be built after
