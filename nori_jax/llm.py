@@ -198,13 +198,29 @@ class LLM:
         as its successor lands, on every replica; the prefix cache is emptied. Call it between
         `generate` calls: ValueError while requests are in flight, and for a tensor the model
         does not take (naming it; the weights are then unchanged)."""
-        if isinstance(weights, (str, os.PathLike)):
-            path = Path(weights).expanduser()
-            if not is_hf_dir(path):
-                raise ValueError(f"{str(path)!r} is not a Hugging Face directory (config.json)")
-            weights = iter_safetensors(path)
-        self.engine.update_weights(weights)
+        self.engine.update_weights(_tensors(weights))
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device's memory back between `generate` calls (a trainer on the same GPU):
+        KV pages, step buffers and prefix cache freed, the weights moved to pinned host memory
+        (level 1) or dropped (level 2). Nothing recompiles on `wake_up`."""
+        self.engine.sleep(level)
+
+    def wake_up(self, weights: Tensors | str | os.PathLike | None = None) -> None:
+        """Back on the device after `sleep`, with the kept weights or new ones (as
+        `update_weights` takes them: needed after level 2)."""
+        self.engine.wake_up(None if weights is None else _tensors(weights))
 
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics (the same numbers the server exposes at /metrics)."""
         return self.engine.get_metrics()
+
+
+def _tensors(weights: Tensors | str | os.PathLike) -> Tensors:
+    """Named tensors as given, or those of a Hugging Face directory of safetensors."""
+    if not isinstance(weights, (str, os.PathLike)):
+        return weights
+    path = Path(weights).expanduser()
+    if not is_hf_dir(path):
+        raise ValueError(f"{str(path)!r} is not a Hugging Face directory (config.json)")
+    return iter_safetensors(path)

@@ -111,6 +111,9 @@ SCRIPT = textwrap.dedent(
     out["updated_param_devices"] = [
         sorted({d.id for leaf in jax.tree.leaves(r.model.state) for d in leaf.devices()})
         for r in engine.replicas]
+    llm.sleep()  # both replicas' pages and weights off their devices, then back
+    llm.wake_up()
+    out["woken_dp"] = [o.token_ids for o in llm.generate(prompts, greedy)]
     out["updated_recompiles"] = engine.num_recompiles
     print(json.dumps(out))
     """
@@ -140,9 +143,9 @@ def test_two_replicas_give_the_single_engine_tokens(result) -> None:
     assert result["async"] == result["single"][1]
 
 
-def test_new_weights_reach_every_replica(result) -> None:
+def test_new_weights_and_sleep_reach_every_replica(result) -> None:
     assert result["updated_single"] != result["single"]
-    assert result["updated_dp"] == result["updated_single"]
+    assert result["updated_dp"] == result["updated_single"] == result["woken_dp"]
     assert result["updated_param_devices"] == [[0], [1]]
     assert result["updated_recompiles"] == 0
 

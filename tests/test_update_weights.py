@@ -1,7 +1,9 @@
 """`LLM.update_weights`: a running engine switched to another checkpoint's weights answers as an
 engine loaded from that checkpoint (greedy and seeded tokens), without recompiling, with its
 prefix cache emptied; from a directory, a mapping of numpy arrays or JAX arrays; quantized too.
-A bad set of tensors, or requests in flight, is refused and leaves the weights as they were."""
+A bad set of tensors, or requests in flight, is refused and leaves the weights as they were.
+`sleep` / `wake_up`: the device's memory given back and taken again, with the kept weights or
+new ones, answering as before, nothing recompiled."""
 
 from __future__ import annotations
 
@@ -174,3 +176,57 @@ def test_arrays_unlike_the_compiled_ones_are_refused(llm):
         check_like(("embed_tokens",), old.astype(jax.numpy.float16), old)
     with pytest.raises(ValueError, match=r"would be float32\[320, 32\]"):
         check_like(("embed_tokens",), old[:, :32], old)
+
+
+def _device_bytes() -> int:
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "device")
+
+
+def test_sleep_gives_the_device_back_and_wake_up_answers_as_before(llm, checkpoints, expected):
+    llm.update_weights(str(checkpoints[0]))
+    llm.generate([PROMPTS[0]], PARAMS[0])  # its pages cached: the wake-up's pages are blank
+    awake = _device_bytes()
+    llm.sleep()
+    assert llm.engine.is_sleeping
+    assert _device_bytes() < awake / 20  # weights, KV pages, logits and the rest given back
+    with pytest.raises(ValueError, match="asleep"):
+        llm.generate(PROMPTS, PARAMS[0])
+    with pytest.raises(ValueError, match="already asleep"):
+        llm.sleep()
+    with pytest.raises(ValueError, match="asleep; wake_up"):
+        llm.update_weights(str(checkpoints[1]))
+    llm.wake_up()
+    assert _device_bytes() >= awake * 0.95
+    assert _tokens(llm) == expected["a"]
+    assert llm.engine.num_recompiles == 0
+    with pytest.raises(ValueError, match="not asleep"):
+        llm.wake_up()
+
+
+def test_level_2_drops_the_weights_and_wakes_with_new_ones(llm, checkpoints, expected):
+    llm.update_weights(str(checkpoints[0]))
+    llm.generate([PROMPTS[0]], PARAMS[0])  # pages of the old weights in the prefix cache
+    host = lambda: sum(  # noqa: E731
+        x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "pinned_host"
+    )
+    llm.sleep(level=2)
+    assert host() == 0 and _device_bytes() < 4096
+    with pytest.raises(ValueError, match="without its weights"):
+        llm.wake_up()
+    with pytest.raises(ValueError, match="lacks tensors"):  # checked before anything changes
+        llm.wake_up({"model.norm.weight": np.ones(64, np.float32)})
+    llm.wake_up(str(checkpoints[1]))
+    assert _tokens(llm) == expected["b"]
+    assert llm.engine.num_recompiles == 0
+
+
+def test_sleep_only_between_requests(llm):
+    llm.engine.add_request(None, [5, 6, 7], PARAMS[0])
+    with pytest.raises(ValueError, match="sleep: requests are queued or running"):
+        llm.sleep()
+    with pytest.raises(ValueError, match="level=3"):
+        llm.sleep(level=3)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert not llm.engine.is_sleeping

@@ -71,6 +71,7 @@ from nori_jax.executor.step_programs import (
 )
 from nori_jax.models.linear import MODEL
 from nori_jax.weights.loader import LoadedModel, PreparedTensor
+from nori_jax.weights.residency import offload_weights, restore_weights
 from nori_jax.weights.update import replace_weights
 
 logger = logging.getLogger(__name__)
@@ -148,8 +149,8 @@ class ModelRunner:
         self.layout = layout
         self.buckets = list(buckets)
         cfg = loaded.config
-        kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
-        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, kv_dtype, mesh)
+        self.kv_dtype = loaded.dtype if kv_dtype is None else kv_dtype
+        self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, self.kv_dtype, mesh)
         self.kv_scales = kv_scales
         leaves, treedef = jax.tree.flatten(loaded.state)
         # Small vectors (the norm scales) stacked: fewer arguments per launch (param_packing.py).
@@ -277,10 +278,13 @@ class ModelRunner:
         # Start each step's device-to-host copy as soon as the next launch has made the host's
         # copy of its samples (fetch then finds them on the host), or let fetch copy them.
         self.copy_back_early = True
-        # The device buffers every step reads and writes in place (module docstring: their
-        # addresses never change, so XLA's CUDA graphs launch without an update).
-        s, vocab = layout.max_num_seqs, cfg.vocab_size
-        self._step_state = put(layout.new_step(), self._replicated)
+        self._allocate_buffers()
+
+    def _allocate_buffers(self) -> None:
+        """The device buffers every step reads and writes in place (module docstring: their
+        addresses never change, so XLA's CUDA graphs launch without an update), fresh."""
+        s, vocab = self.layout.max_num_seqs, self.model.config.vocab_size
+        self._step_state = put(self.layout.new_step(), self._replicated)
         self._samples_state = put(np.zeros((2, s), np.int32), self._replicated)
         self._logits_state = put(np.zeros((s, vocab), np.float32), self._replicated)
         # Per slot: each token's count among its request's outputs, and whether its prompt holds
@@ -288,12 +292,35 @@ class ModelRunner:
         # the logits, in what gpu_memory_utilization leaves free).
         self._penalty_counts = put(np.zeros((s, vocab), np.int32), self._replicated)
         self._penalty_in_prompt = put(np.zeros((s, vocab), bool), self._replicated)
-        k = num_scheduler_steps
+        k = self.num_scheduler_steps
         self._all_samples_state = (
             put(np.zeros((k, 2, s), np.int32), self._replicated) if self.multi_step_keys else None
         )
         # The last launch's samples while only the runner's buffer holds them (no copy yet).
         self._unpeeked: LaunchedSamples | None = None
+
+    def sleep(self, keep_weights: bool) -> None:
+        """Give the device back (a trainer on the same GPU, between rollouts): the KV pages and
+        the step's buffers are released, and the weights go to pinned host memory
+        (`keep_weights`) or away. The compiled programs stay. The caller makes sure nothing is in
+        flight and that no one reads the prefix cache's pages afterwards."""
+        self._params = []
+        self.kv_pages = []
+        self._step_state = self._samples_state = self._logits_state = None
+        self._penalty_counts = self._penalty_in_prompt = self._all_samples_state = None
+        self._unpeeked = None
+        offload_weights(self.model, keep_weights)
+
+    def wake_up(self) -> None:
+        """Back on the device after `sleep`: the weights (from host memory, or as
+        `replace_weights` placed them while asleep), fresh KV pages and step buffers."""
+        restore_weights(self.model)
+        self._params = self._packed.pack(jax.tree.leaves(self.model.state))
+        cfg = self.model.config
+        self.kv_pages = allocate_kv_pages(
+            cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh
+        )
+        self._allocate_buffers()
 
     def _samples_buffer(self, source: str | None) -> jax.Array:
         """The runner's buffer a LaunchedSamples of `source` is copied from."""
