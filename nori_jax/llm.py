@@ -7,6 +7,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nori_jax.core.engine_core import check_priority
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import make_engine
@@ -16,6 +18,7 @@ from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams, sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
+from nori_jax.weights.export import hf_tensors
 from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors
 from nori_jax.weights.update import Tensors
 
@@ -199,6 +202,13 @@ class LLM:
         `generate` calls: ValueError while requests are in flight, and for a tensor the model
         does not take (naming it; the weights are then unchanged)."""
         self.engine.update_weights(_tensors(weights))
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """The model's weights on the host under their Hugging Face names, laid out as a
+        checkpoint holds them (weights/export.py): what `update_weights` takes back, e.g. to
+        start a trainer from the engine's model. Float models only (ValueError when quantized);
+        replica 0's on a data-parallel mesh (they are all the same)."""
+        return dict(hf_tensors(self.engine.model))
 
     def sleep(self, level: int = 1) -> None:
         """Give the device's memory back between `generate` calls (a trainer on the same GPU):

@@ -253,3 +253,25 @@ def test_sleep_only_between_requests(llm):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert not llm.engine.is_sleeping
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_get_weights_is_the_checkpoint(hf_checkpoints, name):
+    """The engine's weights exported under Hugging Face names are the checkpoint's tensors, to
+    the bit (fused q/k/v and gate/up split back, kernels transposed back; qwen2: q/k/v biases,
+    tied embeddings without an lm_head), and update_weights takes them back unchanged."""
+    path = hf_checkpoints[name]
+    llm = small_llm(str(path))
+    got = llm.get_weights()
+    want = dict(iter_safetensors(path))
+    assert sorted(got) == sorted(want)
+    for key, array in want.items():
+        np.testing.assert_array_equal(got[key], array, err_msg=key)
+    before = _tokens(llm)
+    llm.update_weights(got)
+    assert _tokens(llm) == before
+
+
+def test_get_weights_needs_a_float_model(checkpoints):
+    with pytest.raises(ValueError, match="stored quantized"):
+        small_llm(str(checkpoints[0]), quantization="int8").get_weights()

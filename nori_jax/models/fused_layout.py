@@ -15,7 +15,8 @@ the model allows, so one stored layout serves every mesh (and the parameter cach
 
 Checkpoints store the projections apart; `fuse_*` builds the fused rows on the host from arrays in
 the checkpoint's [out, ...] layout (weights [out, in], biases [out], a quantized weight's qvalue
-and scales [out, ...]), and `split_*` takes the matmul's output apart on the device.
+and scales [out, ...]), `unfuse_*` takes them apart again (weights/export.py), and `split_*`
+takes the matmul's output apart on the device.
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> 
 def fuse_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """[F, ...] x 2 -> [2F, ...], gate and up alternating by row."""
     return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
+
+
+def unfuse_qkv(
+    fused: np.ndarray, num_heads: int, num_kv_heads: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`fuse_qkv`'s inverse: [Hkv*(G+2)*D, ...] -> q [Hq*D, ...], k and v [Hkv*D, ...]."""
+    rest = fused.shape[1:]
+    g = num_heads // num_kv_heads
+    y = fused.reshape(num_kv_heads, g + 2, -1, *rest)  # [Hkv, G + 2, D, ...]
+    q, k, v = y[:, :g], y[:, g], y[:, g + 1]
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def unfuse_gate_up(fused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`fuse_gate_up`'s inverse: [2F, ...] -> gate [F, ...], up [F, ...]."""
+    y = fused.reshape(-1, 2, *fused.shape[1:])
+    return y[:, 0], y[:, 1]
 
 
 def split_qkv(y: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):

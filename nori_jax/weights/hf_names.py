@@ -79,3 +79,16 @@ def fused_part(hf_name: str) -> tuple[str, int, int] | None:
         return None
     fused, i = _PART_OF[m.group(2)]
     return f"model.layers.{m.group(1)}.{fused}", i, len(FUSED_PARTS[fused])
+
+
+def hf_name(path: tuple[str | int, ...]) -> tuple[str, bool]:
+    """(tensor name, transposed?) of a state path: `state_path`'s inverse, for the fused
+    projections too (weights/export.py splits them)."""
+    if path[0] == "layers":
+        for suffix, (sub, transpose) in _LAYER_PARAMS.items():
+            if tuple(path[2:]) == sub:
+                return f"model.layers.{path[1]}.{suffix}", transpose
+    for name, (top, transpose) in _TOP_PARAMS.items():
+        if tuple(path) == top:
+            return name, transpose
+    raise ValueError(f"state path {path} has no Hugging Face name")
