@@ -224,6 +224,9 @@ def test_sleep_gives_the_device_back_and_wake_up_answers_as_before(
     assert llm.engine.num_recompiles == 0
     with pytest.raises(ValueError, match="not asleep"):
         llm.wake_up()
+    llm.sleep()  # and woken with new weights: the kept ones are dropped, not moved back
+    llm.wake_up(str(checkpoints[1]))
+    assert _tokens(llm) == expected["b"]
 
 
 def test_level_2_drops_the_weights_and_wakes_with_new_ones(awake_after, checkpoints, expected):
