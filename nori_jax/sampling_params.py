@@ -128,8 +128,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ParameterError naming the first setting the engine cannot hold."""
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ParameterError("n", f"n={self.n!r:.50} must be an integer in [1, {MAX_N}]")
+        _check_n(self.n)
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise ParameterError(
                 "max_tokens", f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31)"
@@ -257,13 +256,19 @@ class SamplingParams:
             )
 
 
+def _check_n(n: object) -> None:
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ParameterError("n", f"n={n!r:.50} must be an integer in [1, {MAX_N}]")
+
+
 def sample_choices(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
     """The settings of each of `n` (default `params.n`) samples of one prompt, one request each:
     n = 1, and sample j seeded with seed + j (modulo 2**31) where a seed is given, so a seeded
     prompt's samples differ from one another and each answers the same whatever runs beside it
-    (without a seed each request draws its own). ParameterError for settings out of range."""
-    params.validate()  # `n` too: a field set after construction was not checked
+    (without a seed each request draws its own). ParameterError for an n out of range (the
+    other settings are the engine's to check, as for any request)."""
     n = params.n if n is None else n
+    _check_n(n)  # a field set after construction was never checked
     if n == 1 and params.n == 1:
         return [params]
     return [

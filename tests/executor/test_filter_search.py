@@ -127,9 +127,10 @@ def test_the_sampler_draws_the_same_tokens_under_either_form():
     np.testing.assert_array_equal(tokens["search"], tokens["sort"])
 
 
-def test_the_search_program_has_no_control_flow():
+@pytest.mark.parametrize("form", SEARCH_FORMS)
+def test_the_search_program_has_no_control_flow(form):
     x, top_k, top_p, min_p = _rows(0, "normal", rows=8, vocab=64)
-    hlo = _thresholds("search").lower(x, top_k, top_p, min_p).compile().as_text()
+    hlo = _thresholds(form).lower(x, top_k, top_p, min_p).compile().as_text()
     assert "sort(" not in hlo
     assert not [line for line in hlo.splitlines() if " while(" in line or " conditional(" in line]
 
