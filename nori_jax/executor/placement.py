@@ -9,28 +9,11 @@ process copies only the pieces its own devices hold. Within one process it is de
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
-
-STEP_TRANSFER_MEMORIES = ("device", "pinned_host")
-
-
-def step_transfer_memory() -> str:
-    """The memory kind each step's fresh buffer is put in (`NORI_JAX_STEP_TRANSFER`): `device`
-    (the default: the runtime's host-to-device transfer, which the staging program's launch
-    waits to see enqueued) or `pinned_host` (a copy into pinned host memory; the staging program
-    moves it to the device as part of its own run). An A/B knob for the launch's transfer until
-    the GPU has timed both (docs/benchmarks.md, "Not measured yet")."""
-    memory = os.environ.get("NORI_JAX_STEP_TRANSFER", "device")
-    if memory not in STEP_TRANSFER_MEMORIES:
-        raise ValueError(
-            f"NORI_JAX_STEP_TRANSFER={memory!r} must be one of {STEP_TRANSFER_MEMORIES}"
-        )
-    return memory
 
 
 def put(value: np.ndarray, sharding: Sharding) -> jax.Array:

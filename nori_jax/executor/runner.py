@@ -9,9 +9,7 @@ keeps its address from launch to launch: `params` never change (the norm scales 
 few arrays once, param_packing.py), and the runner owns one device buffer each for the KV pages,
 `samples`, `logits`, the step buffer and (with multi-step decode) `all_samples`, which each
 program takes donated and returns in place. A step's fresh
-host-to-device buffer goes through `stage` (a one-kernel program, cheap to update; the buffer
-in device memory, or with `NORI_JAX_STEP_TRANSFER=pinned_host` in pinned host memory, which
-`stage` then copies in as part of its run: an A/B of the launch's transfer), and the host
+host-to-device buffer goes through `stage` (a one-kernel program, cheap to update), and the host
 reads the samples through a copy (the runner's own buffer is donated to the next launch before
 the host reads it). That copy is made by the next launch's staging program ("stage+peek"): in an
 overlapped engine the next step is launched before the host fetches this one, and one program
@@ -55,7 +53,7 @@ from nori_jax.executor.direct_call import DirectCall
 from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding
 from nori_jax.executor.mesh import replicated
 from nori_jax.executor.param_packing import PackedParams
-from nori_jax.executor.placement import ReplicatedPut, put, step_transfer_memory
+from nori_jax.executor.placement import ReplicatedPut, put
 from nori_jax.executor.step_programs import (
     count_sampled,
     forward,
@@ -270,11 +268,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.compiler_options: dict = {}  # compile_all: program_options.for_weights
         self.launch_times = LaunchTimes()
-        # Where a step's fresh buffer lands before `stage` copies it into the runner's own:
-        # device memory (a host-to-device transfer per step, before the launch), or pinned host
-        # memory (a host copy; the staging program then moves it as part of its own run).
-        self._fresh_sharding = self._replicated.with_memory_kind(step_transfer_memory())
-        self._put_step = ReplicatedPut((layout.size,), np.int32, self._fresh_sharding)
+        self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
         # Start each step's device-to-host copy as soon as the next launch has made the host's
         # copy of its samples (fetch then finds them on the host), or let fetch copy them.
         self.copy_back_early = True
@@ -341,7 +335,6 @@ class ModelRunner:
         s, i32 = self.layout.max_num_seqs, jnp.int32
         prev_abs = self._abstract((2, s), i32)
         step_abs = self._abstract((self.layout.size,), i32)
-        fresh_abs = jax.ShapeDtypeStruct(step_abs.shape, i32, sharding=self._fresh_sharding)
         vocab = self.model.config.vocab_size
         logits_abs = self._abstract((s, vocab), jnp.float32)
         all_abs = self._abstract((self.num_scheduler_steps, 2, s), i32)
@@ -374,16 +367,15 @@ class ModelRunner:
                 top, b, logits_abs, step_abs))
             for top, b in self.prompt_keys
         ] + [
-            (("stage", None), lambda: self._stage_fn.lower(step_abs, fresh_abs)),
+            (("stage", None), lambda: self._stage_fn.lower(step_abs, step_abs)),
             (("peek", None), lambda: self._peek_fn.lower(prev_abs)),
-            (("stage+peek", None),
-             lambda: self._stage_peek_fn.lower(step_abs, fresh_abs, prev_abs)),
+            (("stage+peek", None), lambda: self._stage_peek_fn.lower(step_abs, step_abs, prev_abs)),
         ]  # fmt: skip
         if self.multi_step_keys:
             to_lower += [
                 (("peek", "multi-step"), lambda: self._peek_fn.lower(all_abs)),
                 (("stage+peek", "multi-step"),
-                 lambda: self._stage_peek_fn.lower(step_abs, fresh_abs, all_abs)),
+                 lambda: self._stage_peek_fn.lower(step_abs, step_abs, all_abs)),
             ]  # fmt: skip
 
         options = self.compiler_options = program_options.for_weights(self.model.quantization)

@@ -56,10 +56,7 @@ def model_from(graphdef, packed, params, kv_scales):
 
 
 def stage(state, fresh):
-    """The step's fresh buffer into the runner's own (donated, so its address never changes).
-    A fresh buffer in pinned host memory (placement.step_transfer_memory) comes to the device
-    here; one already there is not copied again (the same compiled program)."""
-    fresh = jax.device_put(fresh, jax.memory.Space.Device)
+    """The step's fresh buffer into the runner's own (donated, so its address never changes)."""
     return jax.lax.dynamic_update_slice(state, fresh, (0,))
 
 
