@@ -19,6 +19,7 @@ from engine_fixtures import small_llm
 from safetensors.numpy import save_file
 
 from nori_jax import LLM, SamplingParams
+from nori_jax.weights import export
 from nori_jax.weights.safetensors_dir import iter_safetensors
 from nori_jax.weights.update import check_like
 
@@ -278,3 +279,17 @@ def test_get_weights_is_the_checkpoint(hf_checkpoints, name):
 def test_get_weights_needs_a_float_model(checkpoints):
     with pytest.raises(ValueError, match="stored quantized"):
         small_llm(str(checkpoints[0]), quantization="int8").get_weights()
+
+
+def test_get_weights_transposes_in_blocks(hf_checkpoints, monkeypatch):
+    """Kernels transposed on the device a few columns at a time (the last block overlapping the
+    one before it) come back as the checkpoint holds them."""
+    path = hf_checkpoints["llama"]
+    want = dict(iter_safetensors(path))
+    monkeypatch.setattr(export, "BLOCK_BYTES", 3 * 64 * 4)  # 3 columns of a 64-row f32 kernel
+    got = small_llm(str(path)).get_weights()
+    for key, array in want.items():
+        np.testing.assert_array_equal(got[key], array, err_msg=key)
+    x = jax.numpy.arange(4 * 7, dtype=jax.numpy.float32).reshape(4, 7)
+    monkeypatch.setattr(export, "BLOCK_BYTES", 3 * 4 * 4)  # blocks of 3 columns: 0, 3, 4
+    np.testing.assert_array_equal(export.host_transposed(x), np.asarray(x).T)

@@ -315,6 +315,9 @@ class ModelRunner:
             cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh
         )
         self._allocate_buffers()
+        # Allocated when this returns (the trainer's memory is taken back now, not at the first
+        # step), and its time is the wake-up's own.
+        jax.block_until_ready((self.kv_pages, self._step_state, self._logits_state))
 
     def _samples_buffer(self, source: str | None) -> jax.Array:
         """The runner's buffer a LaunchedSamples of `source` is copied from."""
