@@ -132,15 +132,19 @@ def main() -> None:
             )
             row(shape, t, "xla int4 g128", timer(xla4, x16, wi4, si4) / count, k * n // 2,
                 err(xla4(x16, wi4, si4), exact_i4))  # fmt: skip
-            for tn in [default_tuning(t, k, n, 0.5, device_info.num_sms(), 2, block_k=G4)]:
-                kern4 = jax.jit(
-                    lambda x, ws, ss, tn=tn: [
-                        skinny_matmul(x, w, sc, w_layout="out_in", tuning=tn)
-                        for w, sc in zip(ws, ss, strict=True)
-                    ]
-                )
-                row(shape, t, "kernel int4 g128", timer(kern4, x16, wi4, si4) / count,
-                    k * n // 2, err(kern4(x16, wi4, si4), exact_i4), tn)  # fmt: skip
+            base4 = default_tuning(t, k, n, 0.5, device_info.num_sms(), 2, block_k=G4)
+            for tn in sweep(base4) if args.sweep and t <= 128 else [base4]:
+                try:
+                    kern4 = jax.jit(
+                        lambda x, ws, ss, tn=tn: [
+                            skinny_matmul(x, w, sc, w_layout="out_in", tuning=tn)
+                            for w, sc in zip(ws, ss, strict=True)
+                        ]
+                    )
+                    row(shape, t, "kernel int4 g128", timer(kern4, x16, wi4, si4) / count,
+                        k * n // 2, err(kern4(x16, wi4, si4), exact_i4), tn)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a tuning that cannot run is a row
+                    print(f"{shape:20s} T={t:4d} kernel int4 {tn} failed: {str(e)[:300]}")
             for x, ws, layout, nbytes, exact, name in (
                 (x16, w16, "in_out", k * n * 2, exact16, "kernel bf16"),
                 (x8, w8, "out_in", k * n, exact8, "kernel fp8"),
