@@ -194,6 +194,19 @@ _STATUS = {
     "504": "the request ran past the server's request timeout",
 }
 _TOKENIZING = ("/tokenize", "/detokenize", "/tokenizer_info")  # no engine: no 429, 5xx
+# One server-sent event, as OpenAPI 3.2 describes an event stream's items and as schemathesis
+# reads an SSE media type's schema before 3.2: its fields, `data` a chunk's JSON (or [DONE]).
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+_TEXT = {"type": "string"}
 _GENERATION = {  # path -> the media type of its stream
     "/v1/completions": "text/event-stream",
     "/v1/chat/completions": "text/event-stream",
@@ -237,7 +250,8 @@ def _build(app: FastAPI) -> dict[str, Any]:
             elif path in _GENERATION:
                 codes = list(_STATUS)
                 ok = responses["200"]["content"]
-                ok[_GENERATION[path]] = {"schema": {"type": "string"}}
+                media = _GENERATION[path]
+                ok[media] = {"schema": _SSE_EVENT if media == "text/event-stream" else _TEXT}
             else:
                 codes = ["401"]
             for code in codes:
