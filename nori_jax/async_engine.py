@@ -36,6 +36,7 @@ from nori_jax.client_base import StreamingClient
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.heap_freeze import heap_frozen
 from nori_jax.sampling_params import SamplingParams
+from nori_jax.weight_control import run_control
 
 if TYPE_CHECKING:
     from nori_jax.engine import LLMEngine
@@ -73,6 +74,14 @@ class _Add:
     future: concurrent.futures.Future[None]
     stream_outputs: bool = True
     priority: int = 0
+
+
+@dataclasses.dataclass
+class _Control:
+    op: str
+    level: int
+    model_path: str | None
+    future: concurrent.futures.Future[bool]
 
 
 class RequestStream:
@@ -290,6 +299,18 @@ class AsyncEngine(StreamingClient):
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def control(self, op: str, level: int = 1, model_path: str | None = None) -> bool:
+        """A weight operation on the engine thread, between steps (weight_control.run_control:
+        "sleep", "wake_up", "update_weights", "is_sleeping"); whether the engine sleeps after
+        it. Raises what the operation raises; EngineStoppedError once stopping."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError(self._refusal())
+            self._commands.put(_Control(op, level, model_path, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     # ---- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -327,6 +348,8 @@ class AsyncEngine(StreamingClient):
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _Control):
+                self._control(cmd)
             else:
                 _, request_id = cmd
                 out = self.engine.abort(request_id)
@@ -351,6 +374,18 @@ class AsyncEngine(StreamingClient):
         self._streams[cmd.stream.request_id] = cmd.stream
         cmd.future.set_result(None)
 
+    def _control(self, cmd: _Control) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            if not self.engine.has_unfinished_requests():
+                self._deliver(self.engine.drain())  # the last step's tokens go to their streams
+            result = run_control(self.engine.weight_control, cmd.op, cmd.level, cmd.model_path)
+        except Exception as e:  # noqa: BLE001 - the caller's answer, never the loop's end
+            cmd.future.set_exception(e)
+            return
+        cmd.future.set_result(result)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         deliver(self._streams, outputs)
 
@@ -372,7 +407,7 @@ class AsyncEngine(StreamingClient):
                 except queue.Empty:
                     break
         for cmd in pending:
-            if isinstance(cmd, _Add) and not cmd.future.done():
+            if isinstance(cmd, (_Add, _Control)) and not cmd.future.done():
                 cmd.future.set_exception(make_error())
         streams, self._streams = list(self._streams.values()), {}
         fail_streams(streams, make_error)

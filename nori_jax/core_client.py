@@ -59,6 +59,8 @@ from nori_jax.engine_core_process import (
     AbortRequests,
     AddRequests,
     ClientReset,
+    Control,
+    ControlDone,
     CoreMessage,
     EngineInfo,
     Failed,
@@ -71,6 +73,7 @@ from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from nori_jax.tokenizer import Tokenizer
+from nori_jax.weight_control import EngineAsleepError, EngineBusyError
 
 logger = logging.getLogger(__name__)
 _decode_message = msgspec.msgpack.Decoder(CoreMessage).decode
@@ -503,6 +506,27 @@ class EngineCoreClient(StreamingClient):
         if self._down is None:
             self._send(AbortRequests([request_id]))
 
+    async def control(self, op: str, level: int = 1, model_path: str | None = None) -> bool:
+        """Run a weight operation in the core (engine_core_process.Control: "sleep",
+        "wake_up", "update_weights", "is_sleeping"); the engine's sleeping state after it.
+        Raises as the core answers: EngineBusyError (requests in flight), EngineAsleepError,
+        ValueError (a bad level or path, weights that do not fit; nothing changed),
+        RequestFailedError; EngineStoppedError while stopping or restarting, EngineDeadError if
+        the core dies meanwhile."""
+        token = f"ctl-{uuid.uuid4().hex}"
+        data = self._encode(Control(token, op, self.client_index, level, model_path))
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        with self._lock:
+            if not self._accepting or self._down is not None:
+                raise EngineStoppedError(self._refusal())
+            self._acks[token] = done
+        why = self._send_bytes(data)
+        if why is not None:
+            with self._lock:
+                self._acks.pop(token, None)
+            raise EngineStoppedError(f"the engine core is unreachable: {why}")
+        return await asyncio.wrap_future(done)
+
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))
 
@@ -544,6 +568,8 @@ class EngineCoreClient(StreamingClient):
                     return f"the engine core died: {msg.reason}"
                 if isinstance(msg, StepMessage):
                     self._handle(msg)
+                elif isinstance(msg, ControlDone):
+                    self._control_done(msg)
         except zmq.ZMQError:
             return None if self._stopping else "the engine core's socket failed"
         except BaseException as e:  # noqa: BLE001 - a broken reader must fail every request
@@ -566,6 +592,16 @@ class EngineCoreClient(StreamingClient):
         self.metrics.observe(msg.outputs)
         deliver(self._streams, outputs, self._lock)
         self._done([f.request_id for f in msg.outputs.finished])
+
+    def _control_done(self, msg: ControlDone) -> None:
+        with self._lock:
+            done = self._acks.pop(msg.token, None)
+        if done is None or done.done():
+            return
+        if msg.kind == "ok":
+            done.set_result(msg.is_sleeping)
+        else:
+            done.set_exception(_control_error(msg))
 
     def _die(self, reason: str) -> None:
         self._down = reason
@@ -660,9 +696,16 @@ class EngineCoreClient(StreamingClient):
             core.proc.kill()
 
 
+def _control_error(msg: ControlDone) -> Exception:
+    errors = {"busy": EngineBusyError, "asleep": EngineAsleepError, "invalid": ValueError}
+    return errors.get(msg.kind, RequestFailedError)(msg.error or msg.kind)
+
+
 def _rejection_error(rej: Rejection) -> Exception:
     if rej.kind == "queue_full":
         return QueueFullError(rej.message)
+    if rej.kind == "asleep":
+        return EngineAsleepError(rej.message)
     if rej.kind == "invalid":
         return ParameterError(rej.param, rej.message) if rej.param else ValueError(rej.message)
     return RequestFailedError(f"request {rej.request_id} failed in the engine: {rej.message}")

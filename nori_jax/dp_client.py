@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 import uuid
 from typing import Any
@@ -35,6 +36,8 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.replica_metrics import ReplicaMetrics
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class DataParallelClient(StreamingClient):
@@ -174,6 +177,22 @@ class DataParallelClient(StreamingClient):
         replica = self.router.owner(request_id)
         if replica is not None:
             self.clients[replica].abort(request_id)
+
+    async def control(self, op: str, level: int = 1, model_path: str | None = None) -> bool:
+        """A weight operation on every replica at once (EngineCoreClient.control); whether they
+        sleep after it. A replica's refusal is raised after all have answered (the others have
+        then done it, and the log says on how many)."""
+        results = await asyncio.gather(
+            *(c.control(op, level, model_path) for c in self.clients), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            if len(failed) < len(results):
+                logger.error(
+                    "%s: done on %d of %d replicas", op, len(results) - len(failed), len(results)
+                )
+            raise failed[0]
+        return any(results)
 
     def wait_healthy(self, timeout_s: float) -> bool:
         """Block until every replica serves (after a restart); False on timeout."""

@@ -38,9 +38,9 @@ from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
+from nori_jax.weight_control import WeightControl, swap_refusal
 from nori_jax.weights.loader import LoadedModel, load_model
-from nori_jax.weights.residency import drop_weights
-from nori_jax.weights.update import Tensors, named_tensors, prepare_weights
+from nori_jax.weights.update import Tensors
 from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 from pallas_kernels.ragged_paged_attention.pallas_attention import FP8_MIN_PAGE_SIZE
@@ -336,7 +336,13 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._eos = parts.eos_token_ids
-        self._asleep = False  # sleep(): the device's memory given back until wake_up()
+        # update_weights / sleep / wake_up (weight_control.py), on every replica's parts.
+        self.weight_control = WeightControl(
+            self._parts_to_update,
+            self.has_unfinished_requests,
+            self.drain,
+            swap_refusal(config),
+        )
 
     # ---- parts ------------------------------------------------------------------------------
 
@@ -382,8 +388,7 @@ class LLMEngine:
         otherwise only its finished output comes back (no per-step text). `priority`: under the
         scheduling policy "priority", lower runs first (0 under "fcfs").
         """
-        if self._asleep:
-            raise ValueError("the engine is asleep (sleep()); wake_up() first")
+        self.weight_control.check_awake("add_request")
         params = params or SamplingParams()
         params.validate()
         check_priority(priority, self.scheduler_config.scheduling_policy)
@@ -441,29 +446,9 @@ class LLMEngine:
         tensors (a mapping or (name, array) pairs, host or device arrays) for every parameter,
         fused, quantized and placed as loading a checkpoint would, one tensor at a time. No
         recompilation; the prefix cache is emptied (its KV came from the old weights). Only
-        between requests: ValueError while any is queued or running, or for a tensor the model
-        does not take (the weights are then unchanged)."""
-        if self._asleep:
-            raise ValueError(
-                "update_weights: the engine is asleep; wake_up(weights=...) takes new ones"
-            )
-        self._check_idle("update_weights")
-        start = time.perf_counter()
-        targets = self._parts_to_update()
-        # Checked on the host before any replica changes (the replicas hold one model).
-        prepared = prepare_weights(targets[0].model, named_tensors(tensors))
-        checked = time.perf_counter()
-        for parts in targets:
-            parts.runner.replace_weights(prepared)
-            parts.core.scheduler.allocator.reset_prefix_cache()
-        logger.info(
-            "weights updated in %.2fs (%d tensors checked in %.2fs, placed on %d replica(s)); "
-            "prefix cache emptied",
-            time.perf_counter() - start,
-            len(prepared),
-            checked - start,
-            len(targets),
-        )
+        between requests: EngineBusyError (a ValueError) while any is queued or running,
+        ValueError for a tensor the model does not take (the weights are then unchanged)."""
+        self.weight_control.update_weights(tensors)
 
     def sleep(self, level: int = 1) -> None:
         """Give the device's memory back until `wake_up` (a trainer on the same GPU between
@@ -471,50 +456,17 @@ class LLMEngine:
         prefix cache emptied; the weights move to pinned host memory (level 1) or are dropped
         (level 2: `wake_up(weights=...)` brings new ones). The compiled programs stay, so waking
         up compiles nothing. Only between requests; requests are refused while asleep."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level={level!r} must be 1 (weights kept) or 2 (dropped)")
-        if self._asleep:
-            raise ValueError("sleep: the engine is already asleep")
-        self._check_idle("sleep")
-        for parts in self._parts_to_update():
-            parts.runner.sleep(keep_weights=level == 1)
-            parts.core.scheduler.allocator.reset_prefix_cache()
-        self._asleep = True
-        logger.info("asleep (level %d): KV pages and step buffers freed", level)
+        self.weight_control.sleep(level)
 
     def wake_up(self, weights: Tensors | None = None) -> None:
         """Back on the device after `sleep`: the kept weights, or `weights` (every parameter,
         Hugging Face-named, as `update_weights` takes them; checked on the host first, then
         placed straight on the device, the kept ones never moved back), fresh KV pages."""
-        if not self._asleep:
-            raise ValueError("wake_up: the engine is not asleep")
-        start = time.perf_counter()
-        targets = self._parts_to_update()
-        if weights is not None:
-            prepared = prepare_weights(targets[0].model, named_tensors(weights))
-            for parts in targets:
-                drop_weights(parts.model)
-                parts.runner.replace_weights(prepared)
-        for parts in targets:
-            parts.runner.wake_up()
-        self._asleep = False
-        logger.info("awake in %.2fs", time.perf_counter() - start)
+        self.weight_control.wake_up(weights)
 
     @property
     def is_sleeping(self) -> bool:
-        return self._asleep
-
-    def _check_idle(self, what: str) -> None:
-        if self.has_unfinished_requests():
-            raise ValueError(
-                f"{what}: requests are queued or running; call it between generate calls"
-            )
-        if self.config.distributed.num_processes > 1 or self.config.mesh.disaggregated:
-            raise ValueError(
-                f"{what}: a multi-host or disaggregated engine holds its weights and pages in "
-                "several places this call does not reach"
-            )
-        self.drain()  # nothing may still be in flight on the old weights or pages
+        return self.weight_control.asleep
 
     def _parts_to_update(self) -> list[EngineParts]:
         """The engines whose weights an update replaces (ReplicatedEngine: every replica's)."""

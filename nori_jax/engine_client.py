@@ -54,6 +54,11 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def control(self, op: str, level: int = 1, model_path: str | None = None) -> bool:
+        """A weight operation between steps (weight_control.run_control's `op`); whether the
+        engine sleeps after it."""
+        ...
+
     def generate(
         self,
         prompt: str | list[int],

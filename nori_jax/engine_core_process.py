@@ -4,9 +4,10 @@ Serving runs the engine core apart from the API server (vLLM v1's EngineCore sha
 tokenization, detokenization, stop strings and SSE never take the GIL from the step loop. The two
 talk over ZeroMQ (PUSH/PULL on IPC sockets) with msgspec msgpack messages:
 
-    client -> core   AddRequests | AbortRequests | ClientReset | Shutdown
+    client -> core   AddRequests | AbortRequests | ClientReset | Control | Shutdown
     core -> client   Ready (once, with the engine's facts and its tokenizer) | Failed |
-                     StepMessage (per step: the step's outputs, plus which adds were accepted)
+                     StepMessage (per step: the step's outputs, plus which adds were accepted) |
+                     ControlDone (a Control's answer, to the client that sent it)
 
 Between two steps the core drains every message waiting, so adds and aborts arrive in batches;
 when it has nothing to run it blocks on its socket. The client side is core_client.py.
@@ -23,6 +24,11 @@ vetted and queued alone, and whatever that raises rejects that request only (the
 why, with the field at fault). Inside a step, the core fails a request alone where its settings
 enter the step (`EngineCore`); any other exception ends the process with a `Failed` message, and
 the client restarts it.
+
+`Control` swaps the weights, sleeps or wakes the engine (weight_control.py; the server's
+/update_weights, /sleep, /wake_up and /is_sleeping): it runs between steps once the core is idle
+(a step still on the device is finished first; requests queued or running refuse it as busy),
+and while the engine sleeps every add is refused as "asleep".
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ from nori_jax.core.scheduler import QueueFullError
 from nori_jax.engine_config import EngineConfig
 from nori_jax.heap_freeze import freeze_process_heap
 from nori_jax.sampling_params import ParameterError
+from nori_jax.weight_control import (
+    EngineAsleepError,
+    EngineBusyError,
+    WeightControl,
+    run_control,
+    swap_refusal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +90,29 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class Control(msgspec.Struct, tag=True, array_like=True):
+    """A weight operation (`op`, one of weight_control.CONTROL_OPS); the answer, a ControlDone
+    with the same `token`, goes to `client`. `model_path`: a Hugging Face directory on the
+    core's machine (update_weights; wake_up with new weights)."""
+
+    token: str
+    op: str
+    client: int = 0
+    level: int = 1
+    model_path: str | None = None
+
+
+class ControlDone(msgspec.Struct, tag=True, array_like=True):
+    token: str
+    is_sleeping: bool
+    kind: str = "ok"  # "ok" | "busy" | "asleep" | "invalid" | "failed"
+    error: str | None = None
+
+
 class Rejection(msgspec.Struct, array_like=True):
     request_id: str
-    kind: str  # "queue_full" | "invalid" (bad input: `param` names the field) | "failed"
+    # "queue_full" | "invalid" (bad input: `param` names the field) | "asleep" | "failed"
+    kind: str
     message: str
     param: str | None = None
 
@@ -110,8 +143,8 @@ class StepMessage(msgspec.Struct, tag=True, array_like=True, gc=False):
     rejected: list[Rejection]
 
 
-ClientMessage = AddRequests | AbortRequests | ClientReset | Shutdown
-CoreMessage = Ready | Failed | StepMessage
+ClientMessage = AddRequests | AbortRequests | ClientReset | Control | Shutdown
+CoreMessage = Ready | Failed | StepMessage | ControlDone
 
 
 def main() -> None:
@@ -171,7 +204,11 @@ def run_engine_core(
         ready = encode(Ready(info))
         freeze_process_heap()  # this process is the engine alone: see heap_freeze.py
         clients.send_all(ready)
-        _serve(parts.core, inputs, clients, encode, ready)
+        core = parts.core
+        control = WeightControl(
+            lambda: [parts], core.has_unfinished, core.drain, swap_refusal(config)
+        )
+        _serve(core, inputs, clients, encode, ready, control)
     except BaseException as e:  # noqa: BLE001 - the clients must hear why the core ended
         logger.exception("engine core died")
         reason = f"{type(e).__name__}: {e}"
@@ -273,13 +310,21 @@ def split_outputs(
     return parts
 
 
-def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b"") -> None:
+def _serve(
+    core,
+    inputs: zmq.Socket,
+    clients: _Clients,
+    encode,
+    ready: bytes = b"",
+    control: WeightControl | None = None,
+) -> None:
     decode = msgspec.msgpack.Decoder(ClientMessage).decode
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     n = len(clients.sockets)
     parent = os.getppid()
     sent_s = 0.0  # the last iteration's send, reported with this one's step
+    controls: list[Control] = []  # waiting for the step still on the device
     while True:
         busy = core.has_unfinished() or core.has_in_flight
         accepted: list[list[str]] = [[] for _ in range(n)]
@@ -300,14 +345,17 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
                     return
                 if isinstance(msg, AddRequests):
                     client = msg.client if 0 <= msg.client < n else 0
+                    asleep = control is not None and control.asleep
                     for raw in msg.requests:
-                        rid, rejection = _add(core, raw)
+                        rid, rejection = _refuse_asleep(raw) if asleep else _add(core, raw)
                         if rejection is not None:
                             rejected[client].append(rejection)
                         elif rid is not None:
                             accepted[client].append(rid)
                             if n > 1:
                                 clients.owner[rid] = client
+                elif isinstance(msg, Control):
+                    controls.append(msg)
                 elif isinstance(msg, ClientReset):
                     gone = [rid for rid, c in clients.owner.items() if c == msg.client]
                     for rid in gone:
@@ -334,10 +382,53 @@ def _serve(core, inputs: zmq.Socket, clients: _Clients, encode, ready: bytes = b
         t_send = time.perf_counter()
         clients.send_step(out, accepted, rejected, encode)
         sent_s += time.perf_counter() - t_send
+        if controls:
+            controls = _run_controls(core, control, controls, clients, encode)
+
+
+def _run_controls(core, control: WeightControl | None, controls, clients: _Clients, encode):
+    """Answer each Control that can be: run it if the core is idle, refuse it as busy if
+    requests are queued or running; those waiting for the step on the device are returned."""
+    waiting = []
+    for msg in controls:
+        if msg.op != "is_sleeping" and not core.has_unfinished() and core.has_in_flight:
+            waiting.append(msg)  # the next iteration drains it (nothing else to run)
+            continue
+        done = _control(control, msg)
+        client = msg.client if 0 <= msg.client < len(clients.sockets) else 0
+        clients.send_to(client, encode(done))
+    return waiting
+
+
+def _control(control: WeightControl | None, msg: Control) -> ControlDone:
+    """Run one Control; its answer, with the engine's sleeping state after it."""
+    kind, error = "ok", None
+    try:
+        if control is None:
+            raise ValueError("this engine core takes no weight operations")
+        run_control(control, msg.op, msg.level, msg.model_path)
+    except EngineBusyError as e:
+        kind, error = "busy", str(e)
+    except EngineAsleepError as e:
+        kind, error = "asleep", str(e)
+    except (ValueError, OSError) as e:  # a bad level or path, a checkpoint that does not fit
+        kind, error = "invalid", str(e)
+    except Exception as e:  # noqa: BLE001 - the client hears it; the loop goes on
+        logger.exception("%s failed", msg.op)
+        kind, error = "failed", f"{type(e).__name__}: {e}"
+    return ControlDone(msg.token, control is not None and control.asleep, kind, error)
 
 
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
 _decode_request_id = msgspec.msgpack.Decoder(_RequestId).decode
+
+
+def _refuse_asleep(raw: msgspec.Raw) -> tuple[str | None, Rejection | None]:
+    try:
+        rid = _decode_request_id(raw).request_id
+    except Exception:  # noqa: BLE001 - as _add: nobody to answer
+        return None, None
+    return rid, Rejection(rid, "asleep", "the engine is asleep (POST /wake_up first)")
 
 
 def _add(core, raw: msgspec.Raw) -> tuple[str | None, Rejection | None]:

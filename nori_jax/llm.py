@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,8 @@ from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams, sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
+from nori_jax.weight_control import tensors_from
 from nori_jax.weights.export import hf_tensors
-from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors
 from nori_jax.weights.update import Tensors
 
 Prompt = str | list[int]
@@ -201,7 +200,7 @@ class LLM:
         as its successor lands, on every replica; the prefix cache is emptied. Call it between
         `generate` calls: ValueError while requests are in flight, and for a tensor the model
         does not take (naming it; the weights are then unchanged)."""
-        self.engine.update_weights(_tensors(weights))
+        self.engine.update_weights(tensors_from(weights))
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """The model's weights on the host under their Hugging Face names, laid out as a
@@ -219,18 +218,8 @@ class LLM:
     def wake_up(self, weights: Tensors | str | os.PathLike | None = None) -> None:
         """Back on the device after `sleep`, with the kept weights or new ones (as
         `update_weights` takes them: needed after level 2)."""
-        self.engine.wake_up(None if weights is None else _tensors(weights))
+        self.engine.wake_up(None if weights is None else tensors_from(weights))
 
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics (the same numbers the server exposes at /metrics)."""
         return self.engine.get_metrics()
-
-
-def _tensors(weights: Tensors | str | os.PathLike) -> Tensors:
-    """Named tensors as given, or those of a Hugging Face directory of safetensors."""
-    if not isinstance(weights, (str, os.PathLike)):
-        return weights
-    path = Path(weights).expanduser()
-    if not is_hf_dir(path):
-        raise ValueError(f"{str(path)!r} is not a Hugging Face directory (config.json)")
-    return iter_safetensors(path)

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
 from nori_jax.heap_freeze import heap_frozen
-from serve import chat, completions, generate, tokenize
+from serve import chat, completions, generate, tokenize, weights
 from serve.context import ServeContext, get_context
 from serve.errors import install_error_handlers
 from serve.guards import RequestGuard
@@ -85,5 +85,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     routers = (open_routes, models_router, completions.router, chat.router, generate.router)
     for router in (*routers, tokenize.router):
         app.include_router(router)
+    if settings.enable_weight_control:
+        app.include_router(weights.router)
     install_openapi(app)
     return app

@@ -106,6 +106,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="API server processes sharing the port and the engine core: HTTP, SSE and "
         "detokenization on N processes (one bounds the served throughput; docs/serving.md)",
     )
+    g.add_argument(
+        "--enable-weight-control",
+        action="store_true",
+        help="serve POST /update_weights, /sleep, /wake_up and GET /is_sleeping (RL loops: "
+        "new weights from a directory on this machine, the GPU lent to a trainer; "
+        "serve/weights.py)",
+    )
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument(
         "--engine-in-process",
@@ -171,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_logprob_entries=args.max_logprob_entries,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
+        enable_weight_control=args.enable_weight_control,
         api_server=0 if count > 1 else None,
     )
     sock = bind(args.host, args.port, reuse_port=count > 1)

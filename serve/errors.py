@@ -25,6 +25,7 @@ from nori_jax.async_engine import (
 )
 from nori_jax.core.scheduler import QueueFullError
 from nori_jax.sampling_params import ParameterError
+from nori_jax.weight_control import EngineAsleepError, EngineBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,16 @@ def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
         return ApiError(500, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):
         return ApiError(500, str(exc), "server_error", code="request_failed")
+    if isinstance(exc, EngineBusyError):
+        return ApiError(409, str(exc), "invalid_request_error", code="engine_busy")
+    if isinstance(exc, EngineAsleepError):
+        return ApiError(
+            503,
+            str(exc),
+            "server_error",
+            code="engine_asleep",
+            headers={"Retry-After": str(retry_after_s)},
+        )
     if isinstance(exc, ParameterError):
         return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):

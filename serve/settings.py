@@ -21,6 +21,8 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # a request body must arrive within this (408)
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)
     api_server: int | None = None  # which of several API server processes this is (None: one)
+    # /update_weights, /sleep, /wake_up, /is_sleeping (serve/weights.py): off unless asked
+    enable_weight_control: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:

@@ -164,3 +164,18 @@ def test_killing_one_replica_fails_only_its_requests(server: Server) -> None:
     assert 'nori:engine_restarts_total{replica="0"} 0.0' in metrics
     assert engine.router.load == [0, 0] and engine.num_in_flight == 0
     assert _generate_all(server, PROMPTS) == _expected_tokens(server)
+
+
+def test_sleep_and_wake_up_reach_every_replica(server: Server) -> None:
+    """A weight operation through the data-parallel client runs on both replicas: both sleep
+    (each refuses requests), both wake with their tokens unchanged."""
+    expected = _expected_tokens(server)
+    engine: DataParallelClient = server.engine
+    assert asyncio.run(engine.control("sleep", 1)) is True
+    assert [asyncio.run(c.control("is_sleeping")) for c in engine.clients] == [True, True]
+    with client(server) as c:
+        r = c.post("/generate", json={"prompt": PROMPTS[0], **GREEDY})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_asleep", r.text
+    assert asyncio.run(engine.control("wake_up")) is False
+    assert [asyncio.run(c.control("is_sleeping")) for c in engine.clients] == [False, False]
+    assert _generate_all(server, PROMPTS) == expected
