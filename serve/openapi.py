@@ -169,6 +169,10 @@ class Health(BaseModel):
     reason: str | None = None
 
 
+class WeightState(BaseModel):
+    is_sleeping: bool
+
+
 _ANSWERS = {  # path -> the model of its 200 JSON body
     "/v1/completions": CompletionResponse,
     "/v1/chat/completions": ChatCompletionResponse,
@@ -178,7 +182,7 @@ _ANSWERS = {  # path -> the model of its 200 JSON body
     "/tokenizer_info": TokenizerInfo,
     "/v1/models": ModelList,
     "/health": Health,
-}
+} | {path: WeightState for path in ("/update_weights", "/sleep", "/wake_up", "/is_sleeping")}
 
 
 _STATUS = {
@@ -187,10 +191,11 @@ _STATUS = {
     "401": "missing or wrong API key (when the server has one)",
     "404": "the model named is not served",
     "408": "the request body did not arrive in time",
+    "409": "requests are queued or running: a weight operation waits for an idle engine",
     "413": "the request body is larger than the server takes",
     "429": "the waiting queue is full (see Retry-After)",
     "500": "the engine died while the request was in flight, or failed this request",
-    "503": "the engine is not serving: shutting down or restarting (see Retry-After)",
+    "503": "the engine is not serving: shutting down, restarting or asleep (see Retry-After)",
     "504": "the request ran past the server's request timeout",
 }
 _TOKENIZING = ("/tokenize", "/detokenize", "/tokenizer_info")  # no engine: no 429, 5xx
@@ -248,10 +253,12 @@ def _build(app: FastAPI) -> dict[str, Any]:
             elif path in _TOKENIZING:
                 codes = ["400", "401", "404", "408", "413"]
             elif path in _GENERATION:
-                codes = list(_STATUS)
+                codes = [code for code in _STATUS if code != "409"]
                 ok = responses["200"]["content"]
                 media = _GENERATION[path]
                 ok[media] = {"schema": _SSE_EVENT if media == "text/event-stream" else _TEXT}
+            elif _ANSWERS.get(path) is WeightState:  # serve/weights.py
+                codes = ["400", "401", "408", "409", "413", "500", "503"]
             else:
                 codes = ["401"]
             for code in codes:

@@ -4,7 +4,8 @@ core (serve/api_servers.py), run as a user runs it.
 Connections spread over both and every request gets its own tokens back; each API server's
 /metrics is the whole engine's; a killed API server is restarted while the other serves on; the
 engine core's death fails the requests in flight on both and both serve again once it restarted;
-SIGTERM stops every process and leaves no temporary directory behind.
+SIGTERM stops every process and leaves no temporary directory behind. A weight operation sent to
+either API server is answered to that one, and sleeps or wakes the one engine for both.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _start(tmp: Path) -> tuple[str, subprocess.Popen, Path]:
     port = _free_port()
     exe = shutil.which("nori-jax") or str(Path(sys.executable).with_name("nori-jax"))
     cmd = [exe, "serve", "--config", "tiny-cpu", "--port", str(port), "--api-server-count", "2"]
-    cmd += ["--max-num-waiting", "64", "--no-access-log"]
+    cmd += ["--max-num-waiting", "64", "--no-access-log", "--enable-weight-control"]
     log = tmp / "server.log"
     (tmp / "tmp").mkdir()  # its temporary files (the sockets' directories) go here
     env = os.environ | {"TMPDIR": str(tmp / "tmp")}
@@ -209,6 +210,36 @@ def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> No
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         after = list(pool.map(lambda _: _generate(url), range(16)))
     assert {s for s, _ in after} == {"0", "1"} and all(t == expected for _, t in after)
+
+
+def _by_server(url: str, method: str, path: str) -> dict[str, httpx.Response]:
+    """The answer of each API server to the same call, over fresh connections (both must have
+    answered)."""
+    seen: dict[str, httpx.Response] = {}
+    for _ in range(60):
+        r = httpx.request(method, f"{url}{path}", timeout=30)
+        seen.setdefault(r.headers["x-nori-api-server"], r)
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"one API server never answered {path}: {sorted(seen)}")
+
+
+def test_weight_control_through_either_api_server(served) -> None:
+    url, _, _ = served
+    _, before = _generate(url)
+    awake = _by_server(url, "GET", "/is_sleeping")
+    assert {k: r.json() for k, r in awake.items()} == {
+        "0": {"is_sleeping": False},
+        "1": {"is_sleeping": False},
+    }
+    r = httpx.post(f"{url}/sleep", timeout=60)
+    assert r.status_code == 200 and r.json() == {"is_sleeping": True}, r.text
+    asleep = _by_server(url, "GET", "/is_sleeping")
+    assert {k: r.json()["is_sleeping"] for k, r in asleep.items()} == {"0": True, "1": True}
+    woken = _by_server(url, "POST", "/wake_up")  # the first call wakes it; the other's: 400
+    assert sorted(r.status_code for r in woken.values()) == [200, 400], woken
+    assert sorted(r.status_code for r in _by_server(url, "POST", "/wake_up").values()) == [400, 400]
+    assert _generate(url)[1] == before
 
 
 def test_sigterm_stops_every_process(served) -> None:

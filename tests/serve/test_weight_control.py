@@ -156,3 +156,19 @@ def test_routes_are_off_by_default():
         assert_error(c.post("/sleep"), 404)
         assert_error(c.get("/is_sleeping"), 404)
         assert_error(c.post("/update_weights", json={"model_path": "/"}), 404)
+
+
+def test_the_schema_lists_the_routes_and_their_errors(server):
+    with client(server) as c:
+        paths = c.get("/openapi.json").json()["paths"]
+    for path, method in [
+        ("/update_weights", "post"),
+        ("/sleep", "post"),
+        ("/wake_up", "post"),
+        ("/is_sleeping", "get"),
+    ]:
+        answers = paths[path][method]["responses"]
+        assert {"200", "400", "409", "503"} <= set(answers), path
+        assert answers["200"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/WeightState"
+        }
