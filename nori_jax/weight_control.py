@@ -144,10 +144,21 @@ def tensors_from(weights: Tensors | str | os.PathLike) -> Tensors:
         return weights
     from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors
 
-    path = Path(weights).expanduser()
-    if not is_hf_dir(path):
-        raise ValueError(f"{str(path)!r} is not a Hugging Face directory (config.json)")
+    shown = _shown(str(weights))
+    try:
+        path = Path(weights).expanduser()
+        found = is_hf_dir(path)
+    except (OSError, RuntimeError, ValueError) as e:  # too long, a NUL, an unknown ~user
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
+        raise ValueError(f"{shown} is not a readable path: {why}") from None
+    if not found:
+        raise ValueError(f"{shown} is not a Hugging Face directory (config.json)")
     return iter_safetensors(path)
+
+
+def _shown(path: str, limit: int = 200) -> str:
+    """A path for an error message: quoted, and cut if a client sent a very long one."""
+    return repr(path[:limit]) + (f" (+{len(path) - limit} characters)" if len(path) > limit else "")
 
 
 CONTROL_OPS = ("sleep", "wake_up", "update_weights", "is_sleeping")
@@ -162,12 +173,15 @@ def run_control(
     ValueError)."""
     if op not in CONTROL_OPS:
         raise ValueError(f"op={op!r} must be one of {CONTROL_OPS}")
-    if op == "sleep":
-        control.sleep(level)
-    elif op == "wake_up":
-        control.wake_up(None if model_path is None else tensors_from(model_path))
-    elif op == "update_weights":
-        if not model_path:
-            raise ValueError("update_weights needs model_path (a Hugging Face directory)")
-        control.update_weights(tensors_from(model_path))
+    try:
+        if op == "sleep":
+            control.sleep(level)
+        elif op == "wake_up":
+            control.wake_up(None if model_path is None else tensors_from(model_path))
+        elif op == "update_weights":
+            if not model_path:
+                raise ValueError("update_weights needs model_path (a Hugging Face directory)")
+            control.update_weights(tensors_from(model_path))
+    except OSError as e:  # a file of the directory unreadable: read before anything changed
+        raise ValueError(f"{op}: {e.strerror or e} ({_shown(str(e.filename or ''))})") from None
     return control.asleep

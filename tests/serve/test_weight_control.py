@@ -122,6 +122,16 @@ def test_bad_calls_change_nothing(server, checkpoints, tmp_path):
             c.post("/update_weights", json={"model_path": _save(partial, tmp_path / "p")}), 400
         )
         assert_error(c.post("/update_weights", json={"model_path": dirs["a"], "x": 1}), 400)
+        # JSON escapes for a NUL and a lone surrogate, a path too long for the OS, a home-relative
+        # climb: each a 400 (the directory is not one), never a 500 or a dead engine.
+        long = "x" * 100_000
+        for path in (r"a\u0000b", r"\ud800", long, "~root/../../"):
+            body = '{"model_path": "' + path + '"}'
+            headers = {"content-type": "application/json"}
+            r = c.post("/update_weights", content=body, headers=headers)
+            assert_error(r, 400)
+            assert len(r.text) < 1000  # the path is cut in the message
+        assert_error(c.post("/sleep", params={"level": 2**70}), 400, param="level")
         assert_error(c.post("/wake_up"), 400)  # not asleep
         assert not _state(c)
         assert _tokens(c) == tokens["a"]
