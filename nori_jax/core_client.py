@@ -525,7 +525,10 @@ class EngineCoreClient(StreamingClient):
             with self._lock:
                 self._acks.pop(token, None)
             raise EngineStoppedError(f"the engine core is unreachable: {why}")
-        return await asyncio.wrap_future(done)
+        asleep = await asyncio.wrap_future(done)
+        new_weights = op == "update_weights" or (op == "wake_up" and model_path is not None)
+        self.metrics.observe_weight_op(op, asleep, new_weights)  # the core keeps no metrics
+        return asleep
 
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))

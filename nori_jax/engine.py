@@ -342,6 +342,7 @@ class LLMEngine:
             self.has_unfinished_requests,
             self.drain,
             swap_refusal(config),
+            self.metrics,
         )
 
     # ---- parts ------------------------------------------------------------------------------

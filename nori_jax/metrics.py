@@ -172,6 +172,17 @@ class EngineMetrics:
             "Seconds from the engine's death to serving again, for the last restart.",
             registry=r,
         )
+        # RL loops (weight_control.py): whether the engine lends its memory, and weight swaps.
+        self.engine_sleeping = Gauge(
+            "nori:engine_sleeping",
+            "1 while the engine sleeps (sleep(): its device memory given back), else 0.",
+            registry=r,
+        )
+        self.weight_updates = Counter(
+            "nori:weight_updates",
+            "New weights placed in the running engine (update_weights, wake_up with weights).",
+            registry=r,
+        )
         # nori:model_config_info{dtype=...,quantization=...,weights=...,quantized_matmul=...,
         # kv_cache_dtype=...} 1
         self.model_config = Info(
@@ -179,6 +190,13 @@ class EngineMetrics:
             "Compute dtype, how the weights are stored, the KV pages' dtype.",
             registry=r,
         )
+
+    def observe_weight_op(self, op: str, asleep: bool, new_weights: bool) -> None:
+        """A weight operation done (weight_control.py): the sleeping state after it, and whether
+        it placed new weights."""
+        self.engine_sleeping.set(int(asleep))
+        if new_weights:
+            self.weight_updates.inc()
 
     def set_model_config(self, info: dict[str, str]) -> None:
         """dtype, quantization and weights (LoadedModel.model_config_info)."""

@@ -48,9 +48,15 @@ class WeightControl:
         busy: Callable[[], bool],
         drain: Callable[[], object],
         refused: str | None = None,
+        metrics=None,
     ):
         self._targets, self._busy, self._drain, self._refused = targets, busy, drain, refused
+        self._metrics = metrics  # EngineMetrics where this process has them (not the core's)
         self.asleep = False
+
+    def _observe(self, op: str, new_weights: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_weight_op(op, self.asleep, new_weights)
 
     def check_awake(self, what: str = "the request") -> None:
         if self.asleep:
@@ -74,6 +80,7 @@ class WeightControl:
         for parts in targets:
             parts.runner.replace_weights(prepared)
             parts.core.scheduler.allocator.reset_prefix_cache()
+        self._observe("update_weights", True)
         logger.info(
             "weights updated in %.2fs (%d tensors checked in %.2fs, placed on %d replica(s)); "
             "prefix cache emptied",
@@ -95,6 +102,7 @@ class WeightControl:
             parts.runner.sleep(keep_weights=level == 1)
             parts.core.scheduler.allocator.reset_prefix_cache()
         self.asleep = True
+        self._observe("sleep", False)
         logger.info("asleep (level %d): KV pages and step buffers freed", level)
 
     def wake_up(self, weights: Tensors | None = None) -> None:
@@ -115,6 +123,7 @@ class WeightControl:
         for parts in targets:
             parts.runner.wake_up()
         self.asleep = False
+        self._observe("wake_up", weights is not None)
         logger.info("awake in %.2fs", time.perf_counter() - start)
 
     def _check_idle(self, what: str) -> None:

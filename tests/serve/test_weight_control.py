@@ -74,15 +74,24 @@ def _state(c) -> bool:
     return r.json()["is_sleeping"]
 
 
+def _metric(c, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
 def test_update_weights_from_a_directory(server, checkpoints):
     dirs, tokens = checkpoints
     with client(server) as c:
         start = _tokens(c)
+        updates = _metric(c, "nori:weight_updates_total")
         r = c.post("/update_weights", json={"model_path": dirs["b"]})
         assert r.status_code == 200 and r.json() == {"is_sleeping": False}, r.text
         assert _tokens(c) == tokens["b"]
         assert c.post("/update_weights", json={"model_path": dirs["a"]}).status_code == 200
         assert _tokens(c) == tokens["a"]
+        assert _metric(c, "nori:weight_updates_total") == updates + 2
     assert start == tokens["a"]  # the server's engine had "a"'s weights (both random, seed 0)
 
 
@@ -92,6 +101,7 @@ def test_sleep_and_wake_up(server, checkpoints):
         r = c.post("/sleep", params={"level": 1})
         assert r.status_code == 200 and r.json() == {"is_sleeping": True}, r.text
         assert _state(c)
+        assert _metric(c, "nori:engine_sleeping") == 1
         assert_error(c.post("/generate", json={"prompt": PROMPTS[0], **GREEDY}), 503)
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         assert_error(c.post("/v1/completions", json=body), 503, code="engine_asleep")
@@ -99,6 +109,7 @@ def test_sleep_and_wake_up(server, checkpoints):
         assert_error(c.post("/sleep"), 400)  # already asleep
         r = c.post("/wake_up")
         assert r.status_code == 200 and r.json() == {"is_sleeping": False}, r.text
+        assert _metric(c, "nori:engine_sleeping") == 0
         assert _tokens(c) == tokens["a"]
         # Level 2 drops the weights: waking needs new ones, and takes them.
         assert c.post("/sleep", params={"level": 2}).status_code == 200
