@@ -4,6 +4,7 @@ schema says. (The long run is benchmarks/reliability/schema_fuzz.py.)"""
 
 from __future__ import annotations
 
+import httpx
 import hypothesis
 import pytest
 import schemathesis
@@ -56,6 +57,38 @@ CHECKS = [
 def test_no_5xx_and_answers_match_the_schema(api_schema) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions"}
+    _fuzz(operations)
+
+
+WEIGHT_ROUTES = {"/update_weights", "/sleep", "/wake_up", "/is_sleeping"}
+
+
+@pytest.fixture(scope="module")
+def weights_schema():
+    with running_server({"enable_weight_control": True}) as s:
+        loaded = schemathesis.openapi.from_url(f"{s.url}/openapi.json")
+        yield loaded, s
+
+
+def test_the_weight_routes_under_generated_requests(weights_schema) -> None:
+    """Generated calls to /update_weights, /sleep, /wake_up and /is_sleeping (random paths,
+    levels, bodies; the engine asleep or awake as they leave it): no 5xx, answers as the schema
+    says; afterwards the engine wakes and serves."""
+    loaded, server = weights_schema
+    operations = [r.ok() for r in loaded.get_all_operations() if r.ok().path in WEIGHT_ROUTES]
+    assert {op.path for op in operations} == WEIGHT_ROUTES
+    _fuzz(operations)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        if c.get("/is_sleeping").json()["is_sleeping"]:
+            assert c.post("/wake_up").status_code in (200, 400)  # 400: level 2, needs weights
+        body = {"prompt": [5, 6, 7], "max_tokens": 2}
+        if c.get("/is_sleeping").json()["is_sleeping"]:
+            assert c.post("/generate", json=body).status_code == 503
+        else:
+            assert c.post("/generate", json=body).status_code == 200
+
+
+def _fuzz(operations) -> None:
     modes_get = [schemathesis.GenerationMode.POSITIVE]
     for op in operations:
         # Valid bodies, then invalid ones (a GET without parameters has no invalid input).
