@@ -23,13 +23,8 @@ NUM_LAYERS = 2  # of the tp model and of qwen2 (tests/conftest.py)
 
 @pytest.fixture(scope="module")
 def report(tp_checkpoint, kernel_tp_checkpoint, hf_checkpoints) -> dict:
-    # Kernels transposed on the device (loader.weight_transpose): sharded as the checkpoint lays
-    # them out, then transposed onto the model's sharding, at load and in updates.
     env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        NORI_JAX_WEIGHT_TRANSPOSE="device",
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
     args = [str(tp_checkpoint), str(kernel_tp_checkpoint), str(hf_checkpoints["qwen2"])]
     proc = subprocess.run(

@@ -19,7 +19,7 @@ from engine_fixtures import small_llm
 from safetensors.numpy import save_file
 
 from nori_jax import LLM, SamplingParams
-from nori_jax.weights import export, loader
+from nori_jax.weights import export
 from nori_jax.weights.safetensors_dir import iter_safetensors
 from nori_jax.weights.update import check_like
 
@@ -293,23 +293,3 @@ def test_get_weights_transposes_in_blocks(hf_checkpoints, monkeypatch):
     x = jax.numpy.arange(4 * 7, dtype=jax.numpy.float32).reshape(4, 7)
     monkeypatch.setattr(export, "BLOCK_BYTES", 3 * 4 * 4)  # blocks of 3 columns: 0, 3, 4
     np.testing.assert_array_equal(export.host_transposed(x), np.asarray(x).T)
-
-
-def test_kernels_transposed_on_the_device_answer_as_on_the_host(checkpoints, expected, monkeypatch):
-    """NORI_JAX_WEIGHT_TRANSPOSE=device: each kernel of an update placed as the checkpoint lays
-    it out and transposed by the device: the same arrays to the bit (so the same tokens), and
-    the transposing programs are the ones that ran. (A load takes the same path when the
-    parameter cache misses.)"""
-    llm = small_llm(str(checkpoints[0]))
-    monkeypatch.setenv("NORI_JAX_WEIGHT_TRANSPOSE", "device")
-    loader._transposed_onto.cache_clear()
-    llm.update_weights(str(checkpoints[1]))
-    assert loader._transposed_onto.cache_info().currsize > 0  # the device path placed them
-    want = dict(iter_safetensors(checkpoints[1]))
-    for key, array in llm.get_weights().items():
-        np.testing.assert_array_equal(array, want[key], err_msg=key)
-    assert _tokens(llm) == expected["b"]
-    assert llm.engine.num_recompiles == 0
-    monkeypatch.setenv("NORI_JAX_WEIGHT_TRANSPOSE", "gpu")
-    with pytest.raises(ValueError, match="NORI_JAX_WEIGHT_TRANSPOSE='gpu'"):
-        loader.weight_transpose()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from nori_jax.dummy_tokenizer import byte_tokenizer
 from nori_jax.executor.placement import put
@@ -227,58 +226,12 @@ def place_prepared(
 ) -> dict[tuple, jax.Array]:
     """A prepared tensor on the device, each array on its sharding: {state path: array}."""
     if tensor.quantize_into is None:
-        return {path: _put_float(value, shardings[path]) for path, value in tensor.values.items()}
+        return {path: put(value, shardings[path]) for path, value in tensor.values.items()}
     (weight,) = tensor.values.values()
     q_path, s_path, scale_dtype = tensor.quantize_into
     w = put(weight, shardings[q_path])
     leaves = quantize_on_device(w, scheme, scale_dtype, (shardings[q_path], shardings[s_path]))
     return {q_path: leaves["qvalue"], s_path: leaves["scale"]}
-
-
-# The largest kernel transposed on the device (it is there twice meanwhile): every kernel of the
-# Llama-3.1-8B shape but its LM head (1 GiB), which the runtime lays out on the host as before.
-DEVICE_TRANSPOSE_MAX_BYTES = 256 << 20
-WEIGHT_TRANSPOSES = ("host", "device")
-
-
-def weight_transpose() -> str:
-    """Where a checkpoint's [out, in] kernels become the model's [in, out]
-    (`NORI_JAX_WEIGHT_TRANSPOSE`): `host` (the default: the runtime copies each row-major on the
-    host as it places it, 1.1-1.7 GB/s on the CPU machine, benchmarks/engine/weight_place_bench.py;
-    likely what holds an 8B `update_weights` to 8-15 s on an H100, not yet timed apart) or
-    `device` (placed as the checkpoint lays it out, then transposed by the device). An A/B knob
-    until a GPU has timed both; on a CPU the host's layout is the faster."""
-    where = os.environ.get("NORI_JAX_WEIGHT_TRANSPOSE", "host")
-    if where not in WEIGHT_TRANSPOSES:
-        raise ValueError(f"NORI_JAX_WEIGHT_TRANSPOSE={where!r} must be one of {WEIGHT_TRANSPOSES}")
-    return where
-
-
-def _put_float(value: np.ndarray, sharding) -> jax.Array:
-    """A float parameter onto its sharding; a kernel prepared as a transposed view of the
-    checkpoint's [out, in] (F-contiguous) transposed on the device under `weight_transpose()`
-    "device"."""
-    if (
-        value.ndim == 2
-        and value.flags.f_contiguous
-        and not value.flags.c_contiguous
-        and value.nbytes <= DEVICE_TRANSPOSE_MAX_BYTES
-        and isinstance(sharding, NamedSharding)
-        and weight_transpose() == "device"
-    ):
-        spec = (*sharding.spec, None, None)[:2]
-        as_stored = NamedSharding(
-            sharding.mesh, PartitionSpec(spec[1], spec[0]), memory_kind=sharding.memory_kind
-        )
-        return _transposed_onto(sharding)(put(value.T, as_stored))
-    return put(value, sharding)
-
-
-@functools.lru_cache(maxsize=64)
-def _transposed_onto(sharding: NamedSharding):
-    """`x.T` placed on `sharding` (one program per sharding and shape; each device transposes
-    the block it holds)."""
-    return jax.jit(lambda x: x.T, out_shardings=sharding)
 
 
 def _fuse_parts(tensors, flat: dict, num_kv_heads: int, source: str):
