@@ -8,13 +8,16 @@ each `--rounds` times: `update_weights` with them (checked on the host, placed o
 time), `sleep()` and `wake_up()` (weights to pinned host memory and back, KV pages freed and made
 again), `sleep(level=2)` and `wake_up(weights)` (weights dropped, then placed anew), each
 followed by a short greedy batch whose tokens must equal the first one's (the same weights
-throughout) and no recompile. On a CPU the times say nothing of a GPU.
+throughout) and no recompile. The engine's own log lines say how an update's time splits between
+checking and laying out the tensors on the host and placing them. On a CPU the times say nothing
+of a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 from nori_jax import LLM, SamplingParams
@@ -27,6 +30,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("nori_jax.weight_control").setLevel(logging.INFO)  # the update's split
     llm = LLM.from_config(engine_config_from_args(args))
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(64)] for i in range(8)]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
