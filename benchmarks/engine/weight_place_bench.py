@@ -1,11 +1,13 @@
-"""How fast the loader places a checkpoint's kernels (`place_prepared`): the float kernels of two
-Llama-3.1-8B layers (q/k/v, o, gate/up, down; bf16, 0.87 GB), prepared as the loader prepares
-them (a transposed view of the checkpoint's [out, in]), placed four times; checks every array.
+"""How fast kernels go onto the device and back, without a model or an engine: the float kernels
+of two Llama-3.1-8B layers (q/k/v, o, gate/up, down; bf16, 0.87 GB).
 
     python benchmarks/engine/weight_place_bench.py
 
-The placement part of loading and of `update_weights`, without a model or an engine: the
-runtime copies each kernel row-major on the host as it transfers it.
+In: `place_prepared` as loading and `update_weights` run it (each kernel a transposed view of the
+checkpoint's [out, in], which the runtime copies row-major on the host as it transfers it), four
+times. Out: each kernel back in the checkpoint's layout as `get_weights` makes it
+(`export.host_transposed`: transposed on the device in blocks, then copied) against numpy's
+transpose of the copied [in, out] array, three times each. Every array is checked.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nori_jax.weights.export import host_transposed
 from nori_jax.weights.loader import PreparedTensor, place_prepared
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -53,6 +56,19 @@ def main() -> None:
         ((path, host),) = tensor.values.items()
         assert np.array_equal(np.asarray(placed[path]), host), path
     print("every array as prepared")
+    ways = {
+        "out, transposed on the device": host_transposed,
+        "out, transposed by numpy": lambda x: np.ascontiguousarray(np.asarray(x).T),
+    }
+    for rep in range(3):
+        for way, export in ways.items():
+            start = time.perf_counter()
+            back = {path: export(x) for path, x in placed.items()}
+            rate = nbytes / (time.perf_counter() - start) / 1e9
+            print(f"repeat {rep}: {way}: {rate:.2f} GB/s")
+            for tensor in tensors:
+                ((path, host),) = tensor.values.items()
+                assert np.array_equal(back[path], host.T), (way, path)
 
 
 if __name__ == "__main__":
