@@ -63,10 +63,15 @@ def replace_weights(loaded: LoadedModel, prepared: list[PreparedTensor]) -> None
     executor/direct_call.py); the tensors before it are then already swapped."""
     flat = dict(nnx.to_flat_state(loaded.state))
     shardings = {path: var.get_value().sharding for path, var in flat.items()}
+    placed = []
     for tensor in prepared:
         for path, array in place_prepared(tensor, shardings, loaded.quantization).items():
             check_like(path, array, flat[path].get_value())
             flat[path].set_value(array)
+            placed.append(array)
+    # Every transfer done when this returns: the prepared tensors may be the caller's own arrays
+    # (prepare_tensors copies none whose dtype matches), which the caller may change next.
+    jax.block_until_ready(placed)
 
 
 def check_like(path: tuple, new: jax.Array, old: jax.Array) -> None:
