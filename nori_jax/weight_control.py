@@ -162,7 +162,19 @@ def tensors_from(weights: Tensors | str | os.PathLike) -> Tensors:
         raise ValueError(f"{shown} is not a readable path: {why}") from None
     if not found:
         raise ValueError(f"{shown} is not a Hugging Face directory (config.json)")
-    return iter_safetensors(path)
+    return _read(iter_safetensors(path), shown)
+
+
+def _read(tensors, shown: str):
+    """The directory's tensors; a file that cannot be read (corrupt, truncated, unreadable) a
+    ValueError naming the directory. The update reads every tensor before it changes anything,
+    so this is the caller's error, with the weights as they were."""
+    try:
+        yield from tensors
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, OSError
+        raise ValueError(f"{shown}: cannot read its tensors: {type(e).__name__}: {e}") from None
 
 
 def _shown(path: str, limit: int = 200) -> str:

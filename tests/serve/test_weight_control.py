@@ -142,6 +142,13 @@ def test_bad_calls_change_nothing(server, checkpoints, tmp_path):
             r = c.post("/update_weights", content=body, headers=headers)
             assert_error(r, 400)
             assert len(r.text) < 1000  # the path is cut in the message
+        corrupt = tmp_path / "corrupt"
+        corrupt.mkdir()
+        (corrupt / "config.json").write_text("{}")
+        (corrupt / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"not a header")
+        r = c.post("/update_weights", json={"model_path": str(corrupt)})
+        assert_error(r, 400)
+        assert "cannot read its tensors" in r.json()["error"]["message"]
         assert_error(c.post("/sleep", params={"level": 2**70}), 400, param="level")
         assert_error(c.post("/wake_up"), 400)  # not asleep
         assert not _state(c)
