@@ -220,6 +220,11 @@ class LLM:
         `update_weights` takes them: needed after level 2)."""
         self.engine.wake_up(None if weights is None else tensors_from(weights))
 
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether `sleep` has given the device back and `wake_up` has not yet taken it."""
+        return self.engine.is_sleeping
+
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics (the same numbers the server exposes at /metrics)."""
         return self.engine.get_metrics()

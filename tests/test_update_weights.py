@@ -209,8 +209,9 @@ def test_sleep_gives_the_device_back_and_wake_up_answers_as_before(
     llm.update_weights(str(checkpoints[0]))
     llm.generate([PROMPTS[0]], PARAMS[0])  # its pages cached: the wake-up's pages are blank
     held = [weakref.ref(x) for x in _engine_arrays(llm)]
+    assert not llm.is_sleeping
     llm.sleep()
-    assert llm.engine.is_sleeping
+    assert llm.is_sleeping and llm.engine.is_sleeping
     assert _all_released(held)  # weights, KV pages, logits and the rest gone from the device
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(llm.engine.model.state)}
     assert kinds == {"pinned_host"}
@@ -221,6 +222,7 @@ def test_sleep_gives_the_device_back_and_wake_up_answers_as_before(
     with pytest.raises(ValueError, match="asleep; wake_up"):
         llm.update_weights(str(checkpoints[1]))
     llm.wake_up()
+    assert not llm.is_sleeping
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(llm.engine.model.state)}
     assert kinds == {"device"} and llm.engine.runner.kv_pages
     assert _tokens(llm) == expected["a"]
