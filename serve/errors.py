@@ -72,38 +72,26 @@ def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     """The HTTP error for an exception raised by the engine (or anything else)."""
     if isinstance(exc, ApiError):
         return exc
+    retry = {"Retry-After": str(retry_after_s)}
     if isinstance(exc, QueueFullError):
         return ApiError(
             429,
             f"server overloaded: {exc}; retry later",
             "rate_limit_error",
             code="queue_full",
-            headers={"Retry-After": str(retry_after_s)},
+            headers=retry,
         )
     if isinstance(exc, RequestTimeoutError):
         return ApiError(504, str(exc), "timeout_error", code="request_timeout")
-    if isinstance(exc, EngineStoppedError):
-        return ApiError(
-            503,
-            str(exc),
-            "server_error",
-            code="engine_unavailable",
-            headers={"Retry-After": str(retry_after_s)},
-        )
+    if isinstance(exc, (EngineStoppedError, EngineAsleepError)):  # back later: 503
+        code = "engine_asleep" if isinstance(exc, EngineAsleepError) else "engine_unavailable"
+        return ApiError(503, str(exc), "server_error", code=code, headers=retry)
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):
         return ApiError(500, str(exc), "server_error", code="request_failed")
     if isinstance(exc, EngineBusyError):
         return ApiError(409, str(exc), "invalid_request_error", code="engine_busy")
-    if isinstance(exc, EngineAsleepError):
-        return ApiError(
-            503,
-            str(exc),
-            "server_error",
-            code="engine_asleep",
-            headers={"Retry-After": str(retry_after_s)},
-        )
     if isinstance(exc, ParameterError):
         return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):
