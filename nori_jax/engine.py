@@ -25,6 +25,7 @@ from nori_jax.core.paging import PageAllocator
 from nori_jax.core.plan_builder import PlanBuilder
 from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
+from nori_jax.core.step_shapes import StepShapes
 from nori_jax.engine_config import EngineConfig
 from nori_jax.executor import compilation_cache, distributed, xla_flags
 from nori_jax.executor.compile_counter import CompileCounter
@@ -354,6 +355,11 @@ class LLMEngine:
     @property
     def step_times(self):
         return self.core.step_times
+
+    @property
+    def step_shapes(self) -> StepShapes:
+        """Steps and their wall time by token bucket and kind (core/step_shapes.py)."""
+        return self.core.step_shapes
 
     @property
     def num_recompiles(self) -> int:

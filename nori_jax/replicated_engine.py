@@ -20,6 +20,7 @@ import dataclasses
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
 from nori_jax.core.outputs import EngineCoreOutputs, RequestOutput
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
+from nori_jax.core.step_shapes import StepShapes
 from nori_jax.engine import EngineParts, LLMEngine, build_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.metrics import EngineMetrics
@@ -55,6 +56,11 @@ class ReplicatedEngine(LLMEngine):
             for f in dataclasses.fields(StepTimes):
                 setattr(total, f.name, getattr(total, f.name) + getattr(c.step_times, f.name))
         return total
+
+    @property
+    def step_shapes(self) -> StepShapes:
+        """Every replica's step shapes, merged (each replica's own wall per step)."""
+        return StepShapes.merged([c.step_shapes for c in self.cores])
 
     @property
     def num_recompiles(self) -> int:

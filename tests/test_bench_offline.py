@@ -6,6 +6,7 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 
 from nori_jax.bench.offline import add_bench_offline_parser, config_from_args, draw_requests
 from nori_jax.cli import main
@@ -27,7 +28,8 @@ def test_bench_offline_runs_and_writes_json(tmp_path, capsys):
         "--sampling", '{"presence_penalty": 0.5, "min_tokens": 4}', "--sampling-share", "0.5",
     ])  # fmt: skip
     assert rc == 0
-    assert "Offline Benchmark Result" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Offline Benchmark Result" in printed and "Wall time by step shape" in printed
     r = json.loads(out.read_text())
     assert r["num_requests"] == 12 and r["num_recompiles"] == 0
     assert 0 < r["num_sampled_requests"] < 12  # penalties and min_tokens compiled ahead too
@@ -36,6 +38,15 @@ def test_bench_offline_runs_and_writes_json(tmp_path, capsys):
     assert r["prefix_cache_hit_rate"] > 0  # the shared 32-token prefix is two full pages
     assert r["latency_ms"]["ttft_short"]["p99"] <= r["latency_ms"]["e2e_all"]["p99"]
     assert r["config"]["model"] == "tiny-llama"
+    # The measured steps by shape: every launch once, the warm-up's left out.
+    shapes = r["step_shapes"]
+    assert sum(row["launches"] for row in shapes) == r["steps"]
+    tokens = sum(row["tokens_per_launch"] * row["launches"] for row in shapes)
+    assert tokens == pytest.approx(r["mean_tokens_per_step"] * r["steps"])
+    assert {row["kind"] for row in shapes} <= {"decode", "mixed", "prefill"}
+    assert {"decode", "prefill"} & {row["kind"] for row in shapes}
+    assert sum(row["share"] for row in shapes) == pytest.approx(1.0)
+    assert 0 < sum(row["seconds"] for row in shapes) <= r["elapsed_s"]
 
 
 def test_workload_is_the_same_draw_in_every_run():

@@ -86,6 +86,11 @@ SCRIPT = textwrap.dedent(
     out["exposition"] = generate_latest(engine.metrics.registry).decode()
     out["free_pages"] = [c.scheduler.allocator.num_free_pages for c in engine.cores]
     out["router_load"] = engine.router.load
+    out["shape_launches"] = sum(t.launches for t in engine.step_shapes.by_shape.values())
+    out["shape_tokens"] = sum(t.tokens for t in engine.step_shapes.by_shape.values())
+    out["step_times"] = [engine.step_times.steps, engine.step_times.tokens]
+    out["replica_launches"] = [sum(t.launches for t in c.step_shapes.by_shape.values())
+                               for c in engine.cores]
 
 
     async def serve_one():
@@ -171,6 +176,12 @@ def test_no_compile_after_warm_up_and_nothing_left_behind(result) -> None:
     assert result["recompiles"] == 0 and result["metrics"]["nori:recompiles_total"] == 0
     assert result["router_load"] == [0, 0]
     assert result["free_pages"] == [47, 47]  # every page but the null page back in the pool
+
+
+def test_step_shapes_hold_every_replica_launch(result) -> None:
+    assert [result["shape_launches"], result["shape_tokens"]] == result["step_times"]
+    assert sum(result["replica_launches"]) == result["shape_launches"]
+    assert all(n > 0 for n in result["replica_launches"])
 
 
 def test_one_metrics_view_labels_each_replica(result) -> None:

@@ -92,6 +92,10 @@ SCRIPT = textwrap.dedent(
         out["kv_spec"] = str(core.decode[0].executor.runner.kv_pages[0].sharding.spec)
         out["prefill_used"] = [c.step_times.tokens > 0 for c in core.prefill]
         out["decode_used"] = [c.step_times.tokens > 0 for c in core.decode]
+        out["shape_kinds"] = [sorted({s.kind for c in side for s in c.step_shapes.by_shape})
+                              for side in (core.prefill, core.decode)]
+        out["shape_launches"] = sum(t.launches for t in core.step_shapes.by_shape.values())
+        out["steps"] = core.step_times.steps
         out["decode_devices"] = [
             sorted(d.id for d in c.executor.runner.kv_pages[0].sharding.device_set)
             for c in core.decode
@@ -208,6 +212,9 @@ def test_every_replica_takes_work_on_its_own_devices(report):
     assert r["decode_devices"] == [[2], [3]]  # prefill replicas first: devices 0 and 1
     tp = report["pd-1-1-tp2"]
     assert tp["decode_devices"] == [[2, 3]] and "model" in tp["kv_spec"]
+    # Prefill replicas run prompts only, decode replicas decode only; the merged view holds both.
+    assert r["shape_kinds"] == [["prefill"], ["decode"]]
+    assert r["shape_launches"] == r["steps"]
 
 
 def test_an_injected_transfer_failure_is_retried_with_the_same_tokens(report):

@@ -1,5 +1,5 @@
 """`nori-jax bench offline`: the engine in this process, no HTTP, through its public API only
-(`LLMEngine`: add_request, step, drain, get_metrics, step_times).
+(`LLMEngine`: add_request, step, drain, get_metrics, step_times, step_shapes).
 
 By default every request is queued at once (peak throughput). With `--request-rate R` requests
 arrive on `bench serve`'s schedule for the same seed, which measures TTFT/TPOT/E2E without any
@@ -10,7 +10,9 @@ prompts mixed in; latency is then also reported for the short requests alone).
 Reports throughput after warm-up, and where the host's wall time went: scheduling, launching
 steps (plan transfer + dispatch), waiting on the device, and post-processing (updates,
 detokenization, metrics). With overlapped scheduling the device works during the other three;
-"waiting" is the host idle on the device.
+"waiting" is the host idle on the device. Then the same run by step shape (core/step_shapes.py):
+per token bucket and kind (decode, mixed, prefill), the launches and their wall time each, so two
+runs (bf16 against fp8 weights, say) can be told apart regime by regime.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from nori_jax.bench.workload import (
     add_workload_args,
     workload_from_args,
 )
+from nori_jax.core.step_shapes import format_rows
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.heap_freeze import heap_frozen
 
@@ -148,6 +151,7 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
     if w.warmup_requests:
         run(list(range(w.warmup_requests)), float("inf"))
     times0, metrics0 = dataclasses.asdict(engine.step_times), engine.get_metrics()
+    shapes0 = engine.step_shapes.copy()
     measured = list(range(w.warmup_requests, len(reqs.prompts)))
     with heap_frozen():  # as LLM.generate runs its loop (nori_jax/heap_freeze.py)
         elapsed, other, finished = run(measured, w.request_rate)
@@ -187,6 +191,7 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
         "prefix_cache_hit_rate": delta("prefix_cache_hits") / max(delta("prefix_cache_queries"), 1),
         "num_recompiles": int(engine.get_metrics()["nori:recompiles_total"]),
         "latency_ms": latency,
+        "step_shapes": engine.step_shapes.minus(shapes0).rows(),
     }
 
 
@@ -231,6 +236,8 @@ def format_result(r: dict[str, Any]) -> str:
     ]
     lines = [" Offline Benchmark Result ".center(60, "=")]
     lines += [f"{k:<40}{v:>20}" for k, v in rows] + ["=" * 60]
+    if r.get("step_shapes"):
+        lines.append(format_rows(r["step_shapes"]))
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from nori_jax.core.engine_core import EngineCore, EngineCoreRequest, StepTimes
 from nori_jax.core.outputs import EngineCoreOutputs, FinishedRequest, KVTransfer, StepStats
 from nori_jax.core.request import Request
+from nori_jax.core.step_shapes import StepShapes
 from nori_jax.core.top_logprob_rows import TopLogprobRows
 
 
@@ -161,6 +162,11 @@ class DisaggregatedCore:
             for f in dataclasses.fields(StepTimes):
                 setattr(total, f.name, getattr(total, f.name) + getattr(core.step_times, f.name))
         return total
+
+    @property
+    def step_shapes(self) -> StepShapes:
+        """Every core's step shapes, merged (each core's own wall per step)."""
+        return StepShapes.merged([core.step_shapes for core in self.cores])
 
     def step(self) -> EngineCoreOutputs:
         """Step every core, launching all before fetching any so that their devices run

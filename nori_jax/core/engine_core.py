@@ -38,6 +38,7 @@ from nori_jax.core.request import Request, RequestTimes
 from nori_jax.core.scheduler import Scheduler, StepUpdate
 from nori_jax.core.scheduler_output import Acquire, SchedulerOutput
 from nori_jax.core.step_plan import StepPlan
+from nori_jax.core.step_shapes import StepShape, StepShapes, step_kind
 from nori_jax.sampling_params import INT32_MAX, ParameterError, SamplingParams
 
 
@@ -67,12 +68,24 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     priority: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step on the device: its rows, the executor's handle, its shape and when it was
+    launched (perf_counter after the dispatch)."""
+
+    scheduled: SchedulerOutput
+    handle: Any
+    shape: StepShape
+    tokens: int
+    at: float
+
+
 @dataclasses.dataclass
 class PendingStep:
     """A step between `launch_step` and `complete_step`."""
 
     plan: StepPlan | None  # the step launched now (None: nothing to run)
-    done: tuple[Any, Any] | None  # (scheduled, device handle) of the step to fetch now
+    done: Launched | None  # the step to fetch now
     failed: list[FinishedRequest]  # requests whose admission failed this step
     t0: float  # perf_counter at the start of scheduling
     t1: float  # after building the plan
@@ -173,7 +186,9 @@ class EngineCore:
         self.executor = executor
         self.async_scheduling = async_scheduling
         self.step_times = StepTimes()
-        self._in_flight: tuple[Any, Any] | None = None  # (scheduled, device handle)
+        self.step_shapes = StepShapes()  # wall time per step by its shape (step_shapes.py)
+        self._last_fetch: float | None = None
+        self._in_flight: Launched | None = None
         self._seen = (0, 0, 0, 0)  # preemptions, prefix hits, prefix queries, recompiles
 
     # ---- requests ---------------------------------------------------------------------------
@@ -240,7 +255,10 @@ class EngineCore:
             failed = self._apply_batch_events(scheduled)
             plan = self.builder.build(scheduled)
         t1 = time.perf_counter()
-        launched = None if plan is None else (scheduled, self.executor.launch(plan))
+        launched = None
+        if plan is not None:
+            handle = self.executor.launch(plan)
+            launched = Launched(scheduled, handle, _shape(plan), _tokens(plan), time.perf_counter())
         t2 = time.perf_counter()
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, launched
@@ -254,17 +272,16 @@ class EngineCore:
         t3 = t4 = t2
         out = EngineCoreOutputs.empty()
         if done is not None:
-            samples = self.executor.fetch(done[1])  # tokens, logprobs[, top logprobs]
+            samples = self._fetch(done)  # tokens, logprobs[, top logprobs]
             t3 = time.perf_counter()
-            out = self._outputs(self.scheduler.update(done[0], *samples))
+            out = self._outputs(self.scheduler.update(done.scheduled, *samples))
             t4 = time.perf_counter()
         out.finished.extend(pending.failed)
         st = self.step_times
         if plan is not None:
             st.steps += 1
-            multi = plan.scheduled.decode_steps
-            st.tokens += plan.num_tokens if multi is None else int(multi.sum())
-            st.multi_step_launches += multi is not None
+            st.tokens += _tokens(plan)
+            st.multi_step_launches += plan.scheduled.decode_steps is not None
             st.padded_tokens += plan.bucket * plan.num_steps
         st.schedule += t1 - t0
         st.launch += t2 - t1
@@ -284,9 +301,19 @@ class EngineCore:
         if done is None:
             out = EngineCoreOutputs.empty()
         else:
-            out = self._outputs(self.scheduler.update(done[0], *self.executor.fetch(done[1])))
+            out = self._outputs(self.scheduler.update(done.scheduled, *self._fetch(done)))
         out.stats = self._stats(len(out.request_ids), 0.0, 0.0, 0)
         return out
+
+    def _fetch(self, done: Launched) -> tuple:
+        """The step's samples, its wall time observed in `step_shapes` (step_shapes.py: from
+        the previous fetch, or from its launch if that came later)."""
+        samples = self.executor.fetch(done.handle)
+        now = time.perf_counter()
+        last, self._last_fetch = self._last_fetch, now
+        start = done.at if last is None else max(last, done.at)
+        self.step_shapes.observe(done.shape, done.tokens, now - start)
+        return samples
 
     def _apply_batch_events(self, scheduled: SchedulerOutput) -> list[FinishedRequest]:
         """Hand the step's batch events to the plan builder one by one. An admission whose settings
@@ -345,3 +372,14 @@ class EngineCore:
             step_seconds=step_s,
             num_steps=steps,
         )
+
+
+def _shape(plan: StepPlan) -> StepShape:
+    s = plan.scheduled
+    return StepShape(plan.bucket, step_kind(s.num_decodes, len(s.prefills)), plan.num_steps)
+
+
+def _tokens(plan: StepPlan) -> int:
+    """Real tokens the launch runs (every step of a multi-step launch)."""
+    multi = plan.scheduled.decode_steps
+    return plan.num_tokens if multi is None else int(multi.sum())

@@ -1,0 +1,117 @@
+"""Where an engine's wall time goes by the shape of its steps: token bucket, kind, steps a launch.
+
+A run's mean step time hides the regimes it mixes. PERF.md's offline workload on the
+Llama-3.1-8B shape, for one, is 1,868 steps of which about 50 carry prefill chunks and about 960
+decode fewer than 16 sequences (the long outputs' tail, bound by reading the weights), while a
+few hundred decode hundreds of sequences (bound by the KV reads): a change that speeds one regime
+and slows another moves the mean by their mix. `StepShapes` keeps, per shape, the steps fetched
+and the wall time each took, so two runs can be compared shape by shape (`bench offline` prints
+the table).
+
+A step's time is the interval that ends when its samples reach the host and starts when the
+previous step's samples did, or when it was launched if that was later (the engine was idle in
+between). With overlapped scheduling on a device-bound run that is the step's device time; where
+the host bounds the loop it is the host's time per step; with `async_scheduling` off it adds the
+host's own work of the step to the device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(num_decodes: int, num_prefills: int) -> str:
+    """ "decode": decode rows only; "prefill": prefill chunks only; "mixed": both."""
+    if not num_prefills:
+        return "decode"
+    return "mixed" if num_decodes else "prefill"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    bucket: int  # the compiled token bucket the launch ran
+    kind: str  # one of STEP_KINDS
+    num_steps: int = 1  # decode steps of a multi-step launch
+
+
+@dataclasses.dataclass
+class ShapeTimes:
+    launches: int = 0
+    tokens: int = 0  # real tokens run (not the bucket's padding)
+    seconds: float = 0.0
+
+
+class StepShapes:
+    """Launches, tokens and seconds by StepShape; `minus` gives a run's share of them."""
+
+    def __init__(self, by_shape: dict[StepShape, ShapeTimes] | None = None):
+        self.by_shape: dict[StepShape, ShapeTimes] = by_shape or {}
+
+    def observe(self, shape: StepShape, tokens: int, seconds: float) -> None:
+        t = self.by_shape.get(shape)
+        if t is None:
+            t = self.by_shape[shape] = ShapeTimes()
+        t.launches += 1
+        t.tokens += tokens
+        t.seconds += seconds
+
+    def copy(self) -> StepShapes:
+        return StepShapes({s: dataclasses.replace(t) for s, t in self.by_shape.items()})
+
+    def minus(self, earlier: StepShapes) -> StepShapes:
+        """What was observed since `earlier` (a `copy()` of this one), shapes with launches only."""
+        out = {}
+        for shape, t in self.by_shape.items():
+            e = earlier.by_shape.get(shape, ShapeTimes())
+            if t.launches > e.launches:
+                out[shape] = ShapeTimes(
+                    t.launches - e.launches, t.tokens - e.tokens, t.seconds - e.seconds
+                )
+        return StepShapes(out)
+
+    @staticmethod
+    def merged(parts: list[StepShapes]) -> StepShapes:
+        """Several cores' shapes in one (their seconds add up: each core's own wall per step)."""
+        total = StepShapes()
+        for p in parts:
+            for shape, t in p.by_shape.items():
+                m = total.by_shape.setdefault(shape, ShapeTimes())
+                m.launches += t.launches
+                m.tokens += t.tokens
+                m.seconds += t.seconds
+        return total
+
+    def rows(self) -> list[dict]:
+        """One dict a shape, by bucket, kind and steps a launch; `share`: of all rows' seconds."""
+        total = sum(t.seconds for t in self.by_shape.values()) or 1.0
+        return [
+            {
+                "bucket": s.bucket,
+                "kind": s.kind,
+                "num_steps": s.num_steps,
+                "launches": t.launches,
+                "tokens_per_launch": t.tokens / t.launches,
+                "ms_per_launch": 1e3 * t.seconds / t.launches,
+                "seconds": t.seconds,
+                "share": t.seconds / total,
+            }
+            for s, t in sorted(self.by_shape.items())
+        ]
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The table `bench offline` prints under its result."""
+    head = ("bucket", "kind", "steps", "launches", "tokens", "ms", "share")
+    lines = [
+        " Wall time by step shape ".center(60, "="),
+        "{:>7} {:<8}{:>6} {:>9} {:>8} {:>8} {:>7}".format(*head),
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['bucket']:>7} {r['kind']:<8}{r['num_steps']:>6} {r['launches']:>9} "
+            f"{r['tokens_per_launch']:>8.0f} {r['ms_per_launch']:>8.2f} {100 * r['share']:>6.1f}%"
+        )
+    lines.append("=" * 60)
+    return "\n".join(lines)
