@@ -73,7 +73,8 @@ def resolve_quantized_matmul(config: EngineConfig) -> str:
     (the 8B engine ran 1.47x faster on it than on XLA's int4 form, same H100 call), XLA's dot
     otherwise: fp8 weights measured even (0.98x), int8 weights faster on XLA (8B, 64 sequences,
     H100: 8,031-8,044 against 7,372-7,424 total tok/s), and on CPU the kernel only runs
-    interpreted."""
+    interpreted. "upcast" (fp8 weight-only in calls of few tokens) is not measured yet, so no
+    mode takes it by default."""
     if config.quantized_matmul != "auto":
         return config.quantized_matmul
     kernel = (
@@ -219,7 +220,7 @@ def build_engine(
         # The orbax cache is per host and its writes are collective: not across processes.
         param_cache=config.param_cache and not multihost.enabled,
         quantization=config.quantization,
-        pallas_matmuls=resolve_quantized_matmul(config) == "pallas",
+        small_matmul=resolve_quantized_matmul(config),
     )
     load_seconds = time.perf_counter() - start
     if tokenizer is not None:

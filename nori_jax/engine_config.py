@@ -27,7 +27,7 @@ from pallas_kernels.page_constants import KV_CACHE_DTYPES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-QUANTIZED_MATMULS = ("auto", "xla", "pallas")
+QUANTIZED_MATMULS = ("auto", "xla", "pallas", "upcast")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 _NESTED = {"scheduler": SchedulerConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
@@ -58,10 +58,11 @@ class EngineConfig:
         "auto",
         help="quantized weights in calls of up to 128 tokens: xla (XLA's dot: cuBLASLt's fp8 GEMM, "
         "fused dequantization of int8 / int4), pallas (the skinny-matmul kernel for fp8, int8 "
-        "and int4 without offsets; one device per replica) or auto (pallas for int4 on a GPU "
-        "with one device per replica, xla otherwise: on the H100 the 8B engine with int4 "
-        "weights ran 1.47x faster on the kernel, with fp8 weights 0.98x, with int8 0.92x at "
-        "64 sequences)",
+        "and int4 without offsets; one device per replica), upcast (fp8 weights weight-only: "
+        "converted inside XLA's GEMM fusion, the activations not quantized; int8 / int4 as xla) "
+        "or auto (pallas for int4 on a GPU with one device per replica, xla otherwise: on the "
+        "H100 the 8B engine with int4 weights ran 1.47x faster on the kernel, with fp8 weights "
+        "0.98x, with int8 0.92x at 64 sequences)",
         choices=QUANTIZED_MATMULS,
         flags=("--quantized-matmul", "--fp8-matmul"),
     )
@@ -149,10 +150,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} must be None or one of {QUANTIZATION_MODES}"
             )
-        if self.quantized_matmul == "pallas" and self.quantization is None:
+        if self.quantized_matmul in ("pallas", "upcast") and self.quantization is None:
             raise ValueError(
-                "quantized_matmul='pallas' chooses the matmul of quantized weights; "
-                "quantization=None has none (set quantization='fp8', 'int8' or 'int4')"
+                f"quantized_matmul={self.quantized_matmul!r} chooses the matmul of quantized "
+                "weights; quantization=None has none (set quantization='fp8', 'int8' or 'int4')"
             )
         if self.quantized_matmul == "pallas" and self.mesh.model > 1:
             raise ValueError(

@@ -267,6 +267,8 @@ class ModelRunner:
         self._direct: dict[tuple[str, object], DirectCall] = {}
         self.compile_seconds = 0.0
         self.compiler_options: dict = {}  # compile_all: program_options.for_weights
+        # Each program's own options by `_program_name` (a forward pass's may differ by bucket)
+        self.compiler_options_of: dict[str, dict] = {}
         self.launch_times = LaunchTimes()
         self._put_step = ReplicatedPut((layout.size,), np.int32, self._replicated)
         # Start each step's device-to-host copy as soon as the next launch has made the host's
@@ -393,10 +395,21 @@ class ModelRunner:
             f" with XLA options {options}" if options else "",
         )
 
+        def options_of(key) -> dict:
+            """A forward pass's own options where its bucket changes them (program_options)."""
+            kind, k = key
+            if kind not in ("forward", "multi"):
+                return options
+            bucket = k if kind == "forward" else k[0]
+            return program_options.for_weights(
+                self.model.quantization, bucket=bucket, small_matmul=self.model.small_matmul
+            )
+
         def compile_one(key, lowered):
             t0 = time.perf_counter()
-            exe = lowered.compile(compiler_options=options)
             name = _program_name(*key)
+            own = self.compiler_options_of[name] = options_of(key)
+            exe = lowered.compile(compiler_options=own)
             seconds = time.perf_counter() - t0
             logger.info("%s compiled in %.1fs", name, seconds)
             if on_compiled is not None:

@@ -24,12 +24,17 @@ _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x[T, in] . w[out, in] -> [T, out]
 # (QuantizedLinear._scale_after_dot): measured at 16 tokens, where reading the weight bounds the
 # GEMM; 64 tokens is still far below the H200's ridge point for these shapes.
 SCALE_AFTER_DOT_MAX_TOKENS = 64
-# Quantized calls of at most this many tokens run the skinny-matmul kernel
-# (pallas_kernels/skinny_matmul) when the model asks for Pallas matmuls (quantized_matmul=
-# "pallas"): on the H200, cuBLASLt's fp8 GEMM read the weight at 0.5-0.8 TB/s at 16-128 tokens,
-# slower than bf16; the kernel at 1.2-1.8 TB/s (docs/benchmarks.md, "The skinny matmul"). Its
-# int4 form is 1.1-3.2x XLA's int4 form per matmul and made the 8B engine 1.47x faster.
+# Quantized calls of at most this many tokens ("calls of few tokens") take the model's
+# `small_matmul` (quantized_matmul): "pallas" runs the skinny-matmul kernel
+# (pallas_kernels/skinny_matmul): on the H200, cuBLASLt's fp8 GEMM read the weight at 0.5-0.8
+# TB/s at 16-128 tokens, slower than bf16; the kernel at 1.2-1.8 TB/s (docs/benchmarks.md, "The
+# skinny matmul"); its int4 form is 1.1-3.2x XLA's int4 form per matmul and made the 8B engine
+# 1.47x faster. "upcast" has fp8 layers multiply the activations as they are by the fp8 weight
+# converted inside XLA's GEMM fusion, as int8 weights do (no per-token activation quantization,
+# no fp8 GEMM): reading the weight bounds these calls, and the fp8 GEMM did not read it faster
+# than bf16 there.
 SKINNY_MAX_TOKENS = 128
+SMALL_MATMULS = ("xla", "pallas", "upcast")
 
 
 def param(
@@ -74,8 +79,8 @@ class QuantizedLinear(nnx.Module):
         self.scheme = scheme
         self.parallel = parallel
         self.layer_name = name
-        # Set by the model when it runs Pallas matmul kernels (use_pallas_matmuls)
-        self.pallas = False
+        # How calls of few tokens multiply (SMALL_MATMULS), set by the model (use_small_matmul)
+        self.small_matmul = "xla"
 
     def weight(self) -> jax.Array:
         """The dequantized weight [out, in] in the compute dtype (what the weight-only matmul
@@ -91,6 +96,10 @@ class QuantizedLinear(nnx.Module):
         return qwix.QArray(self.qvalue[...], self.scale[...], None, self.scheme.qtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
+        if self._upcast(x.shape[0]):  # fp8 weight-only: converted in XLA's fusion, scale after
+            q = self.qvalue[...].astype(x.dtype)
+            y = jax.lax.dot_general(x, q, _CONTRACT_IN, preferred_element_type=jnp.float32)
+            return (y * self.scale[...][:, 0]).astype(x.dtype)
         if self.scheme.quantizes_activations:
             # Dynamic per-token scales: each row of x gets its own absmax scale.
             xq = qwix.quantize(x.astype(jnp.float32), self.scheme.qtype, channelwise_axes=(0,))
@@ -120,12 +129,20 @@ class QuantizedLinear(nnx.Module):
         scheme = self.scheme
         itemsize = 0.5 if scheme.mode == "int4" else 1
         return (
-            self.pallas
+            self.small_matmul == "pallas"
             and skinny_matmul_takes(scheme, x_dtype)
             and num_tokens <= SKINNY_MAX_TOKENS
             and skinny_matmul_fits(
                 num_tokens, in_features, out_features, itemsize, scheme.group_size
             )
+        )
+
+    def _upcast(self, num_tokens: int) -> bool:
+        """An fp8 call of few tokens on a model whose small matmul is "upcast"."""
+        return (
+            self.small_matmul == "upcast"
+            and self.scheme.mode == "fp8"
+            and num_tokens <= SKINNY_MAX_TOKENS
         )
 
     def _scale_after_dot(self, num_tokens: int) -> bool:
@@ -171,13 +188,17 @@ def linear_weight(
     return param(rngs, (in_features, out_features), dtype, spec)
 
 
-def use_pallas_matmuls(model: nnx.Module) -> None:
-    """Let the model's quantized layers run Pallas matmul kernels where one exists for their mode
-    (the skinny matmul in calls of few tokens, `skinny_matmul_takes`). One device only: under
-    tensor parallelism XLA partitions the dots, which it cannot do to a kernel call."""
+def use_small_matmul(model: nnx.Module, small_matmul: str) -> None:
+    """Set how the model's quantized layers multiply in calls of few tokens (SMALL_MATMULS):
+    "pallas", the skinny matmul where it takes the layer's mode (`skinny_matmul_takes`; one
+    device only: under tensor parallelism XLA partitions the dots, which it cannot do to a kernel
+    call); "upcast", fp8 layers weight-only through XLA (int8 / int4 are weight-only anyway);
+    "xla", XLA's dot of the mode."""
+    if small_matmul not in SMALL_MATMULS:
+        raise ValueError(f"small_matmul={small_matmul!r} must be one of {SMALL_MATMULS}")
     for _, node in nnx.iter_graph(model):
         if isinstance(node, QuantizedLinear):
-            node.pallas = True
+            node.small_matmul = small_matmul
 
 
 def linear(x: jax.Array, w) -> jax.Array:

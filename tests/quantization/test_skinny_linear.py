@@ -20,7 +20,7 @@ from nori_jax.models.linear import (
     COLUMN,
     QuantizedLinear,
     skinny_matmul_takes,
-    use_pallas_matmuls,
+    use_small_matmul,
 )
 from nori_jax.models.llama import LlamaForCausalLM
 from nori_jax.quantization.quantize import quantize_array
@@ -41,8 +41,8 @@ def test_kernel_gives_xla_fp8_output():
     x = jax.random.normal(jax.random.key(2), (16, 256)).astype(jnp.bfloat16)
     x = x.at[3].set(0.0)  # a padding row: scale 1, output 0
     want = layer(x)
-    use_pallas_matmuls(layer)
-    assert layer.pallas and layer._skinny(16, x.dtype)
+    use_small_matmul(layer, "pallas")
+    assert layer.small_matmul == "pallas" and layer._skinny(16, x.dtype)
     got = layer(x)  # interpret mode on this CPU machine
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
@@ -54,7 +54,7 @@ def test_int8_kernel_gives_the_scale_after_dot_output():
     layer = _layer("int8")
     x = jax.random.normal(jax.random.key(3), (16, 256)).astype(jnp.bfloat16)
     want = layer(x)
-    use_pallas_matmuls(layer)
+    use_small_matmul(layer, "pallas")
     got = layer(x)
     exact = x.astype(jnp.float32) @ layer.qvalue[...].astype(jnp.float32).T * layer.scale[...][:, 0]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=1e-2, atol=1e-3)
@@ -73,7 +73,7 @@ def test_group_scaled_kernel_gives_the_dequantized_product(scheme):
     scale, summed; within bf16's rounding of the dequantized weight's product."""
     layer = _layer(scheme, k=512, n=256)
     x = jax.random.normal(jax.random.key(4), (16, 512)).astype(jnp.bfloat16)
-    use_pallas_matmuls(layer)
+    use_small_matmul(layer, "pallas")
     assert layer._skinny(16, x.dtype)
     got = layer(x)
     w = layer.qvalue[...].astype(jnp.float32) * jnp.repeat(
@@ -85,37 +85,39 @@ def test_group_scaled_kernel_gives_the_dequantized_product(scheme):
 
 def test_kernel_is_chosen_by_mode_tokens_and_shape():
     fp8, int8 = _layer("fp8"), _layer("int8")
-    use_pallas_matmuls(fp8)
-    use_pallas_matmuls(int8)
+    use_small_matmul(fp8, "pallas")
+    use_small_matmul(int8, "pallas")
     bf16 = jnp.bfloat16
     assert [fp8._skinny(t, bf16) for t in (8, 16, 64, 128, 136, 256, 12)] == [True] * 4 + [
         False
     ] * 3
     assert int8._skinny(16, bf16) and not int8._skinny(16, jnp.float32)  # 16-bit tokens only
     int4 = _layer("int4")  # groups of 128: the kernel scales each group's product
-    use_pallas_matmuls(int4)
+    use_small_matmul(int4, "pallas")
     assert int4._skinny(16, bf16) and not int4._skinny(16, jnp.float32)
     q4_0 = _layer(WeightQuantization("int4", group_size=32))  # a 16-byte group: no swizzle
     q4_1 = QuantizedLinear(  # GGUF Q4_1's offsets stay with XLA (shape only: never run)
         256, 384, bf16, COLUMN, WeightQuantization("int4", group_size=128, offset=True), "q4_1"
     )
     for layer in (q4_0, q4_1):
-        use_pallas_matmuls(layer)
+        use_small_matmul(layer, "pallas")
         assert not layer._skinny(16, bf16)
     odd = _layer("fp8", n=192)  # output features not a multiple of the kernel's 128 rows
-    use_pallas_matmuls(odd)
+    use_small_matmul(odd, "pallas")
     assert not odd._skinny(16, bf16)
     assert not _layer("fp8")._skinny(16, bf16)  # not asked for
 
 
 def _pallas_layers(pallas: bool, mesh=None) -> int:
     cfg = ModelConfig.from_hf_dict(load_preset("tiny-llama"))
+    small = "pallas" if pallas else "xla"
     model = nnx.eval_shape(
         lambda: LlamaForCausalLM(
-            cfg, jnp.float32, nnx.Rngs(0), "reference", default_scheme("fp8"), mesh, pallas
+            cfg, jnp.float32, nnx.Rngs(0), "reference", default_scheme("fp8"), mesh, small
         )
     )
-    return sum(isinstance(n, QuantizedLinear) and n.pallas for _, n in nnx.iter_graph(model))
+    layers = nnx.iter_graph(model)
+    return sum(isinstance(n, QuantizedLinear) and n.small_matmul == "pallas" for _, n in layers)
 
 
 def test_model_marks_its_quantized_layers():
@@ -137,7 +139,7 @@ def test_refused_where_it_cannot_apply():
     assert EngineConfig(quantization="fp8", quantized_matmul="pallas").quantized_matmul == "pallas"
     with pytest.raises(ValueError, match=r"quantized_matmul='cublas' must be one of"):
         EngineConfig(quantized_matmul="cublas")
-    with pytest.raises(ValueError, match=r"pallas_matmuls on a mesh of tp=2"):
+    with pytest.raises(ValueError, match=r"small_matmul=.pallas. on a mesh of tp=2"):
         _pallas_layers(True, types.SimpleNamespace(shape={"model": 2}))
 
 
