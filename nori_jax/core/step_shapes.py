@@ -1,10 +1,11 @@
 """Where an engine's wall time goes by the shape of its steps: token bucket, kind, steps a launch.
 
-A run's mean step time hides the regimes it mixes. PERF.md's offline workload on the
-Llama-3.1-8B shape, for one, is 1,868 steps of which about 50 carry prefill chunks and about 960
-decode fewer than 16 sequences (the long outputs' tail, bound by reading the weights), while a
-few hundred decode hundreds of sequences (bound by the KV reads): a change that speeds one regime
-and slows another moves the mean by their mix. `StepShapes` keeps, per shape, the steps fetched
+A run's mean step time hides the regimes it mixes. PERF.md's 600-request offline run on the
+Llama-3.1-8B shape, for one, is 1,868 launches of which 51 carry prompt tokens and 996 decode
+about six sequences in bucket 16 (the long outputs' tail, bound by reading the weights), while
+a few hundred decode hundreds of sequences (bound by the KV reads;
+benchmarks/engine/shape_mix.py counts them): a change that speeds one regime and slows another
+moves the mean by their mix. `StepShapes` keeps, per shape, the steps fetched
 and the wall time each took, so two runs can be compared shape by shape (`bench offline` prints
 the table).
 
