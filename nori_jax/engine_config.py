@@ -56,13 +56,14 @@ class EngineConfig:
     )
     quantized_matmul: str = option(
         "auto",
-        help="quantized weights in calls of up to 128 tokens: xla (XLA's dot: cuBLASLt's fp8 GEMM, "
-        "fused dequantization of int8 / int4), pallas (the skinny-matmul kernel for fp8, int8 "
-        "and int4 without offsets; one device per replica), upcast (fp8 weights weight-only: "
-        "converted inside XLA's GEMM fusion, the activations not quantized; int8 / int4 as xla) "
-        "or auto (pallas for int4 on a GPU with one device per replica, xla otherwise: on the "
-        "H100 the 8B engine with int4 weights ran 1.47x faster on the kernel, with fp8 weights "
-        "0.98x, with int8 0.92x at 64 sequences)",
+        help="quantized weights in calls of few tokens: xla (XLA's dot: cuBLASLt's fp8 GEMM, "
+        "fused dequantization of int8 / int4), pallas (up to 128 tokens on the skinny-matmul "
+        "kernel for fp8, int8 and int4 without offsets; one device per replica), upcast (fp8 "
+        "weights weight-only up to 64 tokens: converted inside XLA's GEMM fusion, the "
+        "activations not quantized; int8 / int4 as xla) or auto (upcast for fp8, pallas for "
+        "int4 on a GPU with one device per replica, xla otherwise: on the H100 the 8B engine "
+        "with fp8 weights ran 1.02-1.03x faster upcast and 0.98x on the kernel, with int4 "
+        "weights 1.47x faster on the kernel, with int8 0.92x at 64 sequences)",
         choices=QUANTIZED_MATMULS,
         flags=("--quantized-matmul", "--fp8-matmul"),
     )

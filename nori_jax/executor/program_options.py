@@ -9,10 +9,10 @@ XLA's autotuning switched off instead (`--xla_gpu_autotune_level=0`) was ready i
 at 1,138, its untuned GEMMs ten times slower. The weight-only modes keep the Triton fusions: they
 are what dequantizes int8 / int4 weights inside the GEMM.
 
-With `quantized_matmul="upcast"`, fp8 layers in calls of few tokens are weight-only too
-(models/linear.py): a forward pass whose bucket is that small holds no fp8 dot, so it keeps
-the Triton fusions that convert the fp8 weight inside the GEMM (`for_weights(..., bucket,
-small_matmul)`); without them XLA would write the converted weight out first.
+With `quantized_matmul="upcast"` (fp8's default), fp8 layers in calls of up to 64 tokens are
+weight-only too (models/linear.py): a forward pass whose bucket is that small holds no fp8 dot,
+so it keeps the Triton fusions that convert the fp8 weight inside the GEMM (`for_weights(...,
+bucket, small_matmul)`); without them XLA would write the converted weight out first.
 
 The runner's programs and the KV-scale calibration's prefill (kv_calibration.py) compile with
 these options. A user's own `--xla_gpu_enable_triton_gemm` in XLA_FLAGS stands: the engine then
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from nori_jax.executor.xla_flags import setting as flag_setting
-from nori_jax.models.linear import SKINNY_MAX_TOKENS
+from nori_jax.models.linear import UPCAST_MAX_TOKENS
 from nori_jax.quantization import WeightQuantization
 
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
@@ -47,6 +47,6 @@ def for_weights(
     a forward pass of `bucket` tokens, where the model's `small_matmul` makes it weight-only."""
     if quantization is None or quantization.mode != "fp8" or user_sets(TRITON_GEMM, xla_flags):
         return {}
-    if small_matmul == "upcast" and bucket is not None and bucket <= SKINNY_MAX_TOKENS:
+    if small_matmul == "upcast" and bucket is not None and bucket <= UPCAST_MAX_TOKENS:
         return {}
     return {TRITON_GEMM: False}

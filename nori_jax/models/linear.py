@@ -29,11 +29,14 @@ SCALE_AFTER_DOT_MAX_TOKENS = 64
 # (pallas_kernels/skinny_matmul): on the H200, cuBLASLt's fp8 GEMM read the weight at 0.5-0.8
 # TB/s at 16-128 tokens, slower than bf16; the kernel at 1.2-1.8 TB/s (docs/benchmarks.md, "The
 # skinny matmul"); its int4 form is 1.1-3.2x XLA's int4 form per matmul and made the 8B engine
-# 1.47x faster. "upcast" has fp8 layers multiply the activations as they are by the fp8 weight
-# converted inside XLA's GEMM fusion, as int8 weights do (no per-token activation quantization,
-# no fp8 GEMM): reading the weight bounds these calls, and the fp8 GEMM did not read it faster
-# than bf16 there.
+# 1.47x faster. "upcast" has fp8 layers in calls of up to UPCAST_MAX_TOKENS multiply the
+# activations as they are by the fp8 weight converted inside XLA's GEMM fusion, as int8 weights
+# do (no per-token activation quantization, no fp8 GEMM): reading the weight bounds these calls.
 SKINNY_MAX_TOKENS = 128
+# In the 8B engine on an H100 (docs/benchmarks.md, "fp8 weight-only in calls of few tokens"),
+# upcast steps of buckets 16, 32 and 64 took 8-11%, 4-7% and 2-4% less time than the fp8 GEMM's;
+# bucket 128's took 10-11% more.
+UPCAST_MAX_TOKENS = 64
 SMALL_MATMULS = ("xla", "pallas", "upcast")
 
 
@@ -138,11 +141,11 @@ class QuantizedLinear(nnx.Module):
         )
 
     def _upcast(self, num_tokens: int) -> bool:
-        """An fp8 call of few tokens on a model whose small matmul is "upcast"."""
+        """An fp8 call of at most UPCAST_MAX_TOKENS on a model whose small matmul is "upcast"."""
         return (
             self.small_matmul == "upcast"
             and self.scheme.mode == "fp8"
-            and num_tokens <= SKINNY_MAX_TOKENS
+            and num_tokens <= UPCAST_MAX_TOKENS
         )
 
     def _scale_after_dot(self, num_tokens: int) -> bool:

@@ -20,7 +20,7 @@ def test_options_by_weight_mode(mode, options):
 
 
 def test_fp8_forward_passes_of_few_tokens_keep_triton_when_upcast():
-    """quantized_matmul="upcast": a forward pass of at most 128 tokens holds no fp8 dot (its fp8
+    """quantized_matmul="upcast": a forward pass of at most 64 tokens holds no fp8 dot (its fp8
     layers are weight-only), so it keeps the Triton fusions that convert the weight in the GEMM;
     larger buckets and every other program still turn them off."""
     fp8 = default_scheme("fp8")
@@ -28,8 +28,8 @@ def test_fp8_forward_passes_of_few_tokens_keep_triton_when_upcast():
     def options(bucket, small="upcast"):
         return program_options.for_weights(fp8, xla_flags="", bucket=bucket, small_matmul=small)
 
-    assert options(16) == options(128) == {}
-    assert options(256) == options(None) == OFF
+    assert options(16) == options(64) == {}
+    assert options(128) == options(None) == OFF
     assert options(16, "xla") == options(16, "pallas") == OFF
     int8 = program_options.for_weights(
         default_scheme("int8"), xla_flags="", bucket=16, small_matmul="upcast"

@@ -183,7 +183,7 @@ def test_weight_only_modes_compute_the_dequantized_model(mode, lookup, models, t
 
 
 def test_fp8_upcast_computes_the_dequantized_model(lookup, greedy, tmp_path, caplog):
-    """quantized_matmul="upcast": fp8 layers in calls of up to 128 tokens (every bucket here)
+    """quantized_matmul="upcast": fp8 layers in calls of up to 64 tokens (every bucket here)
     multiply the activations as they are by the fp8 weight converted (weight-only): the logits
     of a float32 model holding the dequantized weights, which fp8 x fp8 with its per-token
     activation scales does not give; float32's tokens, no recompile, and every forward pass
@@ -244,7 +244,8 @@ def test_metrics_and_log_name_the_weights(lookup, engines, caplog):
         "kv_scales": "none",
     }
     assert engines[None].get_metrics()["nori:model_config_info"]["quantization"] == "none"
-    assert engines["fp8"].get_metrics()["nori:model_config_info"]["quantized_matmul"] == "xla"
+    # fp8's calls of few tokens are weight-only by default (quantized_matmul="auto")
+    assert engines["fp8"].get_metrics()["nori:model_config_info"]["quantized_matmul"] == "upcast"
     text = engines["fp8"].engine.metrics.registry
     from prometheus_client import generate_latest
 
