@@ -119,6 +119,20 @@ class EngineMetrics:
         self.step_duration = hist(
             "step_duration_seconds", "Wall time of one engine step.", _STEP_BUCKETS
         )
+        # Launches by shape (core/step_shapes.py), the wall time `bench offline` tabulates
+        self.launches = Counter(
+            "nori:step_launches",
+            "Launches fetched, by token bucket and kind (decode, mixed, prefill).",
+            ["bucket", "kind"],
+            registry=r,
+        )
+        self.launch_seconds = Counter(
+            "nori:step_launch_seconds",
+            "Wall time of the launches fetched, by token bucket and kind: from the previous "
+            "launch's samples on the host (or its own launch, after an idle spell) to its own.",
+            ["bucket", "kind"],
+            registry=r,
+        )
         self.core_io = Counter(
             "nori:engine_core_io_seconds",
             "The engine-core process's time outside its steps: reading requests off its socket, "
@@ -239,6 +253,9 @@ class EngineMetrics:
             self.step_duration.observe(st.step_seconds)
         if st.io_seconds:
             self.core_io.inc(st.io_seconds)
+        for bucket, kind, seconds in st.launches:
+            self.launches.labels(bucket=str(bucket), kind=kind).inc()
+            self.launch_seconds.labels(bucket=str(bucket), kind=kind).inc(seconds)
 
     def observe_finished(self, f: FinishedRequest) -> None:
         m = f.metrics
@@ -273,8 +290,9 @@ class EngineMetrics:
                 for s in family.samples:
                     if not s.name.endswith("_total"):
                         continue
-                    if s.labels:
-                        out.setdefault(s.name, {})[next(iter(s.labels.values()))] = s.value
+                    if s.labels:  # keyed by the label's value ("16/decode" for two labels)
+                        key = "/".join(s.labels.values())
+                        out.setdefault(s.name, {})[key] = s.value
                     else:
                         out[s.name] = s.value
             else:

@@ -58,11 +58,16 @@ class ReplicaMetrics:
         "replicas"."""
         each = [m.as_dict() for m in self.replicas]
         out: dict[str, Any] = {}
-        for name, first in each[0].items():
-            values = [d[name] for d in each]
+        # A labelled counter has a key only once a replica counted something under it (step
+        # launches by shape): a name or label one replica lacks counts 0 there.
+        names = list(dict.fromkeys(name for d in each for name in d))
+        for name in names:
+            values = [d[name] for d in each if name in d]
+            first = values[0]
             if isinstance(first, dict):
-                if all(isinstance(v, (int, float)) for v in first.values()):
-                    out[name] = {k: sum(v[k] for v in values) for k in first}
+                if all(isinstance(v, (int, float)) for d in values for v in d.values()):
+                    keys = dict.fromkeys(k for d in values for k in d)
+                    out[name] = {k: sum(d.get(k, 0.0) for d in values) for k in keys}
                 else:
                     out[name] = first  # an info: every replica runs the same model
             elif name in _MEAN:

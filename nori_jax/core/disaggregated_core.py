@@ -299,6 +299,7 @@ class DisaggregatedCore:
                 schedule_seconds=total("schedule_seconds"),
                 step_seconds=step_s,
                 num_steps=max(s.num_steps for s in stats),
+                launches=[launch for s in stats for launch in s.launches],
             )
             self._seen_mover_compiles = compiles
         return merged

@@ -188,6 +188,7 @@ class EngineCore:
         self.step_times = StepTimes()
         self.step_shapes = StepShapes()  # wall time per step by its shape (step_shapes.py)
         self._last_fetch: float | None = None
+        self._fetched: list[tuple[int, str, float]] = []  # for the next StepStats
         self._in_flight: Launched | None = None
         self._seen = (0, 0, 0, 0)  # preemptions, prefix hits, prefix queries, recompiles
 
@@ -313,6 +314,7 @@ class EngineCore:
         last, self._last_fetch = self._last_fetch, now
         start = done.at if last is None else max(last, done.at)
         self.step_shapes.observe(done.shape, done.tokens, now - start)
+        self._fetched.append((done.shape.bucket, done.shape.kind, now - start))
         return samples
 
     def _apply_batch_events(self, scheduled: SchedulerOutput) -> list[FinishedRequest]:
@@ -371,7 +373,12 @@ class EngineCore:
             schedule_seconds=schedule_s,
             step_seconds=step_s,
             num_steps=steps,
+            launches=self._take_fetched(),
         )
+
+    def _take_fetched(self) -> list[tuple[int, str, float]]:
+        fetched, self._fetched = self._fetched, []
+        return fetched
 
 
 def _shape(plan: StepPlan) -> StepShape:

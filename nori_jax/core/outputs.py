@@ -72,6 +72,9 @@ class StepStats(msgspec.Struct, array_like=True, gc=False):
     # The engine-core process's own work around the step (engine_core_process._serve): taking
     # requests off its socket and sending the step's outputs to the API servers. 0 elsewhere.
     io_seconds: float = 0.0
+    # The launches this step fetched, (token bucket, kind, wall seconds) each (step_shapes.py): one
+    # at most from one core, one per core from several (disaggregated).
+    launches: list[tuple[int, str, float]] = msgspec.field(default_factory=list)
 
 
 class KVTransfer(msgspec.Struct, array_like=True, gc=False):

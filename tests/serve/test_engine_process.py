@@ -263,6 +263,10 @@ def test_streams_through_the_openai_client(server: Server) -> None:
     # the core process's own work around its steps: its socket, the outputs it sends
     io_s = next(line for line in metrics.splitlines() if line.startswith("nori:engine_core_io"))
     assert float(io_s.split()[-1]) > 0
+    # the launches by shape, counted in the core and carried by each step's stats
+    shapes = [line for line in metrics.splitlines() if line.startswith("nori:step_launches_total")]
+    assert shapes and sum(float(line.split()[-1]) for line in shapes) >= 10
+    assert any('kind="decode"' in line for line in shapes)
     info = next(line for line in metrics.splitlines() if line.startswith("nori:model_config_info"))
     for label in ('dtype="float32"', 'kv_cache_dtype="float32"', 'quantization="none"'):
         assert label in info  # from the core

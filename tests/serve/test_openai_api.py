@@ -488,6 +488,17 @@ def test_metrics_count_what_was_done(server: Server, oai: openai.OpenAI) -> None
         assert delta[f"nori:{hist}_count"] == 5, hist
         assert delta[f"nori:{hist}_sum"] >= 0.0
     assert delta["nori:step_duration_seconds_count"] >= 5
+    # Launches by token bucket and kind: prompts prefilled (alone or beside decodes), then
+    # decoded; each with its wall time.
+    launches = {k: v for k, v in delta.items() if k.startswith("nori:step_launches_total[")}
+    assert sum(launches.values()) >= 5
+    kinds = {k.rsplit("[", 1)[1].rstrip("]") for k, v in launches.items() if v}
+    assert "decode" in kinds and kinds & {"prefill", "mixed"}
+    assert kinds <= {"decode", "mixed", "prefill"}
+    for key, n in launches.items():
+        seconds = delta[key.replace("step_launches_total", "step_launch_seconds_total")]
+        assert (seconds > 0) == (n > 0)
+    assert server.engine.get_metrics()["nori:step_launches_total"]  # "16/decode": count
     assert after["nori:num_requests_running"] == after["nori:num_requests_waiting"] == 0
     assert after["nori:kv_cache_usage_perc"] == 0.0
     assert after["nori:recompiles_total"] == 0
