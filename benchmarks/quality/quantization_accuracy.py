@@ -72,6 +72,7 @@ MODES = [
     ("float32", "float32", None, "auto", False),
     ("bfloat16", "bfloat16", None, "auto", False),
     ("fp8", "bfloat16", "fp8", "auto", False),
+    ("fp8 (fp8 GEMM in every call)", "bfloat16", "fp8", "auto", False),
     ("int8", "bfloat16", "int8", "auto", False),
     ("int4 (Q4_1 blocks kept)", "bfloat16", "int4", "auto", False),
     (
@@ -87,10 +88,20 @@ MODES = [
     ("fp8 weights + fp8 KV (calibrated)", "bfloat16", "fp8", "fp8", True),
     ("int4 (Q4_1 kept) + fp8 KV (calibrated)", "bfloat16", "int4", "fp8", True),
 ]
+# The engine's quantized_matmul for a row (default "auto": fp8's calls of up to 64 tokens
+# weight-only, models/linear.py). Perplexity and teacher forcing run calls of hundreds of tokens,
+# which take the fp8 GEMM either way; the engine's greedy decode is where the two differ.
+MATMUL = {"fp8 (fp8 GEMM in every call)": "xla"}
 
 
 def engine_tokens(
-    dtype, quantization, prompts, max_tokens, kv_cache_dtype="auto", calibrate=False
+    dtype,
+    quantization,
+    prompts,
+    max_tokens,
+    kv_cache_dtype="auto",
+    calibrate=False,
+    quantized_matmul="auto",
 ) -> list[list[int]]:
     if isinstance(quantization, WeightQuantization):  # not an EngineConfig value: load directly
         return _tokens_from_loaded(dtype, quantization, prompts, max_tokens)
@@ -98,6 +109,7 @@ def engine_tokens(
         None,
         dtype=dtype,
         quantization=quantization,
+        quantized_matmul=quantized_matmul,
         kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=calibrate,
         max_num_seqs=len(prompts),
@@ -198,7 +210,13 @@ def main() -> None:
         del loaded
         if label != "bfloat16":
             tokens = engine_tokens(
-                dtype, quantization, prompts, args.max_tokens, kv_cache_dtype, calibrate
+                dtype,
+                quantization,
+                prompts,
+                args.max_tokens,
+                kv_cache_dtype,
+                calibrate,
+                MATMUL.get(label, "auto"),
             )
         forced_share = float(np.mean(np.concatenate(forced) == np.concatenate(ref)))
         rows.append((label, weights, mib, ppl, tokens, forced_share))
