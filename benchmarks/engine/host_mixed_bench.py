@@ -20,18 +20,15 @@ import time
 
 from nori_jax.bench.offline import OfflineConfig, draw_requests
 from nori_jax.bench.workload import WorkloadConfig
-from nori_jax.core.engine_core import EngineCore, EngineCoreRequest
+from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
 from nori_jax.core.outputs import EngineCoreOutputs
-from nori_jax.core.paging import PageAllocator
-from nori_jax.core.plan_builder import PlanBuilder
-from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.metrics import EngineMetrics
 from nori_jax.sampling_params import SamplingParams
 
 # The same fake device as the decode-only bench beside this script (its directory is on sys.path).
-from host_step_bench import VOCAB, FakeExecutor  # noqa: E402  isort: skip
+from host_step_bench import VOCAB, fake_core  # noqa: E402  isort: skip
 
 EOS = [2]
 
@@ -55,18 +52,8 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    allocator = PageAllocator(args.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-    scheduler = Scheduler(cfg, allocator)
-    builder = PlanBuilder(
-        cfg.max_num_seqs,
-        cfg.max_pages_per_seq,
-        cfg.page_size,
-        args.num_pages,
-        scheduler.buckets,
-        VOCAB,
-    )
-    executor = FakeExecutor(cfg.max_num_seqs)
-    core = EngineCore(scheduler, builder, executor)
+    core = fake_core(cfg, args.num_pages)
+    scheduler, builder, executor = core.scheduler, core.builder, core.executor
     processor = OutputProcessor(None)
     metrics = EngineMetrics()
 

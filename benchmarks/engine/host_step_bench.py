@@ -61,6 +61,16 @@ class FakeExecutor:
         return tokens, np.zeros(tokens.shape, np.float32), top, None
 
 
+def fake_core(cfg: SchedulerConfig, num_pages: int) -> EngineCore:
+    """The engine core (real scheduler, page pool of `num_pages`, plan builder) over the fake
+    device: what this script and host_mixed_bench.py / shape_mix.py drive."""
+    scheduler = Scheduler(cfg, PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching))
+    builder = PlanBuilder(
+        cfg.max_num_seqs, cfg.max_pages_per_seq, cfg.page_size, num_pages, scheduler.buckets, VOCAB
+    )
+    return EngineCore(scheduler, builder, FakeExecutor(cfg.max_num_seqs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=1024)
@@ -88,9 +98,8 @@ def main() -> None:
         multi_step_max_seqs=n,
     )
     num_pages = n * (args.context // ps + 8 + k * args.steps // ps) + 16
-    scheduler = Scheduler(cfg, PageAllocator(num_pages, ps))
-    builder = PlanBuilder(n, cfg.max_pages_per_seq, ps, num_pages, scheduler.buckets, VOCAB)
-    core = EngineCore(scheduler, builder, FakeExecutor(n))
+    core = fake_core(cfg, num_pages)
+    scheduler, builder = core.scheduler, core.builder
     processor = OutputProcessor(None)
     rng = np.random.default_rng(1)
     plain = SamplingParams(max_tokens=1 << 20, temperature=0.0, min_tokens=args.min_tokens)

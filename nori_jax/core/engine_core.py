@@ -84,7 +84,7 @@ class Launched:
 class PendingStep:
     """A step between `launch_step` and `complete_step`."""
 
-    plan: StepPlan | None  # the step launched now (None: nothing to run)
+    launched: Launched | None  # the step launched now (None: nothing to run)
     done: Launched | None  # the step to fetch now
     failed: list[FinishedRequest]  # requests whose admission failed this step
     t0: float  # perf_counter at the start of scheduling
@@ -265,11 +265,12 @@ class EngineCore:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
-        return PendingStep(plan, done, failed, t0, t1, t2)
+        return PendingStep(launched, done, failed, t0, t1, t2)
 
     def complete_step(self, pending: PendingStep) -> EngineCoreOutputs:
         """The second half of `step`: fetch the step due now and turn it into outputs."""
-        plan, done, t0, t1, t2 = pending.plan, pending.done, pending.t0, pending.t1, pending.t2
+        launched, done = pending.launched, pending.done
+        t0, t1, t2 = pending.t0, pending.t1, pending.t2
         t3 = t4 = t2
         out = EngineCoreOutputs.empty()
         if done is not None:
@@ -279,17 +280,18 @@ class EngineCore:
             t4 = time.perf_counter()
         out.finished.extend(pending.failed)
         st = self.step_times
-        if plan is not None:
+        if launched is not None:
+            shape = launched.shape
             st.steps += 1
-            st.tokens += _tokens(plan)
-            st.multi_step_launches += plan.scheduled.decode_steps is not None
-            st.padded_tokens += plan.bucket * plan.num_steps
+            st.tokens += launched.tokens
+            st.multi_step_launches += launched.scheduled.decode_steps is not None
+            st.padded_tokens += shape.bucket * shape.num_steps
         st.schedule += t1 - t0
         st.launch += t2 - t1
         st.wait += t3 - t2
         st.postprocess += t4 - t3
-        step_s = t4 - t0 if (plan is not None or done is not None) else 0.0
-        out.stats = self._stats(len(out.request_ids), t1 - t0, step_s, int(plan is not None))
+        step_s = t4 - t0 if (launched is not None or done is not None) else 0.0
+        out.stats = self._stats(len(out.request_ids), t1 - t0, step_s, int(launched is not None))
         return out
 
     def drain(self) -> EngineCoreOutputs:

@@ -50,11 +50,11 @@ class StepShapes:
     def __init__(self, by_shape: dict[StepShape, ShapeTimes] | None = None):
         self.by_shape: dict[StepShape, ShapeTimes] = by_shape or {}
 
-    def observe(self, shape: StepShape, tokens: int, seconds: float) -> None:
+    def observe(self, shape: StepShape, tokens: int, seconds: float, launches: int = 1) -> None:
         t = self.by_shape.get(shape)
         if t is None:
             t = self.by_shape[shape] = ShapeTimes()
-        t.launches += 1
+        t.launches += launches
         t.tokens += tokens
         t.seconds += seconds
 
@@ -78,10 +78,7 @@ class StepShapes:
         total = StepShapes()
         for p in parts:
             for shape, t in p.by_shape.items():
-                m = total.by_shape.setdefault(shape, ShapeTimes())
-                m.launches += t.launches
-                m.tokens += t.tokens
-                m.seconds += t.seconds
+                total.observe(shape, t.tokens, t.seconds, t.launches)
         return total
 
     def rows(self) -> list[dict]:
