@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from nori_jax.bench.config import METRIC_NAMES, BenchConfig
 from nori_jax.bench.metrics import percentile_word, tpot_s
 from nori_jax.bench.run import RunResult, Workload
-from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS
+from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS, SHAPES_KEY
 
 _WIDTH = 50
 _HEADERS = {
@@ -108,6 +108,23 @@ def _print_server(server: dict[str, Any], out: TextIO) -> None:
     for label, key, fmt in SERVER_ROWS:
         value = server.get(key)
         print(f"{label:<40} {'n/a' if value is None else format(value, fmt):<10}", file=out)
+    if server.get(SHAPES_KEY):
+        print(format_shapes(server[SHAPES_KEY]), file=out)
+
+
+def format_shapes(rows: list[dict[str, Any]]) -> str:
+    """The server's launches by step shape (server_metrics.shape_rows), as `bench offline`
+    prints its own (core/step_shapes.format_rows) less the columns /metrics does not carry."""
+    lines = [
+        "Launches by step shape".center(_WIDTH, "-"),
+        f"{'bucket':>7} {'kind':<8} {'launches':>9} {'ms':>8} {'share':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['bucket']:>7} {r['kind']:<8} {r['launches']:>9} {r['ms_per_launch']:>8.2f} "
+            f"{100 * r['share']:>6.1f}%"
+        )
+    return "\n".join(lines)
 
 
 def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]:
@@ -141,7 +158,7 @@ def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]
         "seed": cfg.workload.seed,
         "goodput_slos_ms": dict(cfg.goodput_slos_ms),
         **run.health,
-        **{k: run.server.get(k) for k in (*SERVER_KEYS, ERROR_KEY)},
+        **{k: run.server.get(k) for k in (*SERVER_KEYS, SHAPES_KEY, ERROR_KEY)},
         "warnings": run.warnings,
         "interrupted": run.interrupted,
     }

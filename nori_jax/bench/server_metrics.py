@@ -15,6 +15,10 @@ end, and reports the differences:
 - server_mean_core_io_ms: the engine-core process's time outside its steps per step
   (`nori:engine_core_io_seconds`: requests off its socket, outputs to the API servers), which
   the step's own time leaves out; 0 for an engine in the API server's process (no sockets);
+- server_step_shapes: the launches by token bucket and kind (decode / mixed / prefill), each
+  with its count, mean wall time and share of the window's launch time
+  (`nori:step_launches_total`, `nori:step_launch_seconds_total`; core/step_shapes.py): the
+  served counterpart of `bench offline`'s "Wall time by step shape" table;
 - server_mean_ttft_ms: the mean time to first token as the engine sees it
   (`nori:time_to_first_token_seconds`: from the request's arrival at the API server's engine
   client, after HTTP, validation and tokenization, to its first token out of the core's step).
@@ -46,6 +50,7 @@ SERVER_KEYS = (
     "server_mean_core_io_ms",
     "server_mean_ttft_ms",
 )
+SHAPES_KEY = "server_step_shapes"  # a list of rows (shape_rows), not a scalar like SERVER_KEYS
 ERROR_KEY = "server_metrics_error"  # why the fields are None (no /metrics, unparsable, ...)
 SCRAPE_TIMEOUT_S = 10.0
 
@@ -62,6 +67,8 @@ _SAMPLES = {
     "nori:time_to_first_token_seconds_count": "ttft_count",
     "nori:time_to_first_token_seconds_sum": "ttft_sum",
 }
+# Counters labelled by step shape: sample name -> the (count, seconds) slot it fills
+_SHAPE_SAMPLES = {"nori:step_launches_total": 0, "nori:step_launch_seconds_total": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,11 @@ class Snapshot:
     core_io_sum: float | None = None
     ttft_count: float | None = None
     ttft_sum: float | None = None
+    # (bucket, kind) -> (launches, seconds), summed over the other labels (replicas); empty for
+    # a server that does not export them
+    shapes: Mapping[tuple[str, str], tuple[float, float]] = dataclasses.field(
+        default_factory=dict, hash=False
+    )
 
 
 def parse(text: str) -> Snapshot:
@@ -84,16 +96,20 @@ def parse(text: str) -> Snapshot:
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
+    shapes: dict[tuple[str, str], list[float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if (field := _SAMPLES.get(s.name)) is not None:
                     totals[field] = totals.get(field, 0.0) + float(s.value)
+                elif (slot := _SHAPE_SAMPLES.get(s.name)) is not None:
+                    key = (s.labels.get("bucket", ""), s.labels.get("kind", ""))
+                    shapes.setdefault(key, [0.0, 0.0])[slot] += float(s.value)
     except Exception as e:  # the parser raises ValueError, and others on odd input
         raise ValueError(f"unparsable /metrics ({type(e).__name__}: {e})") from None
     if "step_count" not in totals or "step_sum" not in totals:
         raise ValueError(f"no {_STEP} in /metrics (not this engine's server?)")
-    return Snapshot(**totals)
+    return Snapshot(**totals, shapes={k: (v[0], v[1]) for k, v in shapes.items()})
 
 
 def scrape(
@@ -117,7 +133,7 @@ def scrape(
 
 def window(before: Snapshot | str, after: Snapshot | str) -> dict[str, Any]:
     """The run's server fields (SERVER_KEYS, each None if unknown) and ERROR_KEY."""
-    out: dict[str, Any] = dict.fromkeys(SERVER_KEYS) | {ERROR_KEY: None}
+    out: dict[str, Any] = dict.fromkeys(SERVER_KEYS) | {SHAPES_KEY: None, ERROR_KEY: None}
     for snap in (before, after):
         if isinstance(snap, str):
             out[ERROR_KEY] = snap
@@ -147,4 +163,39 @@ def window(before: Snapshot | str, after: Snapshot | str) -> dict[str, Any]:
     io_s = delta("core_io_sum")
     if steps > 0 and io_s is not None and io_s >= 0:
         out["server_mean_core_io_ms"] = 1e3 * io_s / steps
+    if after.shapes:
+        out[SHAPES_KEY] = shape_rows(before.shapes, after.shapes)
     return out
+
+
+def _bucket_order(key: tuple[str, str]) -> tuple[int, str, str]:
+    bucket, kind = key
+    return (int(bucket) if bucket.isdigit() else 1 << 62, bucket, kind)
+
+
+def shape_rows(
+    before: Mapping[tuple[str, str], tuple[float, float]],
+    after: Mapping[tuple[str, str], tuple[float, float]],
+) -> list[dict[str, Any]]:
+    """The window's launches by (bucket, kind), shapes with launches in it only, by bucket:
+    bucket, kind, launches, ms_per_launch, seconds, share (of the rows' seconds)."""
+    rows = []
+    for key in sorted(after, key=_bucket_order):
+        n0, s0 = before.get(key, (0.0, 0.0))
+        n1, s1 = after[key]
+        if n1 - n0 >= 1:
+            launches = int(round(n1 - n0))
+            seconds = max(0.0, s1 - s0)
+            rows.append(
+                {
+                    "bucket": key[0],
+                    "kind": key[1],
+                    "launches": launches,
+                    "seconds": seconds,
+                    "ms_per_launch": 1e3 * seconds / launches,
+                }  # fmt: skip
+            )
+    total = sum(r["seconds"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["seconds"] / total
+    return rows

@@ -4,7 +4,8 @@ Runs in its own process (`python bench_fake_server.py` prints its port), so the 
 test never shares a GIL with it and measured delays are the injected ones. Behaviour is set per
 test with POST /_control; GET /_stats says what the server saw. GET /metrics, as the behaviour
 `metrics` says: absent (404), this engine's step series (`"engine"`: every token sent is a step of
-4 ms with 0.5 ms of scheduling, in two `replica` label sets of the same numbers), or any text.
+4 ms with 0.5 ms of scheduling, a request's first token a prefill launch of bucket 64 and the others
+decode launches of bucket 16, in two `replica` label sets of the same numbers), or any text.
 
 Injected timing of a request that asks for n tokens with a p-token prompt: the i-th token
 (i = 0..n-1) is sent at  t_receive + ttft_s + ttft_per_prompt_token_s * p + i * itl_s, scheduled
@@ -96,6 +97,14 @@ async def metrics() -> Any:
                 lines.append(f'{name}_bucket{{le="+Inf",{label}}} {float(count)}')
                 lines.append(f"{name}_count{{{label}}} {float(count)}")
                 lines.append(f"{name}_sum{{{label}}} {total}")
+        # launches by shape: each request's first token a prefill launch of bucket 64, the
+        # others decode launches of bucket 16, STEP_S each
+        for name, per in (("nori:step_launches", 1.0), ("nori:step_launch_seconds", STEP_S)):
+            lines.append(f"# TYPE {name} counter")
+            for replica in ("0", "1"):
+                for bucket, kind, count in (("16", "decode", n - k), ("64", "prefill", k)):
+                    labels = f'bucket="{bucket}",kind="{kind}",replica="{replica}"'
+                    lines.append(f"{name}_total{{{labels}}} {count * per}")
         text = "\n".join(lines) + "\n"
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -55,5 +55,16 @@ def test_short_bench_run_against_the_real_server(server: Server, tmp_path, capsy
     assert r["server_mean_step_ms"] > 0 and r["server_mean_scheduler_ms"] > 0
     tokens = r["server_tokens_per_step"] * r["server_steps"]  # the run's requests, no others
     assert tokens == pytest.approx(r["total_input_tokens"] + r["total_output_tokens"])
+    # its launches by shape (one step a launch here; an engine step that only fetched the
+    # previous launch's samples launched nothing): every output token took a launch, the
+    # prompts' as prefill or mixed
+    shapes = r["server_step_shapes"]
+    assert max(r["output_lens"]) <= sum(s["launches"] for s in shapes) <= r["server_steps"]
+    assert {s["kind"] for s in shapes} >= {"decode"} and {s["kind"] for s in shapes} & {
+        "prefill",
+        "mixed",
+    }
+    assert sum(s["share"] for s in shapes) == pytest.approx(1.0)
+    assert "Launches by step shape" in printed
     server.wait_idle()
     assert _success_total(server.url) - before == 12
