@@ -36,8 +36,11 @@ from nori_jax.engine_config import EngineConfig
 from nori_jax.replica_metrics import ReplicaMetrics
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
+from nori_jax.weight_control import EngineBusyError
 
 logger = logging.getLogger(__name__)
+
+CONTROL_POLL_S = 0.005  # how often a request waiting for a weight operation looks again
 
 
 class DataParallelClient(StreamingClient):
@@ -82,6 +85,9 @@ class DataParallelClient(StreamingClient):
         self.tokenizer: Tokenizer | None = first.tokenizer
         self.max_model_len = first.max_model_len
         self.metrics = ReplicaMetrics([c.metrics for c in self.clients])
+        # The weight operation running (control), if any: new requests wait for its end, so
+        # that none lands on a replica between the idle check and the operation.
+        self._control_op: str | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -148,6 +154,8 @@ class DataParallelClient(StreamingClient):
         """Route a request to a replica and queue it there (EngineCoreClient.add_request says
         what it raises); EngineStoppedError while no replica serves."""
         params.validate()
+        while self._control_op is not None:  # served by the weights the operation leaves
+            await asyncio.sleep(CONTROL_POLL_S)
         ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         cost = min(len(ids) + params.max_tokens, self.max_model_len)
@@ -180,11 +188,28 @@ class DataParallelClient(StreamingClient):
 
     async def control(self, op: str, level: int = 1, model_path: str | None = None) -> bool:
         """A weight operation on every replica at once (EngineCoreClient.control); whether they
-        sleep after it. A replica's refusal is raised after all have answered (the others have
-        then done it, and the log says on how many)."""
-        results = await asyncio.gather(
-            *(c.control(op, level, model_path) for c in self.clients), return_exceptions=True
-        )
+        sleep after it.
+
+        The replicas must hold one model, so an operation that would be refused by some is
+        refused before any replica changes: EngineBusyError while this client has requests in
+        flight on any replica or another operation runs, EngineStoppedError while a replica
+        does not serve (dead or restarting). Requests that arrive meanwhile wait for the
+        operation's end. A refusal the checks cannot see (requests from another API server
+        process, a failure on the device) is raised after all replicas have answered; the
+        others have then done it, and the log says on how many."""
+        if op != "is_sleeping":
+            if self._control_op is not None:
+                raise EngineBusyError(f"{op}: {self._control_op} is running on the replicas")
+            self._control_op = op
+        try:
+            if op != "is_sleeping":
+                self._check_all_can(op)
+            results = await asyncio.gather(
+                *(c.control(op, level, model_path) for c in self.clients), return_exceptions=True
+            )
+        finally:
+            if op != "is_sleeping":
+                self._control_op = None
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             if len(failed) < len(results):
@@ -193,6 +218,21 @@ class DataParallelClient(StreamingClient):
                 )
             raise failed[0]
         return any(results)
+
+    def _check_all_can(self, op: str) -> None:
+        """Raise unless every replica serves and none has requests of this client in flight."""
+        down = [i for i, c in enumerate(self.clients) if not c.is_healthy]
+        if down:
+            raise EngineStoppedError(
+                f"{op}: replica(s) {down} not serving ({self.dead_reason or 'restarting'}); "
+                "no replica changed"
+            )
+        busy = {i: c.num_in_flight for i, c in enumerate(self.clients) if c.num_in_flight}
+        if busy:
+            raise EngineBusyError(
+                f"{op}: requests in flight on replica(s) {sorted(busy)} "
+                f"({sum(busy.values())} in all); no replica changed: retry once they finish"
+            )
 
     def wait_healthy(self, timeout_s: float) -> bool:
         """Block until every replica serves (after a restart); False on timeout."""

@@ -22,6 +22,7 @@ from nori_jax import SamplingParams
 from nori_jax.core_client import EngineCoreClient
 from nori_jax.dp_client import DataParallelClient
 from nori_jax.mesh_config import MeshConfig
+from nori_jax.weight_control import EngineBusyError
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], list(range(100, 160)), [9, 8, 7, 6] * 5]
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -30,7 +31,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server():
     config = dataclasses.replace(engine_config(), mesh=MeshConfig(data=2))
-    with running_server(engine=DataParallelClient(config)) as s:
+    settings = {"enable_weight_control": True}  # /sleep and the others, for the last test
+    with running_server(settings, engine=DataParallelClient(config)) as s:
         yield s
 
 
@@ -179,3 +181,49 @@ def test_sleep_and_wake_up_reach_every_replica(server: Server) -> None:
     assert asyncio.run(engine.control("wake_up")) is False
     assert [asyncio.run(c.control("is_sleeping")) for c in engine.clients] == [False, False]
     assert _generate_all(server, PROMPTS) == expected
+
+
+def test_a_weight_operation_changes_no_replica_while_one_is_busy(server: Server) -> None:
+    """One replica serving a request: sleep is refused before any replica changes (before, the
+    idle replica slept and the busy one refused, leaving the two apart), over HTTP as 409. A
+    request sent while an operation runs waits for its end, then is served."""
+    engine: DataParallelClient = server.engine
+    long = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    ended: list[str | None] = []
+
+    def busy() -> None:  # one request, on one replica, until aborted below
+        async def run() -> None:
+            stream = await engine.add_request([3, 4, 5], long, "busy-1", stream=False)
+            ended.append((await stream.result()).finish_reason)
+
+        asyncio.run(run())
+
+    job = threading.Thread(target=busy)
+    job.start()
+    deadline = time.monotonic() + 30
+    while engine.num_in_flight != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert sorted(c.num_in_flight for c in engine.clients) == [0, 1]
+    with pytest.raises(EngineBusyError, match=r"in flight on replica\(s\) \[\d\]"):
+        asyncio.run(engine.control("sleep", 1))
+    assert [asyncio.run(c.control("is_sleeping")) for c in engine.clients] == [False, False]
+    with client(server) as c:
+        r = c.post("/sleep", params={"level": 1})
+    assert r.status_code == 409 and "no replica changed" in r.text, r.text
+    assert [asyncio.run(c.control("is_sleeping")) for c in engine.clients] == [False, False]
+    engine.abort("busy-1")
+    job.join(60)
+    assert ended == ["abort"] and engine.num_in_flight == 0
+
+    # a request sent while an operation runs waits for it, then is served by both's weights
+    async def sleep_wake_with_a_request_between() -> list[int]:
+        op = asyncio.create_task(engine.control("sleep", 1))
+        await asyncio.sleep(0)  # the operation has begun: it holds the replicas
+        assert engine._control_op == "sleep"
+        request = asyncio.create_task(engine.add_request([5, 6, 7], SamplingParams(**GREEDY)))
+        await op
+        await engine.control("wake_up")
+        return (await (await request).result()).token_ids
+
+    assert asyncio.run(sleep_wake_with_a_request_between()) == _expected_tokens(server)[0]
