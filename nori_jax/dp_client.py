@@ -44,6 +44,10 @@ CONTROL_POLL_S = 0.005  # how often a request waiting for a weight operation loo
 
 
 class DataParallelClient(StreamingClient):
+    # The weight operation running (control), if any: new requests wait for its end, so that
+    # none lands on a replica between the idle check and the operation.
+    _control_op: str | None = None
+
     def __init__(self, config: EngineConfig, **client_options: Any):
         """Start every replica's engine-core process; returns once all are ready.
         `client_options` go to each EngineCoreClient (startup_timeout_s, log_level,
@@ -85,9 +89,6 @@ class DataParallelClient(StreamingClient):
         self.tokenizer: Tokenizer | None = first.tokenizer
         self.max_model_len = first.max_model_len
         self.metrics = ReplicaMetrics([c.metrics for c in self.clients])
-        # The weight operation running (control), if any: new requests wait for its end, so
-        # that none lands on a replica between the idle check and the operation.
-        self._control_op: str | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 

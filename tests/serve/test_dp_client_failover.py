@@ -1,5 +1,6 @@
 """DataParallelClient's routing over fake replica clients (no processes): a replica that dies
-between the health check and the add hands the request to another, and nothing stays counted."""
+between the health check and the add hands the request to another, and nothing stays counted;
+a weight operation that some replica would refuse reaches none."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from nori_jax.async_engine import EngineStoppedError
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.dp_client import DataParallelClient
 from nori_jax.sampling_params import SamplingParams
+from nori_jax.weight_control import EngineBusyError
 
 
 class FakeReplica:
@@ -18,6 +20,12 @@ class FakeReplica:
         self.healthy = True
         self.dies_on_add, self.refuses = dies_on_add, refuses
         self.added: list[str] = []
+        self.num_in_flight = 0
+        self.ops: list[str] = []
+
+    async def control(self, op, level=1, model_path=None) -> bool:
+        self.ops.append(op)
+        return op == "sleep"
 
     @property
     def is_healthy(self) -> bool:
@@ -72,3 +80,19 @@ def test_a_refusal_is_the_callers_and_releases_the_route() -> None:
     with pytest.raises(ValueError, match="already in use"):
         add(c, "a")
     assert c.router.load == [0] and c.router.owner("a") is None
+
+
+def test_a_weight_operation_some_replica_would_refuse_reaches_none() -> None:
+    idle, busy = FakeReplica(), FakeReplica()
+    busy.num_in_flight = 2
+    c = client_over(idle, busy)
+    with pytest.raises(EngineBusyError, match=r"replica\(s\) \[1\] \(2 in all\); no replica"):
+        asyncio.run(c.control("update_weights", model_path="/ckpt"))
+    busy.num_in_flight, busy.healthy = 0, False
+    with pytest.raises(EngineStoppedError, match=r"replica\(s\) \[1\] not serving"):
+        asyncio.run(c.control("sleep"))
+    assert idle.ops == busy.ops == []  # neither was asked
+    assert asyncio.run(c.control("is_sleeping")) is False  # a question needs no quiet
+    busy.healthy = True
+    assert asyncio.run(c.control("sleep")) is True
+    assert idle.ops == busy.ops == ["is_sleeping", "sleep"] and c._control_op is None
