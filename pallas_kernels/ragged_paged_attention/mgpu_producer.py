@@ -7,7 +7,12 @@ With 16-token pages a 128-token block takes 16 copies of 2 KiB (head_dim 64), an
 issuing them all, with their page-id loads and barrier arrivals, can fall behind the compute
 warpgroups. With tuning.producer_warps == 4 the warpgroup's warps share the copies: warp w issues
 the K (w even) or V (w odd) copies of the pages i with i % lanes == w // 2 (lanes: 2 where a
-block has an even number of pages, else 1; idle warps return at once). Warp 0 alone issues Q.
+block has an even number of pages, else 1; idle warps return at once). Warp 0 issues Q: a decode
+item's in one copy, a prefill tile's in one copy per token and warpgroup, after waiting for the
+Q slot. The first two items of a CTA find their slots fresh, and there the 2 * lanes active warps
+share a prefill tile's Q copies (token k by warp k % (2 * lanes)) before their first K/V block: a
+CTA with one item (a short chunk) waits for its Q before its first block, and one thread issuing
+every token's copy would stand on that path.
 
 Every warp that issues copies into a stage also waits on that stage's release (kv_free): it can
 never be more than one phase behind, because the next release needs its own copies first.
@@ -60,7 +65,9 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
     g, bk, stages, ps = st.group, st.tuning.block_kv, st.tuning.num_stages, st.page_size
     tpw, num_ctas = st.tokens_per_wg, st.tuning.num_ctas
     lane = 0 if warp is None else lax.div(warp, 2)
-    issues_q = None if warp is None else warp == 0
+    issues_q = None if warp is None else warp == 0  # decode items' Q
+    q_warps = 1 if warp is None else 2 * lanes  # prefill tiles' Q: every active warp
+    q_warp = jnp.int32(0) if warp is None else warp
 
     def issues(kind):  # does this thread issue the copies of `kind` (0: K, 1: V)?
         return None if warp is None else lax.rem(warp, 2) == kind
@@ -127,22 +134,33 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
                 dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
                 plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
 
-            @pl.when(items.is_prefill(w))
-            def _q_prefill():
-                for wg in range(st.tuning.compute_wgs):
-                    # tokens_per_wg tokens from `start` (clamped into [0, T), tile_rows), one
-                    # copy of G heads each (a [G, D] slab of q) into rows token * G + g.
-                    start = tile_rows(st, it["tok0"] + wg * tpw)
+            # One thread issues every copy: all of them here. Shared warps: tiles after the
+            # first two here, the first two's below.
+            shared = (i >= 2) if warp is not None else True
+            pl.when(items.is_prefill(w) & shared)(lambda: _q_prefill(jnp.int32(0), 1))
 
-                    def one(k, _, wg=wg, start=start):
-                        src = r.q.at[start + k, it["head"]]  # [G, D]
-                        dst = r.q_smem.at[qs, wg, pl.ds(k * g, g)]
-                        plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
-                        return ()
+        def _q_prefill(first, every):
+            """Tokens first, first + every, ... of each warpgroup's Q rows: one copy each."""
+            for wg in range(st.tuning.compute_wgs):
+                # tokens_per_wg tokens from `start` (clamped into [0, T), tile_rows), one copy
+                # of G heads each (a [G, D] slab of q) into rows token * G + g.
+                start = tile_rows(st, it["tok0"] + wg * tpw)
 
-                    lax.fori_loop(0, tpw, one, ())
+                def one(j, _, wg=wg, start=start):
+                    k = first + j * every
+                    src = r.q.at[start + k, it["head"]]  # [G, D]
+                    dst = r.q_smem.at[qs, wg, pl.ds(k * g, g)]
+                    plgpu.copy_gmem_to_smem(src, dst, r.qp_full.at[qs])
+                    return ()
+
+                lax.fori_loop(0, lax.div(tpw - first + (every - 1), jnp.int32(every)), one, ())
 
         _when(issues_q, _q)
+        # A CTA's first two prefill tiles find their Q slots fresh: every active warp issues a
+        # share of their Q copies, token k by warp k % q_warps (later tiles' Q, one item ahead
+        # of the compute, is warp 0's after the slot's wait).
+        if warp is not None:
+            pl.when(items.is_prefill(w) & (i < 2))(lambda: _q_prefill(q_warp, q_warps))
 
         def block_body(b, kvc):
             slot = lax.rem(kvc, stages)
