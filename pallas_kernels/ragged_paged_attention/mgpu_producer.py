@@ -65,9 +65,8 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
     g, bk, stages, ps = st.group, st.tuning.block_kv, st.tuning.num_stages, st.page_size
     tpw, num_ctas = st.tokens_per_wg, st.tuning.num_ctas
     lane = 0 if warp is None else lax.div(warp, 2)
-    issues_q = None if warp is None else warp == 0  # decode items' Q
-    q_warps = 1 if warp is None else 2 * lanes  # prefill tiles' Q: every active warp
-    q_warp = jnp.int32(0) if warp is None else warp
+    issues_q = None if warp is None else warp == 0  # waits for Q slots and issues Q (below)
+    q_warps = 2 * lanes  # the active warps, who share a CTA's first two prefill tiles' Q
 
     def issues(kind):  # does this thread issue the copies of `kind` (0: K, 1: V)?
         return None if warp is None else lax.rem(warp, 2) == kind
@@ -134,10 +133,10 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
                 dst = r.q_smem.at[qs, items.decode_owner(i), pl.ds(0, g)]
                 plgpu.copy_gmem_to_smem(src, dst, r.qd_full.at[qs])
 
-            # One thread issues every copy: all of them here. Shared warps: tiles after the
-            # first two here, the first two's below.
-            shared = (i >= 2) if warp is not None else True
-            pl.when(items.is_prefill(w) & shared)(lambda: _q_prefill(jnp.int32(0), 1))
+            # A prefill tile's Q copies: all of them where one thread issues every copy; with
+            # several warps, those of the tiles after a CTA's first two (the first two's below)
+            mine = items.is_prefill(w) if warp is None else items.is_prefill(w) & (i >= 2)
+            pl.when(mine)(lambda: _q_prefill(jnp.int32(0), 1))
 
         def _q_prefill(first, every):
             """Tokens first, first + every, ... of each warpgroup's Q rows: one copy each."""
@@ -160,7 +159,7 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
         # share of their Q copies, token k by warp k % q_warps (later tiles' Q, one item ahead
         # of the compute, is warp 0's after the slot's wait).
         if warp is not None:
-            pl.when(items.is_prefill(w) & (i < 2))(lambda: _q_prefill(q_warp, q_warps))
+            pl.when(items.is_prefill(w) & (i < 2))(lambda: _q_prefill(warp, q_warps))
 
         def block_body(b, kvc):
             slot = lax.rem(kvc, stages)
