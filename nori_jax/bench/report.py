@@ -21,6 +21,7 @@ from nori_jax.bench.config import METRIC_NAMES, BenchConfig
 from nori_jax.bench.metrics import percentile_word, tpot_s
 from nori_jax.bench.run import RunResult, Workload
 from nori_jax.bench.server_metrics import ERROR_KEY, SERVER_KEYS, SHAPES_KEY
+from nori_jax.core.step_shapes import format_rows
 
 _WIDTH = 50
 _HEADERS = {
@@ -109,22 +110,7 @@ def _print_server(server: dict[str, Any], out: TextIO) -> None:
         value = server.get(key)
         print(f"{label:<40} {'n/a' if value is None else format(value, fmt):<10}", file=out)
     if server.get(SHAPES_KEY):
-        print(format_shapes(server[SHAPES_KEY]), file=out)
-
-
-def format_shapes(rows: list[dict[str, Any]]) -> str:
-    """The server's launches by step shape (server_metrics.shape_rows), as `bench offline`
-    prints its own (core/step_shapes.format_rows) less the columns /metrics does not carry."""
-    lines = [
-        "Launches by step shape".center(_WIDTH, "-"),
-        f"{'bucket':>7} {'kind':<8} {'launches':>9} {'ms':>8} {'share':>7}",
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['bucket']:>7} {r['kind']:<8} {r['launches']:>9} {r['ms_per_launch']:>8.2f} "
-            f"{100 * r['share']:>6.1f}%"
-        )
-    return "\n".join(lines)
+        print(format_rows(server[SHAPES_KEY], "Launches by step shape", _WIDTH, "-"), file=out)
 
 
 def result_dict(cfg: BenchConfig, w: Workload, run: RunResult) -> dict[str, Any]:

@@ -99,17 +99,27 @@ class StepShapes:
         ]
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The table `bench offline` prints under its result."""
-    head = ("bucket", "kind", "steps", "launches", "tokens", "ms", "share")
-    lines = [
-        " Wall time by step shape ".center(60, "="),
-        "{:>7} {:<8}{:>6} {:>9} {:>8} {:>8} {:>7}".format(*head),
-    ]
+# format_rows' columns: header, row key, cell format
+_COLUMNS = (
+    ("bucket", "bucket", "{:>7}"),
+    ("kind", "kind", " {:<8}"),
+    ("steps", "num_steps", "{:>6}"),
+    ("launches", "launches", " {:>9}"),
+    ("tokens", "tokens_per_launch", " {:>8.0f}"),
+    ("ms", "ms_per_launch", " {:>8.2f}"),
+)
+
+
+def format_rows(
+    rows: list[dict], title: str = "Wall time by step shape", width: int = 60, fill: str = "="
+) -> str:
+    """The table `bench offline` prints under its result (and `bench serve` under the server's
+    numbers, whose rows from /metrics lack the steps and tokens columns: those are left out)."""
+    cols = [c for c in _COLUMNS if not rows or all(c[1] in r for r in rows)]
+    head = "".join(fmt.replace(".0f", "").replace(".2f", "").format(h) for h, _, fmt in cols)
+    lines = [f" {title} ".center(width, fill), head + " {:>7}".format("share")]
     for r in rows:
-        lines.append(
-            f"{r['bucket']:>7} {r['kind']:<8}{r['num_steps']:>6} {r['launches']:>9} "
-            f"{r['tokens_per_launch']:>8.0f} {r['ms_per_launch']:>8.2f} {100 * r['share']:>6.1f}%"
-        )
-    lines.append("=" * 60)
+        cells = "".join(fmt.format(r[key]) for _, key, fmt in cols)
+        lines.append(cells + f" {100 * r['share']:>6.1f}%")
+    lines.append(fill * width)
     return "\n".join(lines)

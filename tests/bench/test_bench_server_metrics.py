@@ -53,7 +53,7 @@ def test_the_window_holds_the_measured_requests_only(server: FakeServer) -> None
     assert "-------Server (engine steps, from /metrics)-------" in text
     assert "Engine steps:                            320" in text
     assert "Mean step time (ms):                     4.00" in text
-    assert "-------------Launches by step shape--------------" in text
+    assert "------------ Launches by step shape -------------" in text
     assert "     16 decode         280     4.00   87.5%" in text
     assert "     64 prefill         40     4.00   12.5%" in text
     table = sweep_table([run]).splitlines()
