@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from nori_jax.async_engine import EngineStoppedError, RequestStream
+from nori_jax.async_engine import EngineStoppedError, RequestStream, RequestTimeoutError
 from nori_jax.client_base import StreamingClient
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.core_client import EngineCoreClient
@@ -153,12 +153,15 @@ class DataParallelClient(StreamingClient):
         priority: int = 0,
     ) -> RequestStream:
         """Route a request to a replica and queue it there (EngineCoreClient.add_request says
-        what it raises); EngineStoppedError while no replica serves."""
+        what it raises); EngineStoppedError while no replica serves. A request that arrives
+        during a weight operation waits for its end, within its own `timeout_s`
+        (RequestTimeoutError past it; the replica gets what is left)."""
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
         params.validate()
-        while self._control_op is not None:  # served by the weights the operation leaves
-            await asyncio.sleep(CONTROL_POLL_S)
-        ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex}"
+        timeout_s = await self._wait_for_control(rid, timeout_s)
+        ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
         cost = min(len(ids) + params.max_tokens, self.max_model_len)
         serving = [i for i, c in enumerate(self.clients) if c.is_healthy]
         while serving:
@@ -219,6 +222,24 @@ class DataParallelClient(StreamingClient):
                 )
             raise failed[0]
         return any(results)
+
+    async def _wait_for_control(self, rid: str, timeout_s: float | None) -> float | None:
+        """Wait while a weight operation runs (the request is served by the weights it leaves);
+        the request's time left after the wait."""
+        if self._control_op is None:
+            return timeout_s
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while (op := self._control_op) is not None:
+            if timeout_s is not None and loop.time() - start >= timeout_s:
+                raise RequestTimeoutError(
+                    f"request {rid} did not finish within {timeout_s:g} s: it waited for {op} "
+                    "on the replicas"
+                )
+            await asyncio.sleep(CONTROL_POLL_S)
+        if timeout_s is None:
+            return None
+        return max(timeout_s - (loop.time() - start), CONTROL_POLL_S)
 
     def _check_all_can(self, op: str) -> None:
         """Raise unless every replica serves and none has requests of this client in flight."""

@@ -1,6 +1,7 @@
 """DataParallelClient's routing over fake replica clients (no processes): a replica that dies
 between the health check and the add hands the request to another, and nothing stays counted;
-a weight operation that some replica would refuse reaches none."""
+a weight operation that some replica would refuse reaches none; a request that waits for a
+weight operation does so within its own timeout."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 
 import pytest
 
-from nori_jax.async_engine import EngineStoppedError
+from nori_jax.async_engine import EngineStoppedError, RequestTimeoutError
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.dp_client import DataParallelClient
 from nori_jax.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ class FakeReplica:
         self.added: list[str] = []
         self.num_in_flight = 0
         self.ops: list[str] = []
+        self.timeouts: list[float | None] = []
 
     async def control(self, op, level=1, model_path=None) -> bool:
         self.ops.append(op)
@@ -46,6 +48,7 @@ class FakeReplica:
         if self.refuses is not None:
             raise self.refuses
         self.added.append(request_id)
+        self.timeouts.append(timeout_s)
         return request_id
 
 
@@ -96,3 +99,34 @@ def test_a_weight_operation_some_replica_would_refuse_reaches_none() -> None:
     busy.healthy = True
     assert asyncio.run(c.control("sleep")) is True
     assert idle.ops == busy.ops == ["is_sleeping", "sleep"] and c._control_op is None
+
+
+def test_a_request_waits_for_a_weight_operation_within_its_own_timeout() -> None:
+    replica = FakeReplica()
+    c = client_over(replica)
+    c._control_op = "update_weights"  # an operation that outlasts the request's timeout
+
+    async def too_late():
+        await c.add_request([1, 2, 3], SamplingParams(max_tokens=4), "a", timeout_s=0.05)
+
+    with pytest.raises(
+        RequestTimeoutError,
+        match=r"request a did not finish within 0.05 s: .*"
+        "update_weights",
+    ):
+        asyncio.run(too_late())
+    assert replica.added == [] and c.router.load == [0]
+
+    async def after_the_operation():
+        async def end_it():
+            await asyncio.sleep(0.2)
+            c._control_op = None
+
+        ender = asyncio.create_task(end_it())
+        rid = await c.add_request([1, 2, 3], SamplingParams(max_tokens=4), "b", timeout_s=5.0)
+        await ender
+        return rid
+
+    assert asyncio.run(after_the_operation()) == "b"
+    # the replica gets the time the request has left after its wait
+    assert replica.added == ["b"] and 4.0 < replica.timeouts[0] <= 4.81
