@@ -102,6 +102,23 @@ def main() -> None:
         out_shardings=on_device,
     )
 
+    def time_steps(one, parts: dict, outputs) -> dict:
+        """Three untimed steps (compile, record the graphs), then `--calls` timed ones: host us
+        per step by part, and the loop's host and wall time per step (`outputs()`: what the
+        last step leaves to wait on)."""
+        for i in range(3):
+            one(i, False)
+        jax.block_until_ready(outputs())
+        t0 = time.perf_counter()
+        for i in range(args.calls):
+            one(i, True)
+        host = time.perf_counter() - t0
+        jax.block_until_ready(outputs())
+        wall = time.perf_counter() - t0
+        per = 1e6 / args.calls
+        totals = {"host": host * per, "wall": wall * per}
+        return {name: v * per for name, v in parts.items()} | totals
+
     def folded(copy_in, copy_out):
         def program(x, ws, out, state, fresh):
             # The barrier keeps XLA from reading `fresh` where the chain reads the state (the
@@ -147,20 +164,7 @@ def main() -> None:
                 parts["put"] += t1 - t0
                 parts["forward"] += t2 - t1
 
-        for i in range(3):
-            one(i, False)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(args.calls):
-            one(i, True)
-        host = time.perf_counter() - t0
-        jax.block_until_ready(out)
-        wall = time.perf_counter() - t0
-        per = 1e6 / args.calls
-        return {name: v * per for name, v in parts.items()} | {
-            "host": host * per,
-            "wall": wall * per,
-        }
+        return time_steps(one, parts, lambda: out)
 
     stage_only = jax.jit(
         lambda state, fresh: jax.lax.dynamic_update_slice(state, fresh, (0,)),
@@ -220,20 +224,7 @@ def main() -> None:
                 parts["stage"] += t2 - t1
                 parts["forward"] += t3 - t2
 
-        for i in range(3):  # compile, record the graphs
-            one(i, False)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(args.calls):
-            one(i, True)
-        host = time.perf_counter() - t0
-        jax.block_until_ready(out)
-        wall = time.perf_counter() - t0
-        per = 1e6 / args.calls
-        return {name: v * per for name, v in parts.items()} | {
-            "host": host * per,
-            "wall": wall * per,
-        }
+        return time_steps(one, parts, lambda: out)
 
     def run_resident(route: str, n: int) -> dict:
         state = jax.device_put(np.zeros(n, np.int32), on_device)
@@ -261,20 +252,7 @@ def main() -> None:
                 parts["stage"] += t2 - t1
                 parts["forward"] += t3 - t2
 
-        for i in range(3):
-            one(i, False)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for i in range(args.calls):
-            one(i, True)
-        host = time.perf_counter() - t0
-        jax.block_until_ready(out)
-        wall = time.perf_counter() - t0
-        per = 1e6 / args.calls
-        return {name: v * per for name, v in parts.items()} | {
-            "host": host * per,
-            "wall": wall * per,
-        }
+        return time_steps(one, parts, lambda: out)
 
     sizes = [int(x) for x in args.kib.split(",")]
     results: dict[str, list[dict]] = {}
