@@ -129,4 +129,5 @@ def test_a_request_waits_for_a_weight_operation_within_its_own_timeout() -> None
 
     assert asyncio.run(after_the_operation()) == "b"
     # the replica gets the time the request has left after its wait
-    assert replica.added == ["b"] and 4.0 < replica.timeouts[0] <= 4.81
+    # (at least the 0.2 s it waited is gone; the lower bound only leaves room for a slow host)
+    assert replica.added == ["b"] and 2.0 < replica.timeouts[0] <= 4.81
