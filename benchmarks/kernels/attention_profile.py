@@ -2,14 +2,16 @@
 
     PYTHONPATH=. python benchmarks/kernels/attention_profile.py --layout 32q/8kv/64 \
         --chunk 8192 --tunings default,defaultxcw2xpp --out DIR
+    PYTHONPATH=. python benchmarks/kernels/attention_profile.py --layout 9q/3kv/64 \
+        --decode 1024,1024 --page-size 64 --kv-dtype e4m3 --tunings default --out DIR
 
-For each tuning (attention_bench.parse_tuning's specs) it runs one prefill chunk with
+For each tuning (attention_bench.parse_tuning's specs) it runs one prefill chunk (or with `--decode
+BATCH,CTX` one decode step; `--kv-dtype e4m3|e5m2`: on fp8 pages with calibrated scales) with
 `profile_dir`, then prints, per warpgroup of a CTA, each span's share of that warpgroup's time
-(first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block:
-wait_k (K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous after the
-issue), softmax, wait_v (V landed; with ping-pong, the hand-over), pv. A warpgroup records at
-most 1,024 spans per call, so long calls are summarised over their first part. The producer
-records none.
+(first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block: wait_k
+(K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous after the issue), softmax,
+wait_v (V landed; with ping-pong, the hand-over), pv. A warpgroup records at most 1,024 spans per
+call, so long calls are summarised over their first part. The producer records none.
 
 It also prints how the CTAs' work ends (`cta_ends`): each CTA's last event, from the first event
 of the call, at the minimum, median and maximum over CTAs. The call takes the maximum; a median
@@ -27,13 +29,17 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_pages
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.tuning import default_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_bench as ab  # noqa: E402
+
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
 def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dict]:
@@ -93,36 +99,39 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--prefix", type=int, default=0)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--decode", default="", help='"BATCH,CTX": a decode step instead of a chunk')
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", *FP8])
     ap.add_argument("--tunings", default="default")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     num_ctas = getattr(jax.devices()[0], "core_count", None) or 132
     hq, hkv, d = ab.LAYOUTS[args.layout]
-    kv_len = args.chunk + args.prefix
-    p = ab.build_step(
-        np.random.default_rng(0),
-        q_lens=[args.chunk],
-        kv_lens=[kv_len],
-        num_seqs=8,
-        num_tokens=args.chunk,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        page_size=args.page_size,
-        pages_per_seq=-(-kv_len // args.page_size),
-        num_decode=0,
-        rotations=1,
-    )
+    rng = np.random.default_rng(0)
+    if args.decode:
+        batch, ctx = (int(v) for v in args.decode.split(","))
+        p, _, _ = ab.decode_case(rng, batch, ctx, args.layout, args.page_size, rotations=1)
+        num_seqs, case = batch, f"decode {batch} x {ctx}"
+    else:
+        p = ab.prefill_case(rng, args.layout, args.chunk, args.prefix, args.page_size, rotations=1)
+        num_seqs, case = p["tables"][0].shape[0], f"{args.chunk}+{args.prefix}"
+    kv_dtype, extra = None, {}
+    if args.kv_dtype in FP8:
+        kv_dtype = FP8[args.kv_dtype]
+        kv = p["kv"]
+        scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], kv_dtype)
+        p["kv"] = quantize_pages(kv, scales, kv_dtype)
+        extra["kv_scales"] = scales
     base = default_tuning(
-        num_seqs=8,
+        num_seqs=num_seqs,
         num_kv_heads=hkv,
         head_dim=d,
         page_size=args.page_size,
         pages_per_seq=p["tables"][0].shape[1],
         dtype=p["q"].dtype,
         num_ctas=num_ctas,
-        num_tokens=args.chunk,
+        num_tokens=p["q"].shape[0],
         num_q_heads=hq,
+        kv_dtype=kv_dtype,
     )
     for spec in args.tunings.split(","):
         tuning = ab.parse_tuning(spec, num_ctas)(base)
@@ -135,6 +144,7 @@ def main() -> None:
             sm_scale=d**-0.5,
             tuning=tuning,
             profile_dir=trace_dir,
+            **extra,
         )
         jax.block_until_ready(out)
         (path,) = glob.glob(os.path.join(trace_dir, "*-trace.json"))
@@ -142,7 +152,7 @@ def main() -> None:
             trace = json.load(f)
         rows = summarize(trace, tuning.compute_wgs + 1)
         ends = cta_ends(trace, tuning.compute_wgs + 1)
-        print(f"{args.layout} {args.chunk}+{args.prefix} page {args.page_size} {spec}: {tuning}")
+        print(f"{args.layout} {case} page {args.page_size} {args.kv_dtype} {spec}: {tuning}")
         print(
             f"  CTA ends (us from the first event): min {ends['min']:.1f}  median"
             f" {ends['median']:.1f}  max {ends['max']:.1f}"
