@@ -10,8 +10,11 @@ BATCH,CTX` one decode step; `--kv-dtype e4m3|e5m2`: on fp8 pages with calibrated
 `profile_dir`, then prints, per warpgroup of a CTA, each span's share of that warpgroup's time
 (first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block: wait_k
 (K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous after the issue), softmax,
-wait_v (V landed; with ping-pong, the hand-over), pv. A warpgroup records at most 1,024 spans per
-call, so long calls are summarised over their first part. The producer records none.
+wait_v (V landed; with ping-pong, the hand-over), pv. Decode items add wait_q (the item's Q landed),
+load_q (Q into registers or its 8-bit tile), store_o (the output normalised and stored) and, on the
+warpgroup that does not own the item, skip (its blocks waited for and released). A warpgroup records
+at most 1,024 spans per call, so long calls are summarised over their first part. The producer
+records none.
 
 It also prints how the CTAs' work ends (`cta_ends`): each CTA's last event, from the first event
 of the call, at the minimum, median and maximum over CTAs. The call takes the maximum; a median

@@ -332,32 +332,38 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         @pl.when(is_dec & mine)
         def _decode():
-            plgpu.barrier_wait(r.qd_full.at[qs])
-            q, q_scale = load_q(qs)
+            # Per-item spans beside the per-block ones (attention_profile.py): the wait for this
+            # item's Q, its load (and quantization), and the output's normalisation and store.
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(r.qd_full.at[qs])
+            with jax.named_scope("load_q"):
+                q, q_scale = load_q(qs)
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
             args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
             acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args)
-            o = normalise(acc, denom)
-            if splits == 1:
-                r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
-                plgpu.commit_smem()
-                dst = r.out.at[0, it["tok0"], it["head"]]  # [G, D]
-                plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
-            else:
-                stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
-                o32, lse = r.o32_smem.at[stage], r.lse_smem.at[stage]
-                o32[...] = o
-                lse[...] = log2_sum_exp(m, denom)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o32.at[pl.ds(0, g)], r.opart.at[w])
-                plgpu.copy_smem_to_gmem(lse, r.lse.at[w])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            with jax.named_scope("store_o"):
+                o = normalise(acc, denom)
+                if splits == 1:
+                    r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
+                    plgpu.commit_smem()
+                    dst = r.out.at[0, it["tok0"], it["head"]]  # [G, D]
+                    plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
+                else:
+                    stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
+                    o32, lse = r.o32_smem.at[stage], r.lse_smem.at[stage]
+                    o32[...] = o
+                    lse[...] = log2_sum_exp(m, denom)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o32.at[pl.ds(0, g)], r.opart.at[w])
+                    plgpu.copy_smem_to_gmem(lse, r.lse.at[w])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(r.qd_free.at[qs])
 
         @pl.when(is_dec & ~mine)
-        def _decode_idle():
-            _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
+        def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
+            with jax.named_scope("skip"):
+                _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 
         @pl.when(~is_dec)
         def _prefill():
