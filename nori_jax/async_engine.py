@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nori_jax.client_base import StreamingClient
+from nori_jax.client_base import StreamingClient, check_timeout
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.heap_freeze import heap_frozen
 from nori_jax.sampling_params import SamplingParams
@@ -274,8 +274,7 @@ class AsyncEngine(StreamingClient):
         yields only the finished output. `priority`: under the scheduling policy "priority", lower
         runs first (0 under "fcfs").
         """
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        check_timeout(timeout_s)
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s

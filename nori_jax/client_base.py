@@ -11,6 +11,12 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.sampling_params import SamplingParams
 
 
+def check_timeout(timeout_s: float | None) -> None:
+    """ValueError unless a request's `timeout_s` is None (no bound) or > 0."""
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+
+
 class StreamingClient:
     """Mixin: needs `add_request(prompt, params, request_id, timeout_s)` and `metrics`."""
 

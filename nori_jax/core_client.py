@@ -50,7 +50,7 @@ from nori_jax.async_engine import (
     deliver,
     fail_streams,
 )
-from nori_jax.client_base import StreamingClient
+from nori_jax.client_base import StreamingClient, check_timeout
 from nori_jax.core.engine_core import EngineCoreRequest
 from nori_jax.core.output_processor import OutputProcessor
 from nori_jax.core.scheduler import QueueFullError
@@ -447,8 +447,7 @@ class EngineCoreClient(StreamingClient):
         output. `priority`: under the core's scheduling policy "priority", lower runs first (the
         core refuses any other than 0 under "fcfs").
         """
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        check_timeout(timeout_s)
         params.validate()
         params.check_vocab(self.info.vocab_size)
         token_ids, text = encode_prompt(

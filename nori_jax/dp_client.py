@@ -29,7 +29,7 @@ import uuid
 from typing import Any
 
 from nori_jax.async_engine import EngineStoppedError, RequestStream, RequestTimeoutError
-from nori_jax.client_base import StreamingClient
+from nori_jax.client_base import StreamingClient, check_timeout
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.core_client import EngineCoreClient
 from nori_jax.engine_config import EngineConfig
@@ -156,8 +156,7 @@ class DataParallelClient(StreamingClient):
         what it raises); EngineStoppedError while no replica serves. A request that arrives
         during a weight operation waits for its end, within its own `timeout_s`
         (RequestTimeoutError past it; the replica gets what is left)."""
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        check_timeout(timeout_s)
         params.validate()
         rid = request_id or f"req-{uuid.uuid4().hex}"
         timeout_s = await self._wait_for_control(rid, timeout_s)

@@ -131,3 +131,17 @@ def test_a_request_waits_for_a_weight_operation_within_its_own_timeout() -> None
     # the replica gets the time the request has left after its wait
     # (at least the 0.2 s it waited is gone; the lower bound only leaves room for a slow host)
     assert replica.added == ["b"] and 2.0 < replica.timeouts[0] <= 4.81
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.5])
+def test_a_timeout_that_is_not_positive_is_refused_before_any_wait(timeout_s) -> None:
+    replica = FakeReplica()
+    c = client_over(replica)
+    c._control_op = "update_weights"  # would wait forever if the check came after the wait
+
+    async def add():
+        await c.add_request([1, 2, 3], SamplingParams(max_tokens=4), "a", timeout_s=timeout_s)
+
+    with pytest.raises(ValueError, match=rf"timeout_s={timeout_s} must be > 0"):
+        asyncio.run(asyncio.wait_for(add(), 5))
+    assert replica.added == []
