@@ -405,15 +405,23 @@ def run_decode(
     return rows
 
 
-def prefill_case(rng, layout, chunk, prefix, page_size, *, rotations):
-    """build_step's step of one prefill chunk of `chunk` tokens after `prefix` cached ones."""
+# Page-table rows of a prefill case: an engine bucket has max_num_seqs rows (256 in the
+# h200-throughput preset), and default_tuning reads the row count. With a handful of rows it would
+# give the bucket split decode (smaller KV blocks, one decode warpgroup, one producer thread),
+# which no engine prefill bucket runs; so the "default" rows are the engine's schedule.
+PREFILL_ROWS = 256
+
+
+def prefill_case(rng, layout, chunk, prefix, page_size, *, rotations, rows=PREFILL_ROWS):
+    """build_step's step of one prefill chunk of `chunk` tokens after `prefix` cached ones, in a
+    page table of `rows` rows (the rest padding rows)."""
     hq, hkv, d = LAYOUTS[layout]
     kv_len = chunk + prefix
     return build_step(
         rng,
         q_lens=[chunk],
         kv_lens=[kv_len],
-        num_seqs=8,
+        num_seqs=rows,
         num_tokens=chunk,
         hq=hq,
         hkv=hkv,
