@@ -32,17 +32,14 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_layout import calibrate_kv_scales, quantize_pages
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention.tuning import default_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_bench as ab  # noqa: E402
-
-FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+from fp8_kv_check import FP8, to_fp8  # noqa: E402
 
 
 def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dict]:
@@ -120,10 +117,7 @@ def main() -> None:
     kv_dtype, extra = None, {}
     if args.kv_dtype in FP8:
         kv_dtype = FP8[args.kv_dtype]
-        kv = p["kv"]
-        scales = calibrate_kv_scales(kv[:, :, 0], kv[:, :, 1], kv_dtype)
-        p["kv"] = quantize_pages(kv, scales, kv_dtype)
-        extra["kv_scales"] = scales
+        p["kv"], extra["kv_scales"] = to_fp8(p["kv"], kv_dtype)
     base = default_tuning(
         num_seqs=num_seqs,
         num_kv_heads=hkv,
