@@ -10,11 +10,24 @@ BATCH,CTX` one decode step; `--kv-dtype e4m3|e5m2`: on fp8 pages with calibrated
 `profile_dir`, then prints, per warpgroup of a CTA, each span's share of that warpgroup's time
 (first to last event), count and mean. Spans are mgpu_consumer's named scopes per KV block: wait_k
 (K landed), qk (Q K^T issued and finished; with ping-pong, the rendezvous after the issue), softmax,
-wait_v (V landed; with ping-pong, the hand-over), pv. Decode items add wait_q (the item's Q landed),
-load_q (Q into registers or its 8-bit tile), store_o (the output normalised and stored) and, on the
-warpgroup that does not own the item, skip (its blocks waited for and released). A warpgroup records
-at most 1,024 spans per call, so long calls are summarised over their first part. The producer
-records none.
+wait_v (V landed; with ping-pong, the hand-over), pv. Per item: wait_q (the item's Q landed),
+load_q (Q into registers or its 8-bit tile), store_o (the output normalised, staged and stored, to
+the stores' end) and, on a decode item's warpgroup that does not own it, skip (its blocks waited
+for and released). Mosaic GPU adds `Init` (from the kernel's start to the end of its set-up). A
+warpgroup records at most 1,024 spans per call, so long calls are summarised over their first
+part. The producer records none.
+
+Units: the profiler stamps each event with the SM's cycle counter (`%clock`) and places a
+warpgroup's first event at that warpgroup's start on the global timer (ns), so a span's length and
+a warpgroup's own timeline are in SM cycles, printed as kilocycles ("kcyc"); at the GPU's SM clock
+(`--sm-clock-mhz`, default: nvidia-smi's maximum SM clock) they are also shown in us. Only the
+CTAs' relative starts are in ns (the global timer's resolution).
+
+`timeline`: per CTA, the first compute warpgroup's milestones from the start of Mosaic GPU's own
+first span, `Init` (the kernel's start: barriers initialised): its first item's Q landed (end of
+the first wait_q), its first K block landed (end of the first wait_k), its last event; median and
+maximum over CTAs. On a short prefill chunk, where a CTA has one item, this is how long the
+first copies take before any math (docs/benchmarks.md, "The first copies of a short chunk").
 
 It also prints how the CTAs' work ends (`cta_ends`): each CTA's last event, from the first event
 of the call, at the minimum, median and maximum over CTAs. The call takes the maximum; a median
@@ -29,6 +42,7 @@ import collections
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -43,8 +57,9 @@ from fp8_kv_check import FP8, to_fp8  # noqa: E402
 
 
 def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dict]:
-    """{(warpgroup, span): {share, count, mean_ns}} over every CTA of one Chrome trace (the
-    profiler's: B/E events, tid = 1 + warpgroup + warpgroups_per_cta * cta, ts in us)."""
+    """{(warpgroup, span): {share, count, mean_kcyc}} over every CTA of one Chrome trace (the
+    profiler's: B/E events, tid = 1 + warpgroup + warpgroups_per_cta * cta; within a warpgroup
+    ts advances by SM cycles / 1,000, module docstring)."""
     by_tid = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         by_tid[e["tid"]].append(e)
@@ -66,14 +81,16 @@ def summarize(trace: dict, warpgroups_per_cta: int) -> dict[tuple[int, str], dic
         key: {
             "share": t / span[key[0]] if span[key[0]] else 0.0,
             "count": count[key],
-            "mean_ns": 1e3 * t / count[key],
+            "mean_kcyc": t / count[key],
         }
         for key, t in sorted(busy.items())
     }
 
 
 def cta_ends(trace: dict, warpgroups_per_cta: int) -> dict:
-    """When the CTAs finish, in us from the call's first event: {min, median, max, truncated}.
+    """When the CTAs finish, from the call's first event: {min, median, max, truncated}. Each
+    end is its CTA's start (global timer, us) plus its own SM kilocycles (module docstring): a
+    mixed unit, read as a shape (median against max), not as a duration.
 
     truncated: some warpgroup recorded the profiler's 1,024-span cap (its end is not shown)."""
     first = min(e["ts"] for e in trace["traceEvents"])
@@ -93,6 +110,49 @@ def cta_ends(trace: dict, warpgroups_per_cta: int) -> dict:
     }
 
 
+def sm_clock_mhz() -> float | None:
+    """The GPU's maximum SM clock from nvidia-smi (MHz), or None where it cannot be read."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return float(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+MILESTONES = (("q", "wait_q"), ("k", "wait_k"))
+
+
+def timeline(trace: dict, warpgroups_per_cta: int) -> dict[str, dict]:
+    """Milestones of each CTA's first compute warpgroup, in SM kilocycles from its `Init` span:
+    {milestone: {median, max, ctas}} for the end of its first wait_q ("q") and wait_k ("k") and
+    its last event ("end"). ts of one warpgroup's events are its start (global timer) plus SM
+    cycles / 1,000 (the profiler's), so differences within a warpgroup are kilocycles."""
+    by_tid = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if (e["tid"] - 1) % warpgroups_per_cta == 0:
+            by_tid[e["tid"]].append(e)
+    marks = collections.defaultdict(list)
+    for events in by_tid.values():
+        if events[0]["name"] != "Init":
+            continue
+        t0 = events[0]["ts"]
+        for key, name in MILESTONES:
+            ends = [e["ts"] for e in events if e["name"] == name and e["ph"] == "E"]
+            if ends:
+                marks[key].append(ends[0] - t0)
+        marks["end"].append(events[-1]["ts"] - t0)
+    return {
+        key: {"median": float(np.median(v)), "max": float(np.max(v)), "ctas": len(v)}
+        for key, v in marks.items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="32q/8kv/64", choices=sorted(ab.LAYOUTS))
@@ -103,7 +163,12 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", *FP8])
     ap.add_argument("--tunings", default="default")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sm-clock-mhz", type=float, default=None, help="default: nvidia-smi's max")
     args = ap.parse_args()
+    mhz = args.sm_clock_mhz or sm_clock_mhz()
+    # kilocycles to us at the SM clock (None: unknown, kilocycles only)
+    to_us = (lambda kc: f" ({kc * 1e3 / mhz:.2f} us)") if mhz else (lambda kc: "")
+    print(f"SM clock for us: {mhz} MHz" if mhz else "SM clock unknown: kilocycles only")
     num_ctas = getattr(jax.devices()[0], "core_count", None) or 132
     hq, hkv, d = ab.LAYOUTS[args.layout]
     rng = np.random.default_rng(0)
@@ -149,22 +214,31 @@ def main() -> None:
             trace = json.load(f)
         rows = summarize(trace, tuning.compute_wgs + 1)
         ends = cta_ends(trace, tuning.compute_wgs + 1)
+        marks = timeline(trace, tuning.compute_wgs + 1)
         print(f"{args.layout} {case} page {args.page_size} {args.kv_dtype} {spec}: {tuning}")
         print(
-            f"  CTA ends (us from the first event): min {ends['min']:.1f}  median"
-            f" {ends['median']:.1f}  max {ends['max']:.1f}"
+            f"  CTA ends (start us + kilocycles, from the first event): min {ends['min']:.1f}"
+            f"  median {ends['median']:.1f}  max {ends['max']:.1f}"
             + ("  (truncated: some warpgroup hit the span cap)" if ends["truncated"] else "")
         )
+        for key, m in marks.items():
+            print(
+                f"  timeline {key:4s} median {m['median']:6.2f} kcyc{to_us(m['median'])}"
+                f"  max {m['max']:6.2f} kcyc{to_us(m['max'])}  ({m['ctas']} CTAs)"
+            )
         for (wg, name), row in rows.items():
+            kc = row["mean_kcyc"]
             print(
                 f"  wg{wg} {name:8s} {100 * row['share']:5.1f}%  n={row['count']:6d}"
-                f"  mean={row['mean_ns']:6.0f} ns"
+                f"  mean={kc:7.3f} kcyc{to_us(kc)}"
             )
         with open(os.path.join(trace_dir, "summary.json"), "w") as f:
             json.dump(
                 dict(
                     spans=[dict(wg=wg, span=name, **row) for (wg, name), row in rows.items()],
                     cta_ends=ends,
+                    timeline_kcycles=marks,
+                    sm_clock_mhz=mhz,
                 ),
                 f,
             )

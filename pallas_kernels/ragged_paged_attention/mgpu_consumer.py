@@ -367,7 +367,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         @pl.when(~is_dec)
         def _prefill():
-            plgpu.barrier_wait(r.qp_full.at[qs])
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(r.qp_full.at[qs])
             turns.item_start()
             first_tok = it["tok0"] + wg * tpw
             start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
@@ -378,36 +379,38 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
             @pl.when(n_tok > 0)
             def _compute():
-                q, q_scale = load_q(qs)
+                with jax.named_scope("load_q"):
+                    q, q_scale = load_q(qs)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
                 acc, m, denom = _attend(
                     st, r, q, p_smem, ones, dq, kvc, b0, b_full, b_end, row_pos0, turns, q_scale
                 )
-                r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
-                if r.part_lse is not None:
-                    r.part_lse_smem.at[wg][...] = log2_sum_exp(m, denom)
-                plgpu.commit_smem()
-                part = it["part_index"]  # 0 unless the tile is split
-                out_part = r.out.at[part]  # [T, Hkv, G, D]
+                with jax.named_scope("store_o"):  # the epilogue, to the stores' end
+                    r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
+                    if r.part_lse is not None:
+                        r.part_lse_smem.at[wg][...] = log2_sum_exp(m, denom)
+                    plgpu.commit_smem()
+                    part = it["part_index"]  # 0 unless the tile is split
+                    out_part = r.out.at[part]  # [T, Hkv, G, D]
 
-                if r.part_lse is not None:
+                    if r.part_lse is not None:
 
-                    @pl.when(it["part_count"] > 1)  # the merge weighs this part's rows by it
-                    def _store_lse():
-                        row = it["tile"] * st.tuning.compute_wgs + wg
-                        dst = r.part_lse.at[part, it["head"], row]  # [64]
-                        plgpu.copy_smem_to_gmem(r.part_lse_smem.at[wg], dst)
+                        @pl.when(it["part_count"] > 1)  # the merge weighs this part's rows by it
+                        def _store_lse():
+                            row = it["tile"] * st.tuning.compute_wgs + wg
+                            dst = r.part_lse.at[part, it["head"], row]  # [64]
+                            plgpu.copy_smem_to_gmem(r.part_lse_smem.at[wg], dst)
 
-                # Token by token ([G, D] each): rows of the Q box before first_tok (a clamped
-                # box) belong to other tiles.
-                def store(k, _):
-                    src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
-                    plgpu.copy_smem_to_gmem(src, out_part.at[first_tok + k, it["head"]])
-                    return ()
+                    # Token by token ([G, D] each): rows of the Q box before first_tok (a clamped
+                    # box) belong to other tiles.
+                    def store(k, _):
+                        src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
+                        plgpu.copy_smem_to_gmem(src, out_part.at[first_tok + k, it["head"]])
+                        return ()
 
-                lax.fori_loop(0, n_tok, store, ())
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    lax.fori_loop(0, n_tok, store, ())
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turns)
             turns.item_end()

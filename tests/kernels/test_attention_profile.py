@@ -44,9 +44,9 @@ def test_summary_shares_counts_and_means_per_warpgroup():
         + [{"name": "outer", "ph": "E", "ts": 1.0, "pid": 1, "tid": 2}]
     )
     rows = _profile_module().summarize({"traceEvents": events}, warpgroups_per_cta=3)
-    assert rows[(0, "qk")] == {"share": pytest.approx(2 / 6), "count": 2, "mean_ns": 1000.0}
-    assert rows[(0, "softmax")] == {"share": pytest.approx(4 / 6), "count": 2, "mean_ns": 2000.0}
-    assert rows[(1, "pv")] == {"share": pytest.approx(0.5), "count": 1, "mean_ns": 500.0}
+    assert rows[(0, "qk")] == {"share": pytest.approx(2 / 6), "count": 2, "mean_kcyc": 1.0}
+    assert rows[(0, "softmax")] == {"share": pytest.approx(4 / 6), "count": 2, "mean_kcyc": 2.0}
+    assert rows[(1, "pv")] == {"share": pytest.approx(0.5), "count": 1, "mean_kcyc": 0.5}
     assert rows[(1, "outer")]["share"] == pytest.approx(1.0)
     assert set(rows) == {(0, "qk"), (0, "softmax"), (1, "pv"), (1, "outer")}
 
@@ -64,6 +64,32 @@ def test_cta_ends_from_the_first_event():
     assert ends == {"min": 4.0, "median": 7.0, "max": 15.0, "truncated": False}
     capped = [e for i in range(1024) for e in _span("qk", 1, float(i), i + 0.5)]
     assert _profile_module().cta_ends({"traceEvents": capped}, 2)["truncated"]
+
+
+def test_timeline_from_each_ctas_init_span():
+    # Three CTAs of two warpgroups. CTA 0 (warpgroup 0, tid 1): Init at 100, its Q landed at
+    # 102, K at 103.5 (its second wait_k, at 106, is not the first), last event 110. CTA 1 (tid
+    # 3): Init at 50, Q at 54, K at 55, last event 58. CTA 2 (tid 5) has no Init span (its
+    # first event is a qk): left out. Warpgroup 1 (tid 2) is not the first: left out.
+    events = (
+        _span("Init", 1, 100.0, 100.5)
+        + _span("wait_q", 1, 100.1, 102.0)
+        + _span("wait_k", 1, 102.1, 103.5)
+        + _span("wait_k", 1, 104.0, 106.0)
+        + _span("pv", 1, 106.0, 110.0)
+        + _span("wait_q", 2, 0.0, 1.0)
+        + _span("Init", 3, 50.0, 50.3)
+        + _span("wait_q", 3, 50.5, 54.0)
+        + _span("wait_k", 3, 54.5, 55.0)
+        + _span("qk", 3, 55.0, 58.0)
+        + _span("qk", 5, 0.0, 1.0)
+        + _span("wait_k", 5, 1.0, 2.0)
+    )
+    marks = _profile_module().timeline({"traceEvents": events}, warpgroups_per_cta=2)
+    assert set(marks) == {"q", "k", "end"}
+    assert marks["q"] == {"median": pytest.approx(3.0), "max": pytest.approx(4.0), "ctas": 2}
+    assert marks["k"] == {"median": pytest.approx(4.25), "max": pytest.approx(5.0), "ctas": 2}
+    assert marks["end"] == {"median": pytest.approx(9.0), "max": pytest.approx(10.0), "ctas": 2}
 
 
 def _args(head_dim=64):
