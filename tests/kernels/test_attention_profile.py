@@ -31,9 +31,10 @@ def _span(name, tid, begin_us, end_us):
 
 
 def test_summary_shares_counts_and_means_per_warpgroup():
-    # Two CTAs of three warpgroups (tid = 1 + wg + 3 * cta). Warpgroup 0 of CTA 0: qk 0-1 us,
-    # softmax 1-3 us, qk 3-4 us (its time: 4 us); of CTA 1: softmax 10-12 us (2 us). Warpgroup 1
-    # of CTA 0: one pv span 0-0.5 us inside nested spans (an outer span from 0 to 1 us).
+    # Two CTAs of three warpgroups (tid = 1 + wg + 3 * cta); ts in the trace's units (SM
+    # kilocycles within a warpgroup). Warpgroup 0 of CTA 0: qk 0-1, softmax 1-3, qk 3-4 (its
+    # time: 4); of CTA 1: softmax 10-12 (2). Warpgroup 1 of CTA 0: one pv span 0-0.5 inside
+    # nested spans (an outer span from 0 to 1).
     events = (
         _span("qk", 1, 0.0, 1.0)
         + _span("softmax", 1, 1.0, 3.0)
