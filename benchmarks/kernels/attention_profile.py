@@ -131,7 +131,8 @@ MILESTONES = (("q", "wait_q"), ("k", "wait_k"))
 def timeline(trace: dict, warpgroups_per_cta: int) -> dict[str, dict]:
     """Milestones of each CTA's first compute warpgroup, in SM kilocycles from its `Init` span:
     {milestone: {median, max, ctas}} for the end of its first wait_q ("q") and wait_k ("k") and
-    its last event ("end"). ts of one warpgroup's events are its start (global timer) plus SM
+    its last event ("end"), over the CTAs that had work (a CTA without items records its Init
+    span alone). ts of one warpgroup's events are its start (global timer) plus SM
     cycles / 1,000 (the profiler's), so differences within a warpgroup are kilocycles."""
     by_tid = collections.defaultdict(list)
     for e in trace["traceEvents"]:
@@ -139,7 +140,7 @@ def timeline(trace: dict, warpgroups_per_cta: int) -> dict[str, dict]:
             by_tid[e["tid"]].append(e)
     marks = collections.defaultdict(list)
     for events in by_tid.values():
-        if events[0]["name"] != "Init":
+        if events[0]["name"] != "Init" or all(e["name"] == "Init" for e in events):
             continue
         t0 = events[0]["ts"]
         for key, name in MILESTONES:

@@ -71,7 +71,8 @@ def test_timeline_from_each_ctas_init_span():
     # Three CTAs of two warpgroups. CTA 0 (warpgroup 0, tid 1): Init at 100, its Q landed at
     # 102, K at 103.5 (its second wait_k, at 106, is not the first), last event 110. CTA 1 (tid
     # 3): Init at 50, Q at 54, K at 55, last event 58. CTA 2 (tid 5) has no Init span (its
-    # first event is a qk): left out. Warpgroup 1 (tid 2) is not the first: left out.
+    # first event is a qk) and CTA 3 (tid 7, its Init alone: no items) are left out. Warpgroup 1
+    # (tid 2) is not the first: left out.
     events = (
         _span("Init", 1, 100.0, 100.5)
         + _span("wait_q", 1, 100.1, 102.0)
@@ -85,6 +86,7 @@ def test_timeline_from_each_ctas_init_span():
         + _span("qk", 3, 55.0, 58.0)
         + _span("qk", 5, 0.0, 1.0)
         + _span("wait_k", 5, 1.0, 2.0)
+        + _span("Init", 7, 20.0, 20.6)
     )
     marks = _profile_module().timeline({"traceEvents": events}, warpgroups_per_cta=2)
     assert set(marks) == {"q", "k", "end"}
