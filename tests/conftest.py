@@ -15,6 +15,12 @@ import pytest
 # NPROC when it is set; it must be set before JAX starts its CPU client.
 os.environ.setdefault("NPROC", "16")
 
+# PyTorch (the transformers references) runs its CPU ops on OpenMP threads that spin while they
+# wait. With pytest's two workers on CI's two cores, the other worker's process takes the core a
+# spinning thread waits for: the HF parity test took 165 s in a full run against 17 s alone (53 s
+# beside one busy core, 20 s with one thread). One thread per process; set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
 

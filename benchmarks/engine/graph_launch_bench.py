@@ -16,7 +16,10 @@ kernel each), called `--calls` times back to back (host microseconds per call, n
 (On the H200, 2026-12-04, call P3: 1,894 / 1,866 / 787 us for 400 kernels. One moved buffer costs
 what all do, which is why the runner keeps every buffer of the forward pass in place.)
 
-Each program runs under the update mode the engine uses (`skip_temp`) unless `--update always`.
+Each program runs under the update mode the engine uses (`skip_temp`) unless `--update` names
+another: `always` (XLA's default) or `skip_profiled` (XLA watches which buffers of the graph move
+during the first launches, then maps those at fixed virtual addresses; with jax 0.11.2 a moved
+buffer still costs the whole update: docs/benchmarks.md, "Host costs").
 """
 
 from __future__ import annotations
@@ -36,15 +39,26 @@ def main() -> None:
     p.add_argument("--kernels", type=int, default=400)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--update", default="skip_temp", choices=("skip_temp", "always"))
+    p.add_argument(
+        "--update", default="skip_temp", choices=("skip_temp", "skip_profiled", "always")
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed calls first (compile, record the graph; skip_profiled watches the first "
+        "calls' addresses before it remaps the buffers that moved)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
     from nori_jax.executor import xla_flags
 
-    os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(
-        os.environ.get("XLA_FLAGS", ""), args.update
-    )
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.update == "skip_profiled":  # XLA's, not an engine mode (docs/benchmarks.md)
+        os.environ["XLA_FLAGS"] = xla_flags.with_update_value(flags, "SKIP_PROFILED")
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(flags, args.update)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -79,8 +93,8 @@ def main() -> None:
             "moved-edges": lambda i: (fresh_x[i], side0, ws),
             "stable": lambda i: (x0, side0, ws, out),
         }[name]
-        for i in range(3):  # compile, record the graph
-            r = f(*f_args(i))
+        for i in range(args.warmup):  # compile, record the graph
+            r = f(*f_args(i % args.calls))
             if name == "stable":
                 out = r
         jax.block_until_ready(r)

@@ -27,13 +27,19 @@ then, as the overlapped engine does:
                  graph, which every launch then updates (`--hlo-dir` writes the optimized
                  modules)
   fold_dus       the same with the copies written as dynamic_update_slice and `+ 0` (fusions)
+  direct         no staging program and no copy: the forward pass reads the fresh buffer and
+                 writes a fresh output, whose copy to the host starts at once. Every launch moves
+                 both, so this is the route for `--update-mode skip_profiled`, under which XLA
+                 maps moved buffers at fixed addresses instead of updating the graph
 
 for each buffer size of `--kib` (the h200-throughput engine's step buffer is 670 KiB at 1,024
 sequences, 512 KiB of it the page table). Columns: put, stage, forward (host us each), and
 the loop's host and wall time per step. `--update-mode always` runs under XLA's default
-allocator instead of the VMM allocator that the engine's skip_temp mode brings. The chain is
-about 0.5 ms of device work on an H100, so the loop's totals are bound by the device; read the
-parts. docs/benchmarks.md ("What the staging launch is made of") has a run.
+allocator instead of the VMM allocator that the engine's skip_temp mode brings; `skip_profiled`
+under XLA's mode that maps buffers seen moving at fixed addresses (`--warmup` steps let it see
+them; with jax 0.11.2 it still updates the graph, docs/benchmarks.md "Host costs"). The chain
+is about 0.5 ms of device work on an H100, so the loop's totals are bound by the device; read
+the parts. docs/benchmarks.md ("What the staging launch is made of") has a run.
 """
 
 from __future__ import annotations
@@ -56,16 +62,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kernels", type=int, default=400)
     p.add_argument("--json", default=None)
-    p.add_argument("--update-mode", default="skip_temp", choices=["skip_temp", "always"])
+    p.add_argument(
+        "--update-mode", default="skip_temp", choices=["skip_temp", "skip_profiled", "always"]
+    )
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--hlo-dir", default=None, help="write the fold routes' optimized HLO here")
     args = p.parse_args()
 
     from nori_jax.executor import xla_flags
     from nori_jax.executor.placement import ReplicatedPut
 
-    os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(
-        os.environ.get("XLA_FLAGS", ""), args.update_mode
-    )
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.update_mode == "skip_profiled":  # XLA's, not an engine mode (docs/benchmarks.md)
+        os.environ["XLA_FLAGS"] = xla_flags.with_update_value(flags, "SKIP_PROFILED")
+    else:
+        os.environ["XLA_FLAGS"] = xla_flags.with_update_mode(flags, args.update_mode)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,7 +117,7 @@ def main() -> None:
         """Three untimed steps (compile, record the graphs), then `--calls` timed ones: host us
         per step by part, and the loop's host and wall time per step (`outputs()`: what the
         last step leaves to wait on)."""
-        for i in range(3):
+        for i in range(args.warmup):
             one(i, False)
         jax.block_until_ready(outputs())
         t0 = time.perf_counter()
@@ -181,7 +192,34 @@ def main() -> None:
         out_shardings=on_device,
     )
 
+    fwd_direct = jax.jit(lambda x, ws, state: forward(x, ws, x, state))
+
+    def run_direct(n: int) -> dict:
+        host_bufs = [np.full(n, i, np.int32) for i in range(4)]
+        put = ReplicatedPut((n,), np.int32, on_device)
+        out = last = None
+        parts = {"put": 0.0, "stage": 0.0, "forward": 0.0}
+
+        def one(i, timed):
+            nonlocal out, last
+            t0 = time.perf_counter()
+            fresh = put(host_bufs[i % 4])
+            t1 = time.perf_counter()
+            out = fwd_direct(x0, ws, fresh)
+            out.copy_to_host_async()
+            t2 = time.perf_counter()
+            if last is not None:
+                np.asarray(last)  # the step before, read back one step late
+            last = out
+            if timed:
+                parts["put"] += t1 - t0
+                parts["forward"] += t2 - t1
+
+        return time_steps(one, parts, lambda: out)
+
     def run(route: str, n: int) -> dict:
+        if route == "direct":
+            return run_direct(n)
         if route in folds:
             return run_fold(route, n)
         if route in ("stage_only", "peek_ring"):

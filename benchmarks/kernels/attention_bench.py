@@ -625,6 +625,8 @@ TUNING_FLAGS = {
     "noearly": {"fp8_convert_early": False},
     "qk": {"fp8_qk": True},  # fp8 pages only
     "noqk": {"fp8_qk": False},  # fp8 decode buckets: back to converting K
+    # both compute warpgroups on every decode item (one decode owner: warpgroup 0)
+    "il": {"decode_interleave": True, "decode_wgs": 1},
 }
 
 

@@ -183,6 +183,7 @@ def _attend(
     row_pos0,
     turns,
     q_scale=None,
+    interleave_wg=None,
 ):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
@@ -194,6 +195,8 @@ def _attend(
     P V), or None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r
     // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
+    interleave_wg: None, or (tuning.decode_interleave) this warpgroup's index w: it computes the
+    blocks b_start + w, b_start + w + 2, ... and only waits for and releases the others.
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator);
     with fp8 pages acc and denom are both 2^PROBS_LOG2_SCALE times their values (P's scale).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
@@ -201,7 +204,9 @@ def _attend(
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
-    early_k = dq is not None and st.tuning.fp8_convert_early  # converted under the last P V
+    # converted under the last P V (not when warpgroups take every other block: the next block
+    # is the other's)
+    early_k = dq is not None and st.tuning.fp8_convert_early and interleave_wg is None
 
     def slot_of(b):
         return lax.rem(kvc + (b - b_start), stages)
@@ -219,6 +224,21 @@ def _attend(
         k_operand(slot_of(b))
 
     def block(b, carry, *, masked):
+        if interleave_wg is None:
+            return compute_block(b, carry, masked=masked)
+
+        def skip(carry):  # the other warpgroup's block: observed and released
+            slot = slot_of(b)
+            with jax.named_scope("skip"):
+                plgpu.barrier_wait(r.k_full.at[slot])
+                plgpu.barrier_wait(r.v_full.at[slot])
+                plgpu.barrier_arrive(r.kv_free.at[slot])
+            return carry
+
+        mine = lax.rem(b - b_start, 2) == interleave_wg
+        return lax.cond(mine, functools.partial(compute_block, b, masked=masked), skip, carry)
+
+    def compute_block(b, carry, *, masked):
         acc, m, denom = carry
         slot = slot_of(b)
         if early_k:  # converted already: under the last block's P V, or before the first block
@@ -277,6 +297,7 @@ def _attend(
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
     splits = st.tuning.decode_splits
+    interleave = st.tuning.decode_interleave  # both warpgroups on every decode item
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
     # [WGS, bk, D]: this warpgroup's dequantized K tile (fp8 pages without fp8_qk)
@@ -288,10 +309,10 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         plgpu.commit_smem()
         ones = r.ones_smem.at[wg, pl.ds(0, 8)].T  # [bk, 8]: 8 of its rows, K-major
 
-    def load_q(qs):
-        """Q rows of this warpgroup as wgmma's A operand (registers, or re-staged swizzled SMEM)
-        and their row scales (an 8-bit Q, tuning.fp8_qk), else None."""
-        q = plgpu.load(r.q_smem.at[qs, wg], layout=WGMMA, optimized=False)
+    def load_q(qs, slot_wg):
+        """Q rows of Q slot (qs, slot_wg) as this warpgroup's wgmma A operand (registers, or
+        re-staged swizzled SMEM) and their row scales (an 8-bit Q, tuning.fp8_qk), else None."""
+        q = plgpu.load(r.q_smem.at[qs, slot_wg], layout=WGMMA, optimized=False)
         if r.q8_smem is not None:  # each row over its absmax, into the 8-bit operand tile
             q = q.astype(jnp.float32)
             top = float(jnp.finfo(r.q8_smem.dtype).max)
@@ -318,6 +339,34 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
         return acc * lax.broadcast_in_dim(v_scale / safe, acc.shape, [0])
 
+    def hand_over(acc, m, denom):
+        """Warpgroup 1's partial state of a decode item into SMEM for warpgroup 0
+        (decode_interleave), once warpgroup 0 has read the last one."""
+        plgpu.barrier_wait(r.mix_free)
+        r.mix_smem[...] = acc
+        r.mix_stats.at[0][...] = m
+        r.mix_stats.at[1][...] = denom
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(r.mix_full)
+
+    def merge(acc, m, denom):
+        """Warpgroup 0's partial state merged with warpgroup 1's (decode_interleave): both are
+        softmax states over disjoint blocks, so each is rescaled to the larger row max."""
+        plgpu.barrier_wait(r.mix_full)
+        acc1 = plgpu.load(r.mix_smem, layout=WGMMA, optimized=False)
+        m1 = plgpu.load(r.mix_stats.at[0], layout=ROW_VEC, optimized=False)
+        denom1 = plgpu.load(r.mix_stats.at[1], layout=ROW_VEC, optimized=False)
+        plgpu.barrier_arrive(r.mix_free)
+        m_new = jnp.maximum(m, m1)
+        # A row neither half saw a key of (a padding row, or an item of one block for warpgroup
+        # 1): -inf - -inf would be NaN; its sums are 0 either way.
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, alpha1 = jnp.exp2(m - m_ref), jnp.exp2(m1 - m_ref)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + acc1 * lax.broadcast_in_dim(
+            alpha1, acc1.shape, [0]
+        )
+        return acc, m_new, denom * alpha + denom1 * alpha1
+
     def log2_sum_exp(m, denom):  # -inf for rows that saw no key
         # (fp8 pages: denom carries P's scale, 2^PROBS_LOG2_SCALE)
         shift = PROBS_LOG2_SCALE if st.kv_fp8 else 0
@@ -328,27 +377,17 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
         qs = lax.rem(i, 2)
         b0, b1 = it["b0"], it["b1"]
 
-        mine = items.decode_owner(i) == wg
+        owner = items.decode_owner(i)  # its Q slot and output are this warpgroup's
+        mine = owner == wg
 
-        @pl.when(is_dec & mine)
-        def _decode():
-            # Per-item spans beside the per-block ones (attention_profile.py): the wait for this
-            # item's Q, its load (and quantization), and the output's normalisation and store.
-            with jax.named_scope("wait_q"):
-                plgpu.barrier_wait(r.qd_full.at[qs])
-            with jax.named_scope("load_q"):
-                q, q_scale = load_q(qs)
-            row_pos0 = it["kv_len"] - 1
-            b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
-            args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
-            acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args)
+        def store_decode(acc, m, denom):
             with jax.named_scope("store_o"):
                 o = normalise(acc, denom)
                 if splits == 1:
-                    r.q_smem.at[qs, wg][...] = o.astype(r.q_smem.dtype)
+                    r.q_smem.at[qs, owner][...] = o.astype(r.q_smem.dtype)
                     plgpu.commit_smem()
                     dst = r.out.at[0, it["tok0"], it["head"]]  # [G, D]
-                    plgpu.copy_smem_to_gmem(r.q_smem.at[qs, wg, pl.ds(0, g)], dst)
+                    plgpu.copy_smem_to_gmem(r.q_smem.at[qs, owner, pl.ds(0, g)], dst)
                 else:
                     stage = jnp.minimum(wg, st.tuning.decode_wgs - 1)  # this warpgroup's staging
                     o32, lse = r.o32_smem.at[stage], r.lse_smem.at[stage]
@@ -360,10 +399,34 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(r.qd_free.at[qs])
 
-        @pl.when(is_dec & ~mine)
-        def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
-            with jax.named_scope("skip"):
-                _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
+        @pl.when(is_dec & (mine | interleave))
+        def _decode():
+            # Per-item spans beside the per-block ones (attention_profile.py): the wait for this
+            # item's Q, its load (and quantization), and the output's normalisation and store.
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(r.qd_full.at[qs])
+            with jax.named_scope("load_q"):
+                q, q_scale = load_q(qs, owner)
+            row_pos0 = it["kv_len"] - 1
+            b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
+            args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
+            acc, m, denom = _attend(
+                st, r, q, p_smem, ones, dq, *args, interleave_wg=wg if interleave else None
+            )
+            if not interleave:
+                store_decode(acc, m, denom)
+                return
+            # Warpgroup 1 hands its half over, warpgroup 0 (the owner) merges and stores.
+            with jax.named_scope("mix"):
+                pl.when(wg == 1)(lambda: hand_over(acc, m, denom))
+            pl.when(wg == 0)(lambda: store_decode(*merge(acc, m, denom)))
+
+        if not interleave:
+
+            @pl.when(is_dec & ~mine)
+            def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
+                with jax.named_scope("skip"):
+                    _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 
         @pl.when(~is_dec)
         def _prefill():
@@ -380,7 +443,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             @pl.when(n_tok > 0)
             def _compute():
                 with jax.named_scope("load_q"):
-                    q, q_scale = load_q(qs)
+                    q, q_scale = load_q(qs, wg)
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
                 acc, m, denom = _attend(
@@ -420,4 +483,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
     keys += ("part_index", "part_count", "tile")
+    if interleave:  # warpgroup 1's first hand-over finds the staging free
+        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(r.mix_free))
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))
+    if interleave:  # observe warpgroup 0's last release (or the first one, if none followed)
+        pl.when(wg == 1)(lambda: plgpu.barrier_wait(r.mix_free))

@@ -99,6 +99,8 @@ class Refs(NamedTuple):
     part_lse_smem: Any
     dq_smem: Any
     q8_smem: Any
+    mix_smem: Any
+    mix_stats: Any
     k_full: Any
     v_full: Any
     kv_free: Any
@@ -107,6 +109,8 @@ class Refs(NamedTuple):
     qd_free: Any
     qp_free: Any
     turn: Any
+    mix_full: Any
+    mix_free: Any
 
 
 def cdiv(a, b):

@@ -16,7 +16,9 @@ counts, so they agree on every pipeline slot without talking except through barr
 
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
 tuning.decode_wgs == 2) warpgroups 0 and 1 in turn; the others just wait on and release their K/V
-stages (every waiter must observe every completion of a barrier). A prefill tile gives each
+stages (every waiter must observe every completion of a barrier). With tuning.decode_interleave
+both compute warpgroups take every decode item, every other block each, and warpgroup 0 merges
+the two partial results. A prefill tile gives each
 compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; all share the K/V
 stream and, with tuning.pingpong, take turns on the tensor cores (mgpu_turns.py).
 
@@ -69,6 +71,9 @@ def attention_kernel(
     #                                          stages (fp8 pages without tuning.fp8_qk), or None
     q8_smem,  # [WGS, 64, D] e4m3              SMEM, swizzled: each warpgroup's Q rows quantized
     #                                          (reference.QUERY_DTYPE; tuning.fp8_qk), or None
+    mix_smem,  # f32[64, D]                    SMEM, warpgroup 1's partial O of a decode item
+    mix_stats,  # f32[2, 64]                   SMEM, its row max and denominator
+    #                                          (tuning.decode_interleave), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
     v_full,  # barrier[stages]
     kv_free,  # barrier[stages], WGS arrivals (WGS: tuning.compute_wgs)
@@ -77,6 +82,8 @@ def attention_kernel(
     qd_free,  # barrier[2], decode Q slot released
     qp_free,  # barrier[2], prefill Q slot released (WGS arrivals)
     turn,  # barrier, 2 arrivals: prefill ping-pong rendezvous (mgpu_turns.py), or None
+    mix_full,  # barrier: warpgroup 1's state staged (decode_interleave), or None
+    mix_free,  # barrier: warpgroup 0 has read it, or None
     *,
     st: Statics,
 ):
@@ -85,8 +92,9 @@ def attention_kernel(
     r = Refs(meta_ref, kv_lens_ref, cu_ref, pt_ref, parts_ref, q_ref, kv_ref, kv_values_ref,
              kv_scales_ref,
              out_ref, opart_ref, lse_ref, part_lse_ref, k_smem, v_smem, q_smem, qa_smem, pa_smem,
-             o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, q8_smem, k_full, v_full,
-             kv_free, qd_full, qp_full, qd_free, qp_free, turn)  # fmt: skip
+             o32_smem, lse_smem, ones_smem, part_lse_smem, dq_smem, q8_smem, mix_smem,
+             mix_stats, k_full, v_full, kv_free, qd_full, qp_full, qd_free, qp_free, turn,
+             mix_full, mix_free)  # fmt: skip
     items = Items(st, r)
 
     wgs = st.tuning.compute_wgs

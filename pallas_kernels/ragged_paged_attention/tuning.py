@@ -40,6 +40,16 @@ class TuningConfig:
                    release the K/V stages) or 2 (items alternate between warpgroups 0 and 1, so
                    one warpgroup's epilogue, output store and next Q overlap the other's
                    blocks). Each then has its own split-decode staging.
+    decode_interleave: both compute warpgroups on every decode item: warpgroup w computes the
+                   item's blocks b0 + w, b0 + w + 2, ... and releases the others; warpgroup 1
+                   then hands its partial softmax state (O, row max, denominator) to warpgroup
+                   0 through SMEM, which merges the two and stores the output. Without it a
+                   decode item is one warpgroup's, and since a stage is released only once both
+                   have arrived on it, the other waits for every block of that item to land
+                   before its own next one (docs/benchmarks.md, "The two decode warpgroups wait
+                   on each other"). Needs compute_wgs=2 and decode_wgs=1 (warpgroup 0 owns
+                   every item's Q slot and output); an fp8 K is then converted just before its
+                   Q K^T (fp8_convert_early does not apply to decode items).
     pingpong:      prefill tiles: the two compute warpgroups take turns on the tensor cores
                    through a shared rendezvous barrier, so one's softmax overlaps the other's
                    matmuls (FlashAttention-3's ping-pong schedule, mgpu_turns.py). Decode items
@@ -87,6 +97,7 @@ class TuningConfig:
     prefill_kv_splits: int = 1
     fp8_convert_early: bool = False
     fp8_qk: bool = False
+    decode_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -116,13 +127,21 @@ class TuningConfig:
             raise ValueError(f"{self.fp8_convert_early=} must be a bool")
         if not isinstance(self.fp8_qk, bool):
             raise ValueError(f"{self.fp8_qk=} must be a bool")
+        if not isinstance(self.decode_interleave, bool):
+            raise ValueError(f"{self.decode_interleave=} must be a bool")
+        if self.decode_interleave and (self.compute_wgs != 2 or self.decode_wgs != 1):
+            raise ValueError(
+                f"decode_interleave=True needs compute_wgs=2 and decode_wgs=1, not "
+                f"{self.compute_wgs=}, {self.decode_wgs=}"
+            )
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
         `dtype`; Q/O tiles, split-decode staging, the swizzled Q and P operand tiles when wgmma's
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
         staging of split prefill tiles, and with fp8 pages each compute warpgroup's 8-bit P
-        tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it))."""
+        tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it); with
+        decode_interleave the f32 state warpgroup 1 hands to warpgroup 0)."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1
@@ -139,7 +158,8 @@ class TuningConfig:
             self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 and not self.fp8_qk else 0
         )
         q8 = self.compute_wgs * ROWS * head_dim * kv_item if fp8 and self.fp8_qk else 0
-        return kv + q + split + qa + pa + ones + lse + dq + q8
+        mix = ROWS * head_dim * 4 + 2 * ROWS * 4 if self.decode_interleave else 0
+        return kv + q + split + qa + pa + ones + lse + dq + q8 + mix
 
     @property
     def compute_registers(self) -> int:

@@ -28,6 +28,10 @@ def test_update_mode_replaces_an_earlier_setting_and_keeps_other_flags():
     ]
     assert xla_flags.with_update_mode(out, "always").split() == out.split()[:2]
     assert xla_flags.flag_in(out) == "SKIP_TEMP"
+    # a mode by XLA's own name (benchmarks ask about SKIP_PROFILED, no engine mode)
+    profiled = xla_flags.with_update_value(out, "SKIP_PROFILED")
+    assert profiled.split() == [*out.split()[:2], f"{FLAG}=SKIP_PROFILED"]
+    assert xla_flags.with_update_value(profiled, None).split() == out.split()[:2]
     assert xla_flags.flag_in("--xla_dump_to=/tmp/x") is None
 
 

@@ -18,6 +18,10 @@ PREFILL_64_SPLIT = dict(
 )
 
 
+# both compute warpgroups on every decode item, with the other fields of a decode bucket
+INTERLEAVE = dict(decode_interleave=True, pingpong=True, producer_warps=4)
+
+
 @pytest.mark.parametrize(
     "tuning, head_dim",
     [
@@ -34,6 +38,8 @@ PREFILL_64_SPLIT = dict(
             64,
         ),
         (TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT), 64),
+        (TuningConfig(64, 3, 1, 132, **INTERLEAVE), 128),
+        (TuningConfig(64, 2, 2, 132, decode_interleave=True), 128),
     ],
     ids=[
         "default-form",
@@ -44,6 +50,8 @@ PREFILL_64_SPLIT = dict(
         "compute-wgs-3",
         "mma-row-sums",
         "prefill-kv-splits",
+        "decode-interleave",
+        "decode-interleave-split",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):
@@ -88,6 +96,9 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
         # Q K^T on the 8-bit K stage (fp8_qk): an fp8 Q tile, fp8 x fp8 wgmma
         (TuningConfig(128, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 64, "e4m3", 64),
         (TuningConfig(64, 6, 1, 132, **FP8_DECODE, fp8_qk=True), 128, "e4m3", 64),
+        # the same with both compute warpgroups on every decode item
+        (TuningConfig(128, 6, 1, 132, **INTERLEAVE, fp8_qk=True), 64, "e4m3", 64),
+        (TuningConfig(128, 6, 1, 132, **INTERLEAVE, fp8_convert_early=True), 64, "e5m2", 64),
         (
             TuningConfig(
                 *(128, 2, 1, 132),
@@ -117,6 +128,8 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
         "fp8-decode-default-head-dim-128-e5m2",
         "fp8-decode-default-head-dim-64-e4m3",
         "fp8-decode-default-head-dim-128-e4m3",
+        "fp8-decode-interleave-head-dim-64-e4m3",
+        "fp8-decode-interleave-head-dim-64-e5m2",
         "fp8-qk-early-compute-wgs-3-e5m2-page-32",
         "fp8-prefill-default-head-dim-128",
         "fp8-prefill-default-head-dim-64-splits",

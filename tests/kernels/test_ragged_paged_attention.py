@@ -313,6 +313,62 @@ def test_fp8_converted_early_matches_reference(case):
     )
 
 
+# Both compute warpgroups on every decode item (tuning.decode_interleave): KV lengths of one to
+# five blocks (an item of one block leaves warpgroup 1 with none: its row max stays -inf for the
+# merge), decode items beside prefill tiles, split decode, fp8 pages with Q K^T in fp8 and with
+# K converted (fp8_convert_early then does not apply to decode items).
+# (q dtype, pages, head_dim, page size, q heads, kv heads, soft cap, tuning)
+INTERLEAVE_CASES = [
+    (
+        *(jnp.bfloat16, None, 64, 16, 8, 2, None),
+        TuningConfig(64, 2, 1, 3, decode_interleave=True, pingpong=True, producer_warps=4),
+    ),
+    (
+        *(jnp.float32, None, 32, 32, 3, 3, 20.0),
+        TuningConfig(128, 2, 2, 2, decode_interleave=True),
+    ),
+    (
+        *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, 8, 2, None),
+        TuningConfig(64, 3, 1, 3, decode_interleave=True, pingpong=True, fp8_qk=True),
+    ),
+    (
+        *(jnp.float16, jnp.float8_e5m2, 32, 32, 3, 3, None),
+        TuningConfig(64, 2, 2, 2, decode_interleave=True, fp8_convert_early=True),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    INTERLEAVE_CASES,
+    ids=["bf16-pingpong-pw4", "f32-split-cap-bk128", "e4m3-qk", "e5m2-split-early"],
+)
+def test_interleaved_decode_matches_reference(case):
+    dtype, pages, d, ps, hq, hkv, cap, tuning = case
+    bk = tuning.block_kv
+    step = make_step(
+        19,
+        decode_kv_lens=[1, bk - 1, bk + 1, 2 * bk + 3, 4 * bk + 5],
+        prefill=[(40, 40), (9, bk + 9)],
+        page_size=ps,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+    )
+    kw = dict(sm_scale=d**-0.5, soft_cap=cap)
+    args, ref_args = step.args, step.args
+    if pages is not None:
+        args, kw["kv_scales"] = fp8_pages(step, pages)
+        ref_args = args
+        if tuning.fp8_qk:
+            ref_args = (quantize_query_rows(args[0], QUERY_DTYPE), *args[1:])
+    out = ragged_paged_attention_pallas(*args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*ref_args, **kw, fp8_probs=pages is not None)
+    _check(out, ref, dtype, fp8_pages=pages is not None)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+
+
 # Q K^T on the 8-bit K stage itself (tuning.fp8_qk): Q quantized per row (a (token, q head)
 # vector of D values) to e4m3, on e5m2 pages too (a mixed e4m3 x e5m2 wgmma). Against the
 # reference run on that quantized Q the kernel matches as closely as the other fp8 forms do; the
