@@ -625,8 +625,10 @@ TUNING_FLAGS = {
     "noearly": {"fp8_convert_early": False},
     "qk": {"fp8_qk": True},  # fp8 pages only
     "noqk": {"fp8_qk": False},  # fp8 decode buckets: back to converting K
-    # both compute warpgroups on every decode item (one decode owner: warpgroup 0)
-    "il": {"decode_interleave": True, "decode_wgs": 1},
+    # both compute warpgroups on every decode item (one decode owner: warpgroup 0), or (ilK) on
+    # the items of at least K blocks, the others alternating owners
+    "il": {"decode_interleave": 1, "decode_wgs": 1},
+    **{f"il{k}": {"decode_interleave": k, "decode_wgs": 2} for k in (2, 4, 8, 12, 16)},
 }
 
 

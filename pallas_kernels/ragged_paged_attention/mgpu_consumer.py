@@ -183,7 +183,7 @@ def _attend(
     row_pos0,
     turns,
     q_scale=None,
-    interleave_wg=None,
+    half=None,
 ):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
@@ -195,8 +195,9 @@ def _attend(
     P V), or None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r
     // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
-    interleave_wg: None, or (tuning.decode_interleave) this warpgroup's index w: it computes the
-    blocks b_start + w, b_start + w + 2, ... and only waits for and releases the others.
+    half: None (every block), or with tuning.decode_interleave an int32 scalar: -1 (every
+    block), or h in {0, 1}: this warpgroup computes the blocks b_start + h, b_start + h + 2, ...
+    and only waits for and releases the others.
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator);
     with fp8 pages acc and denom are both 2^PROBS_LOG2_SCALE times their values (P's scale).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
@@ -204,9 +205,9 @@ def _attend(
     """
     bk, stages, d = st.tuning.block_kv, st.tuning.num_stages, st.head_dim
     k_scale = r.kv_scales[0] if st.kv_fp8 else None
-    # converted under the last P V (not when warpgroups take every other block: the next block
-    # is the other's)
-    early_k = dq is not None and st.tuning.fp8_convert_early and interleave_wg is None
+    # converted under the last P V (not where warpgroups may take every other block: the next
+    # block would be the other's)
+    early_k = dq is not None and st.tuning.fp8_convert_early and half is None
 
     def slot_of(b):
         return lax.rem(kvc + (b - b_start), stages)
@@ -224,7 +225,7 @@ def _attend(
         k_operand(slot_of(b))
 
     def block(b, carry, *, masked):
-        if interleave_wg is None:
+        if half is None:
             return compute_block(b, carry, masked=masked)
 
         def skip(carry):  # the other warpgroup's block: observed and released
@@ -235,7 +236,7 @@ def _attend(
                 plgpu.barrier_arrive(r.kv_free.at[slot])
             return carry
 
-        mine = lax.rem(b - b_start, 2) == interleave_wg
+        mine = (half < 0) | (lax.rem(b - b_start, 2) == half)
         return lax.cond(mine, functools.partial(compute_block, b, masked=masked), skip, carry)
 
     def compute_block(b, carry, *, masked):
@@ -297,7 +298,8 @@ def _attend(
 def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     g, bk, tpw, num_ctas = st.group, st.tuning.block_kv, st.tokens_per_wg, st.tuning.num_ctas
     splits = st.tuning.decode_splits
-    interleave = st.tuning.decode_interleave  # both warpgroups on every decode item
+    # decode items of at least this many blocks are both compute warpgroups' (0: none)
+    interleave = st.tuning.decode_interleave
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
     # [WGS, bk, D]: this warpgroup's dequantized K tile (fp8 pages without fp8_qk)
@@ -339,27 +341,31 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
         return acc * lax.broadcast_in_dim(v_scale / safe, acc.shape, [0])
 
-    def hand_over(acc, m, denom):
-        """Warpgroup 1's partial state of a decode item into SMEM for warpgroup 0
-        (decode_interleave), once warpgroup 0 has read the last one."""
-        plgpu.barrier_wait(r.mix_free)
+    # The hand-over of an interleaved decode item (decode_interleave): the non-owner stages its
+    # partial state in the one staging buffer and the owner reads it. Barriers per owner, so that
+    # each has one kind of waiter: mix_full[o] only owner o waits on, mix_free[o] (o's releases,
+    # and one arrival of o's at the start) only the other. The buffer is free for a hand-over to
+    # either: a warpgroup writes it only after it has read the last one handed to it, its items
+    # being in order.
+    def hand_over(owner, acc, m, denom):
+        plgpu.barrier_wait(r.mix_free.at[owner])
         r.mix_smem[...] = acc
         r.mix_stats.at[0][...] = m
         r.mix_stats.at[1][...] = denom
         plgpu.commit_smem()
-        plgpu.barrier_arrive(r.mix_full)
+        plgpu.barrier_arrive(r.mix_full.at[owner])
 
-    def merge(acc, m, denom):
-        """Warpgroup 0's partial state merged with warpgroup 1's (decode_interleave): both are
-        softmax states over disjoint blocks, so each is rescaled to the larger row max."""
-        plgpu.barrier_wait(r.mix_full)
+    def merge(owner, acc, m, denom):
+        """The owner's partial state merged with the one handed over: both are softmax states
+        over disjoint blocks, so each is rescaled to the larger row max."""
+        plgpu.barrier_wait(r.mix_full.at[owner])
         acc1 = plgpu.load(r.mix_smem, layout=WGMMA, optimized=False)
         m1 = plgpu.load(r.mix_stats.at[0], layout=ROW_VEC, optimized=False)
         denom1 = plgpu.load(r.mix_stats.at[1], layout=ROW_VEC, optimized=False)
-        plgpu.barrier_arrive(r.mix_free)
+        plgpu.barrier_arrive(r.mix_free.at[owner])
         m_new = jnp.maximum(m, m1)
-        # A row neither half saw a key of (a padding row, or an item of one block for warpgroup
-        # 1): -inf - -inf would be NaN; its sums are 0 either way.
+        # A row neither half saw a key of (a padding row, or the second half of an item of one
+        # block): -inf - -inf would be NaN; its sums are 0 either way.
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha, alpha1 = jnp.exp2(m - m_ref), jnp.exp2(m1 - m_ref)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + acc1 * lax.broadcast_in_dim(
@@ -379,6 +385,11 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         owner = items.decode_owner(i)  # its Q slot and output are this warpgroup's
         mine = owner == wg
+        if interleave:  # both warpgroups on an item of that many blocks
+            mixed = b1 - b0 >= interleave
+            takes, idle = mine | mixed, ~(mine | mixed)
+        else:
+            mixed, takes, idle = None, mine, ~mine
 
         def store_decode(acc, m, denom):
             with jax.named_scope("store_o"):
@@ -399,7 +410,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.barrier_arrive(r.qd_free.at[qs])
 
-        @pl.when(is_dec & (mine | interleave))
+        @pl.when(is_dec & takes)
         def _decode():
             # Per-item spans beside the per-block ones (attention_profile.py): the wait for this
             # item's Q, its load (and quantization), and the output's normalisation and store.
@@ -410,23 +421,23 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
             args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
-            acc, m, denom = _attend(
-                st, r, q, p_smem, ones, dq, *args, interleave_wg=wg if interleave else None
-            )
+            # the owner computes blocks b0, b0 + 2, ..., the other b0 + 1, ...; -1: all
+            half = jnp.where(mixed, jnp.where(mine, 0, 1), -1) if interleave else None
+            acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args, half=half)
             if not interleave:
                 store_decode(acc, m, denom)
                 return
-            # Warpgroup 1 hands its half over, warpgroup 0 (the owner) merges and stores.
-            with jax.named_scope("mix"):
-                pl.when(wg == 1)(lambda: hand_over(acc, m, denom))
-            pl.when(wg == 0)(lambda: store_decode(*merge(acc, m, denom)))
+            pl.when(~mixed)(lambda: store_decode(acc, m, denom))  # (the owner: only it is here)
+            with jax.named_scope("mix"):  # the other hands its half over, the owner merges
+                pl.when(mixed & ~mine)(lambda: hand_over(owner, acc, m, denom))
+            pl.when(mixed & mine)(lambda: store_decode(*merge(owner, acc, m, denom)))
 
-        if not interleave:
-
-            @pl.when(is_dec & ~mine)
-            def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
-                with jax.named_scope("skip"):
-                    _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
+        @pl.when(is_dec & idle)
+        def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
+            if interleave:  # every warpgroup observes every completion of a Q slot's barrier
+                plgpu.barrier_wait(r.qd_full.at[qs])
+            with jax.named_scope("skip"):
+                _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 
         @pl.when(~is_dec)
         def _prefill():
@@ -483,8 +494,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
     keys += ("part_index", "part_count", "tile")
-    if interleave:  # warpgroup 1's first hand-over finds the staging free
-        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(r.mix_free))
+    if interleave:  # the first hand-over to this warpgroup finds the staging free
+        plgpu.barrier_arrive(r.mix_free.at[wg])
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))
-    if interleave:  # observe warpgroup 0's last release (or the first one, if none followed)
-        pl.when(wg == 1)(lambda: plgpu.barrier_wait(r.mix_free))
+    if interleave:  # observe the other's last release (or its first arrival, if none followed)
+        plgpu.barrier_wait(r.mix_free.at[1 - wg])

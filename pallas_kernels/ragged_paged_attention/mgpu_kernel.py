@@ -17,8 +17,8 @@ counts, so they agree on every pipeline slot without talking except through barr
 Decode items are computed by one compute warpgroup, `Items.decode_owner`: warpgroup 0, or (with
 tuning.decode_wgs == 2) warpgroups 0 and 1 in turn; the others just wait on and release their K/V
 stages (every waiter must observe every completion of a barrier). With tuning.decode_interleave
-both compute warpgroups take every decode item, every other block each, and warpgroup 0 merges
-the two partial results. A prefill tile gives each
+both compute warpgroups take the decode items of at least that many blocks, every other block
+each, and the owner merges the two partial results. A prefill tile gives each
 compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; all share the K/V
 stream and, with tuning.pingpong, take turns on the tensor cores (mgpu_turns.py).
 
@@ -71,7 +71,7 @@ def attention_kernel(
     #                                          stages (fp8 pages without tuning.fp8_qk), or None
     q8_smem,  # [WGS, 64, D] e4m3              SMEM, swizzled: each warpgroup's Q rows quantized
     #                                          (reference.QUERY_DTYPE; tuning.fp8_qk), or None
-    mix_smem,  # f32[64, D]                    SMEM, warpgroup 1's partial O of a decode item
+    mix_smem,  # f32[64, D]                    SMEM, the non-owner's partial O of a decode item
     mix_stats,  # f32[2, 64]                   SMEM, its row max and denominator
     #                                          (tuning.decode_interleave), or None
     k_full,  # barrier[stages], one arrival per K copy of a block
@@ -82,8 +82,8 @@ def attention_kernel(
     qd_free,  # barrier[2], decode Q slot released
     qp_free,  # barrier[2], prefill Q slot released (WGS arrivals)
     turn,  # barrier, 2 arrivals: prefill ping-pong rendezvous (mgpu_turns.py), or None
-    mix_full,  # barrier: warpgroup 1's state staged (decode_interleave), or None
-    mix_free,  # barrier: warpgroup 0 has read it, or None
+    mix_full,  # barrier[2], per owner: the other's state staged (decode_interleave), or None
+    mix_free,  # barrier[2], per owner: the owner has read it, or None
     *,
     st: Statics,
 ):

@@ -108,8 +108,8 @@ def launch(
         plgpu.SMEM((wgs, ROWS, d), QUERY_DTYPE, transforms=_mma_transforms(d, QUERY_DTYPE))
         if st.kv_fp8 and tn.fp8_qk
         else None,
-        # mix_smem, mix_stats: warpgroup 1's partial O, row max and denominator of a decode
-        # item, for warpgroup 0 to merge (tuning.decode_interleave)
+        # mix_smem, mix_stats: a compute warpgroup's partial O, row max and denominator of an
+        # interleaved decode item, for the item's owner to merge (tuning.decode_interleave)
         plgpu.SMEM((ROWS, d), jnp.float32) if tn.decode_interleave else None,
         plgpu.SMEM((2, ROWS), jnp.float32) if tn.decode_interleave else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
@@ -120,8 +120,9 @@ def launch(
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
         plgpu.Barrier(num_arrivals=2) if tn.pingpong else None,  # turn (mgpu_turns.py)
-        plgpu.Barrier(num_arrivals=1) if tn.decode_interleave else None,  # mix_full
-        plgpu.Barrier(num_arrivals=1) if tn.decode_interleave else None,  # mix_free
+        # mix_full, mix_free: one each per owner (the hand-over's direction)
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.decode_interleave else None,
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.decode_interleave else None,
     ]
     kernel = plgpu.kernel(
         functools.partial(attention_kernel, st=st),

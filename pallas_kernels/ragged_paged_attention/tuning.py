@@ -40,16 +40,18 @@ class TuningConfig:
                    release the K/V stages) or 2 (items alternate between warpgroups 0 and 1, so
                    one warpgroup's epilogue, output store and next Q overlap the other's
                    blocks). Each then has its own split-decode staging.
-    decode_interleave: both compute warpgroups on every decode item: warpgroup w computes the
-                   item's blocks b0 + w, b0 + w + 2, ... and releases the others; warpgroup 1
-                   then hands its partial softmax state (O, row max, denominator) to warpgroup
-                   0 through SMEM, which merges the two and stores the output. Without it a
-                   decode item is one warpgroup's, and since a stage is released only once both
-                   have arrived on it, the other waits for every block of that item to land
-                   before its own next one (docs/benchmarks.md, "The two decode warpgroups wait
-                   on each other"). Needs compute_wgs=2 and decode_wgs=1 (warpgroup 0 owns
-                   every item's Q slot and output); an fp8 K is then converted just before its
-                   Q K^T (fp8_convert_early does not apply to decode items).
+    decode_interleave: 0, or a block count k: decode items of at least k KV blocks are computed by
+                   both compute warpgroups. The item's owner (Items.decode_owner) computes its
+                   blocks b0, b0 + 2, ..., the other warpgroup b0 + 1, b0 + 3, ... and releases
+                   the rest; the other then hands its partial softmax state (O, row max,
+                   denominator) to the owner through SMEM, which merges the two and stores the
+                   output. Without it a decode item is its owner's alone, and since a stage is
+                   released only once both have arrived on it, the other waits for every block
+                   of that item to land before its own next one (docs/benchmarks.md, "The two
+                   decode warpgroups wait on each other"). The hand-over costs about as much as
+                   a block, so short items keep one owner. Needs compute_wgs=2; an fp8 K is
+                   converted just before its Q K^T in such items (fp8_convert_early does not
+                   apply to them).
     pingpong:      prefill tiles: the two compute warpgroups take turns on the tensor cores
                    through a shared rendezvous barrier, so one's softmax overlaps the other's
                    matmuls (FlashAttention-3's ping-pong schedule, mgpu_turns.py). Decode items
@@ -97,7 +99,7 @@ class TuningConfig:
     prefill_kv_splits: int = 1
     fp8_convert_early: bool = False
     fp8_qk: bool = False
-    decode_interleave: bool = False
+    decode_interleave: int = 0
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -127,13 +129,14 @@ class TuningConfig:
             raise ValueError(f"{self.fp8_convert_early=} must be a bool")
         if not isinstance(self.fp8_qk, bool):
             raise ValueError(f"{self.fp8_qk=} must be a bool")
-        if not isinstance(self.decode_interleave, bool):
-            raise ValueError(f"{self.decode_interleave=} must be a bool")
-        if self.decode_interleave and (self.compute_wgs != 2 or self.decode_wgs != 1):
-            raise ValueError(
-                f"decode_interleave=True needs compute_wgs=2 and decode_wgs=1, not "
-                f"{self.compute_wgs=}, {self.decode_wgs=}"
-            )
+        if (
+            isinstance(self.decode_interleave, bool)
+            or not isinstance(self.decode_interleave, int)
+            or self.decode_interleave < 0
+        ):
+            raise ValueError(f"{self.decode_interleave=} must be an int >= 0 (a block count)")
+        if self.decode_interleave and self.compute_wgs != 2:
+            raise ValueError(f"decode_interleave needs compute_wgs=2, not {self.compute_wgs=}")
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
@@ -141,7 +144,7 @@ class TuningConfig:
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
         staging of split prefill tiles, and with fp8 pages each compute warpgroup's 8-bit P
         tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it); with
-        decode_interleave the f32 state warpgroup 1 hands to warpgroup 0)."""
+        decode_interleave the f32 state one compute warpgroup hands to the other)."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1

@@ -18,8 +18,8 @@ PREFILL_64_SPLIT = dict(
 )
 
 
-# both compute warpgroups on every decode item, with the other fields of a decode bucket
-INTERLEAVE = dict(decode_interleave=True, pingpong=True, producer_warps=4)
+# both compute warpgroups on decode items of 4 blocks and more, with a decode bucket's fields
+INTERLEAVE = dict(decode_interleave=4, decode_wgs=2, pingpong=True, producer_warps=4)
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ INTERLEAVE = dict(decode_interleave=True, pingpong=True, producer_warps=4)
         ),
         (TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT), 64),
         (TuningConfig(64, 3, 1, 132, **INTERLEAVE), 128),
-        (TuningConfig(64, 2, 2, 132, decode_interleave=True), 128),
+        (TuningConfig(64, 2, 2, 132, decode_interleave=1), 128),
     ],
     ids=[
         "default-form",

@@ -313,27 +313,29 @@ def test_fp8_converted_early_matches_reference(case):
     )
 
 
-# Both compute warpgroups on every decode item (tuning.decode_interleave): KV lengths of one to
-# five blocks (an item of one block leaves warpgroup 1 with none: its row max stays -inf for the
-# merge), decode items beside prefill tiles, split decode, fp8 pages with Q K^T in fp8 and with
-# K converted (fp8_convert_early then does not apply to decode items).
+# Both compute warpgroups on the decode items of at least tuning.decode_interleave KV blocks: KV
+# lengths of one to five blocks (an item of one block leaves the second half none: its row max
+# stays -inf for the merge), every item interleaved with one owner (decode_wgs=1), or the long
+# ones only while the short ones alternate owners (decode_wgs=2, so hand-overs go both ways),
+# beside prefill tiles, with split decode, on fp8 pages with Q K^T in fp8 and with K converted
+# (fp8_convert_early then does not apply to decode items).
 # (q dtype, pages, head_dim, page size, q heads, kv heads, soft cap, tuning)
 INTERLEAVE_CASES = [
     (
         *(jnp.bfloat16, None, 64, 16, 8, 2, None),
-        TuningConfig(64, 2, 1, 3, decode_interleave=True, pingpong=True, producer_warps=4),
+        TuningConfig(64, 2, 1, 3, decode_interleave=1, pingpong=True, producer_warps=4),
     ),
     (
         *(jnp.float32, None, 32, 32, 3, 3, 20.0),
-        TuningConfig(128, 2, 2, 2, decode_interleave=True),
+        TuningConfig(128, 2, 2, 2, decode_interleave=2, decode_wgs=2),
     ),
     (
         *(jnp.bfloat16, jnp.float8_e4m3fn, 64, 32, 8, 2, None),
-        TuningConfig(64, 3, 1, 3, decode_interleave=True, pingpong=True, fp8_qk=True),
+        TuningConfig(64, 3, 1, 3, decode_interleave=3, decode_wgs=2, pingpong=True, fp8_qk=True),
     ),
     (
         *(jnp.float16, jnp.float8_e5m2, 32, 32, 3, 3, None),
-        TuningConfig(64, 2, 2, 2, decode_interleave=True, fp8_convert_early=True),
+        TuningConfig(64, 2, 2, 2, decode_interleave=1, fp8_convert_early=True),
     ),
 ]
 
@@ -341,7 +343,7 @@ INTERLEAVE_CASES = [
 @pytest.mark.parametrize(
     "case",
     INTERLEAVE_CASES,
-    ids=["bf16-pingpong-pw4", "f32-split-cap-bk128", "e4m3-qk", "e5m2-split-early"],
+    ids=["bf16-all-pingpong-pw4", "f32-2-split-cap-bk128", "e4m3-3-qk", "e5m2-all-split-early"],
 )
 def test_interleaved_decode_matches_reference(case):
     dtype, pages, d, ps, hq, hkv, cap, tuning = case
@@ -695,6 +697,14 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(compute_wgs=True)
     with pytest.raises(ValueError, match="mma_row_sums=1"):  # picks a kernel form: a bool
         TuningConfig(mma_row_sums=1)
+    with pytest.raises(ValueError, match="decode_interleave=True"):  # a block count, not a bool
+        TuningConfig(decode_interleave=True)
+    with pytest.raises(ValueError, match="decode_interleave=-1"):
+        TuningConfig(decode_interleave=-1)
+    with pytest.raises(ValueError, match="compute_wgs=3"):  # two warpgroups split an item
+        TuningConfig(128, 2, 1, compute_wgs=3, decode_interleave=4)
+    with pytest.raises(ValueError, match="SMEM"):  # the hand-over's staging counts
+        TuningConfig(128, 2, 1, decode_interleave=1).check_fits(128, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="SMEM"):  # the ones tiles count
         TuningConfig(128, 2, 1, decode_wgs=2, mma_row_sums=True).check_fits(128, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="prefill_kv_splits=0"):
