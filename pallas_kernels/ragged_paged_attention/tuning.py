@@ -370,6 +370,15 @@ RULES: tuple[Rule, ...] = (
          "little, an e5m2 Q 6% perplexity, so Q is e4m3 on e5m2 pages too (docs/benchmarks.md, "
          "\"FP8 KV pages\"). Measured when V was converted on the compute warpgroups",
          _FP8_DECODE_64),
+    Rule("fp8 pages, head_dim <= 64, decode bucket: long items on both warpgroups",
+         lambda b, k: b.fp8_decode and b.head_dim <= 64 and k == 1, dict(decode_interleave=12),
+         "thirty-first session, H100 calls 2-3 (64-token pages, e4m3, 128 x 6 blocks): items of "
+         "12 blocks and more (1,536 tokens) on both compute warpgroups, 9q/3kv/64 at 256 x 4,096 "
+         "0.194 against 0.214 ms and 512 x 2,048 0.199 against 0.208, 32q/8kv/64 at 256 x 4,096 "
+         "0.452 against 0.498 and 512 x 2,048 (every item) 0.427 against 0.459; at 1,024 x 1,024, "
+         "where no item has 12 blocks, even (0.200 against 0.198-0.200; 0.465 against 0.469), "
+         "while interleaving every item there cost 4% at 9q/3kv/64 (0.207)",
+         _FP8_DECODE_64),
 )
 # fmt: on
 
