@@ -55,6 +55,7 @@ from attention_bench import (  # noqa: E402
     LAYOUTS,
     back_to_back,
     build_step,
+    device_times,
     measure_ceilings,
     parse_tuning,
     prefill_case,
@@ -103,6 +104,9 @@ CHECKS = [  # (name, layout, page size, (q_len, kv_len) per sequence)
     ("mixed", "32q/8kv/64", 32, [(1, 300), (1, 17), (1900, 2500), (150, 150)]),  # 3 warpgroups
     ("decode", "32q/8kv/128", 32, [(1, 1024 + 37 * i) for i in range(64)]),
     ("prefill", "9q/3kv/64", 64, [(4096, 4096)]),
+    # fp8 decode at head_dim 64 interleaves items of 12+ blocks (tuning.decode_interleave):
+    # long items, short ones between them (one owner each), and hand-overs to both warpgroups
+    ("decode", "9q/3kv/64", 64, [(1, 1500 + 97 * i) if i % 3 else (1, 90 + i) for i in range(48)]),
 ]
 
 
@@ -219,6 +223,11 @@ def time_forms(ceil, args, p, layout, case: dict) -> None:
     for _ in range(args.alternations):  # A B A B
         for name, fn in fns.items():
             times[name].append(back_to_back(fn, tables, args.trials))
+    # the kernel's own device time per call, from a trace, apart from the call's small XLA
+    # programs (the schedule's plan, the output's merge) that the time per call includes
+    traced = (
+        {name: device_times(fn, tables) for name, fn in fns.items()} if args.device_times else {}
+    )
     if case["kind"] == "decode":
         kv_tokens = case["batch"] * case["ctx"]
     else:
@@ -239,6 +248,16 @@ def time_forms(ceil, args, p, layout, case: dict) -> None:
             pct_copy=100 * kv_bytes / t / 1e12 / ceil["copy_bw_tbs"],
             err=errs[name],
         )
+        if traced.get(name, {}).get("kernel_ms"):
+            k = traced[name]
+            row.update(
+                k,
+                kernel_pct_copy=100
+                * kv_bytes
+                / (k["kernel_ms"] * 1e-3)
+                / 1e12
+                / ceil["copy_bw_tbs"],
+            )
         if case["kind"] == "decode":
             row["tokens_per_s"] = case["batch"] / t
         else:
@@ -314,7 +333,12 @@ def print_table(ceil) -> None:
 
 def _timed_line(case: str, r: dict, rate: str) -> str:
     speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
-    return f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {rate} {speed:>8s}  err {r['err']:.1e}"
+    line = f"{case:32s} {r['pages']:28s} {r['ms']:8.3f} {rate} {speed:>8s}  err {r['err']:.1e}"
+    if "kernel_ms" in r:  # --device-times
+        line += f"  kernel {r['kernel_ms']:.3f} ms"
+        if "kernel_pct_copy" in r and r["kind"] == "decode":
+            line += f" ({r['kernel_pct_copy']:.1f}% of copy), others {r['others_ms']:.3f} ms"
+    return line
 
 
 def main() -> None:
@@ -340,6 +364,12 @@ def main() -> None:
         '"9q/3kv/64,2048,0;32q/8kv/128,1024,3072"',
     )
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument(
+        "--device-times",
+        action="store_true",
+        help="also each form's kernel device time per call, from a profiler trace (the time per "
+        "call includes the call's small XLA programs)",
+    )
     ap.add_argument(
         "--convert-early",
         action="store_true",
