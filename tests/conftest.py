@@ -21,6 +21,20 @@ os.environ.setdefault("NPROC", "16")
 # beside one busy core, 20 s with one thread). One thread per process; set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Most of an engine test's time on CI is XLA compiling its programs for the CPU, and LLVM's
+# optimization passes are much of that. Level 1 drops the costlier passes and still gives the
+# real 135M model's tests code fast enough to run (level 0 does not). From an empty compilation
+# cache on the 2-core machine: tests/test_engine.py with tests/quantization/test_quantized_engine.py
+# take 122 s at levels 0 and 1 against 149 s at XLA's default (2); the README's Python example on
+# the embedded model takes 29 s at level 1, 37 s at 2 and 54 s at 0. The arithmetic is the same:
+# XLA's CPU floating-point flags do not depend on the level. Set before JAX starts its CPU
+# client; a level given in XLA_FLAGS wins (tests/cpu_devices.py passes it to the mesh tests'
+# subprocesses).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
+    ).strip()
+
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
 

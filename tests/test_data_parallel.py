@@ -10,12 +10,12 @@ each test reads its part of the result.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from cpu_devices import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -127,9 +127,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def result(hf_checkpoints) -> dict:
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
-    )
+    env = cpu_devices_env(2)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(hf_checkpoints["llama"])],
         env=env,

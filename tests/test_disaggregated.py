@@ -11,13 +11,13 @@ the transfer metrics.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from cpu_devices import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -145,9 +145,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
+    env = cpu_devices_env(4)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900
     )

@@ -8,7 +8,6 @@ clear error within seconds.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+from cpu_devices import cpu_devices_env
 
 ENGINE = dict(
     dtype="float32",
@@ -67,11 +67,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-    )
+    return cpu_devices_env(devices)
 
 
 def _pair(model: str, then: str) -> tuple[subprocess.Popen, subprocess.Popen]:

@@ -9,13 +9,13 @@ device count is fixed when JAX starts; the tests below read its report.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_devices import cpu_devices_env
 
 SCRIPT = Path(__file__).with_name("tp_layouts.py")
 NUM_LAYERS = 2  # of the tp model and of qwen2 (tests/conftest.py)
@@ -23,9 +23,7 @@ NUM_LAYERS = 2  # of the tp model and of qwen2 (tests/conftest.py)
 
 @pytest.fixture(scope="module")
 def report(tp_checkpoint, kernel_tp_checkpoint, hf_checkpoints) -> dict:
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = cpu_devices_env(8)
     args = [str(tp_checkpoint), str(kernel_tp_checkpoint), str(hf_checkpoints["qwen2"])]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900

@@ -4,7 +4,6 @@ would otherwise take as they are)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from cpu_devices import cpu_devices_env
 from jax.sharding import SingleDeviceSharding
 
 from nori_jax.executor.placement import ReplicatedPut
@@ -60,9 +60,7 @@ MESH = textwrap.dedent(
 
 
 def test_replicated_over_a_mesh_of_two_devices():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
-    )
+    env = cpu_devices_env(2)
     proc = subprocess.run(
         [sys.executable, "-c", MESH], env=env, capture_output=True, text=True, timeout=120
     )

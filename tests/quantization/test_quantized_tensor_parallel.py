@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+from cpu_devices import cpu_devices_env
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -45,9 +47,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_two_way_tensor_parallel_quantized_matches_float32(tmp_path):
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
-    )
+    env = cpu_devices_env(2)
     here = os.path.dirname(__file__)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "lookup"), here],

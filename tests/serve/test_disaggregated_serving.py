@@ -8,6 +8,7 @@ import re
 
 import httpx
 import pytest
+from cpu_devices import cpu_devices_flags
 from serve_harness import client, engine_config, running_server
 
 from nori_jax import LLM, SamplingParams
@@ -23,7 +24,7 @@ def server():
     with pytest.MonkeyPatch.context() as mp:
         # The engine-core process is a fresh interpreter: it starts JAX with two CPU devices.
         # Only while it is spawned: this process's JAX keeps its one device.
-        mp.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+        mp.setenv("XLA_FLAGS", cpu_devices_flags(2))
         mp.setenv("JAX_PLATFORMS", "cpu")
         engine = EngineCoreClient(engine_config(mesh={"prefill": 1, "decode": 1}, **SMALL))
     with running_server(engine=engine) as s:
