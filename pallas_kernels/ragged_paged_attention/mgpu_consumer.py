@@ -418,6 +418,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 plgpu.barrier_wait(r.qd_full.at[qs])
             with jax.named_scope("load_q"):
                 q, q_scale = load_q(qs, owner)
+            if interleave:  # the other has read the slot: its release (the owner's: its store)
+                pl.when(~mine)(lambda: plgpu.barrier_arrive(r.qd_free.at[qs]))
             row_pos0 = it["kv_len"] - 1
             b_full = jnp.clip(lax.div(row_pos0 + 1, jnp.int32(bk)), b0, b1)
             args = (kvc, b0, b_full, b1, row_pos0, NoTurns(), q_scale)
@@ -434,8 +436,13 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
         @pl.when(is_dec & idle)
         def _decode_idle():  # the other warpgroup's item: its blocks waited for and released
-            if interleave:  # every warpgroup observes every completion of a Q slot's barrier
+            if interleave:  # every warpgroup observes every completion of a Q slot's barrier,
+                # and releases the slot, so that the producer cannot fill it again (and complete
+                # its barrier once more) before this warpgroup has seen it filled: short items
+                # (empty decode splits, items within the pipeline's depth) would let it run
+                # two completions ahead
                 plgpu.barrier_wait(r.qd_full.at[qs])
+                plgpu.barrier_arrive(r.qd_free.at[qs])
             with jax.named_scope("skip"):
                 _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 

@@ -117,7 +117,10 @@ def launch(
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_full
         plgpu.Barrier(num_arrivals=wgs * st.tokens_per_wg, num_barriers=2),  # qp_full
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_free
+        # qd_free: the owner's store; with decode_interleave also the other compute warpgroup's
+        # arrival once it has seen the slot filled (mgpu_consumer.consumer: it waits on every
+        # qd_full completion, so the producer must not fill the slot again before it has)
+        plgpu.Barrier(num_arrivals=2 if tn.decode_interleave else 1, num_barriers=2),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
         plgpu.Barrier(num_arrivals=2) if tn.pingpong else None,  # turn (mgpu_turns.py)
         # mix_full, mix_free: one each per owner (the hand-over's direction)
