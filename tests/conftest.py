@@ -26,17 +26,53 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # real 135M model's tests code fast enough to run (level 0 does not). From an empty compilation
 # cache on the 2-core machine: tests/test_engine.py with tests/quantization/test_quantized_engine.py
 # take 122 s at levels 0 and 1 against 149 s at XLA's default (2); the README's Python example on
-# the embedded model takes 29 s at level 1, 37 s at 2 and 54 s at 0. The arithmetic is the same:
-# XLA's CPU floating-point flags do not depend on the level. Set before JAX starts its CPU
-# client; a level given in XLA_FLAGS wins (tests/cpu_devices.py passes it to the mesh tests'
-# subprocesses).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
-    ).strip()
+# the embedded model takes 29 s at level 1, 37 s at 2 and 54 s at 0. XLA's switch for LLVM's
+# expensive passes takes more off: the same two files 201 against 246 s of CPU time (114 against
+# 137 s on two workers), the first-contact and GGUF parity tests on the embedded model 158
+# against 183 s. The arithmetic is the same: XLA's CPU floating-point flags depend on neither.
+# Set before JAX starts its CPU client; a value given in XLA_FLAGS wins (tests/cpu_devices.py
+# passes them to the mesh tests' subprocesses, and servers the tests start inherit them).
+_TEST_XLA_FLAGS = {
+    "xla_backend_optimization_level": "1",
+    "xla_llvm_disable_expensive_passes": "true",
+}
+for _name, _value in _TEST_XLA_FLAGS.items():
+    if _name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
 
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
+
+# The suite's longest files, longest first (seconds of one worker on CI's two cores from an empty
+# compilation cache, 2026-12-06). pytest-xdist hands whole files to its two workers in collection
+# order (pyproject.toml: --dist loadfile --no-loadscope-reorder, which stops it from ordering
+# files by their number of tests instead); starting the long ones first keeps one worker from
+# running a long file alone at the end (longest-processing-time-first scheduling). The order of
+# the files changes when they run, never what they check; files not listed keep their order.
+LONGEST_FIRST = (
+    "tests/kernels/test_ragged_paged_attention.py",  # ~440 s: interpret-mode kernels
+    "tests/quantization/test_quantized_engine.py",  # ~110
+    "tests/test_tensor_parallel.py",  # ~85: an 8-device subprocess
+    "tests/test_first_contact.py",  # ~85: the embedded model, fresh processes
+    "tests/weights/test_gguf_model_parity.py",  # ~75
+    "tests/test_disaggregated.py",  # ~70
+    "tests/test_engine.py",  # ~60
+    "tests/quantization/test_kv_cache_dtype.py",  # ~55
+    "tests/test_pallas_engine.py",  # ~50
+    "tests/kernels/test_cuda_lowering.py",  # ~45
+    "tests/serve/test_disaggregated_serving.py",  # ~37
+    "tests/test_multihost.py",  # ~35
+    "tests/quantization/test_quantized_tensor_parallel.py",  # ~35
+    "tests/test_engine_scheduling.py",  # ~35
+    "tests/serve/test_api_servers.py",  # ~33
+    "tests/weights/test_gguf_embedded.py",  # ~33
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
 
 TINY_COMMON = dict(
     vocab_size=320,
