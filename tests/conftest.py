@@ -43,37 +43,6 @@ for _name, _value in _TEST_XLA_FLAGS.items():
 # Tests build many small programs; keep them across runs (CI reuses ~/.cache when it can).
 os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-tests").expanduser()))
 
-# The suite's longest files, longest first (seconds of one worker on CI's two cores from an empty
-# compilation cache, 2026-12-06). pytest-xdist hands whole files to its two workers in collection
-# order (pyproject.toml: --dist loadfile --no-loadscope-reorder, which stops it from ordering
-# files by their number of tests instead); starting the long ones first keeps one worker from
-# running a long file alone at the end (longest-processing-time-first scheduling). The order of
-# the files changes when they run, never what they check; files not listed keep their order.
-LONGEST_FIRST = (
-    "tests/kernels/test_ragged_paged_attention.py",  # ~440 s: interpret-mode kernels
-    "tests/quantization/test_quantized_engine.py",  # ~110
-    "tests/test_tensor_parallel.py",  # ~85: an 8-device subprocess
-    "tests/test_first_contact.py",  # ~85: the embedded model, fresh processes
-    "tests/weights/test_gguf_model_parity.py",  # ~75
-    "tests/test_disaggregated.py",  # ~70
-    "tests/test_engine.py",  # ~60
-    "tests/quantization/test_kv_cache_dtype.py",  # ~55
-    "tests/test_pallas_engine.py",  # ~50
-    "tests/kernels/test_cuda_lowering.py",  # ~45
-    "tests/serve/test_disaggregated_serving.py",  # ~37
-    "tests/test_multihost.py",  # ~35
-    "tests/quantization/test_quantized_tensor_parallel.py",  # ~35
-    "tests/test_engine_scheduling.py",  # ~35
-    "tests/serve/test_api_servers.py",  # ~33
-    "tests/weights/test_gguf_embedded.py",  # ~33
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
-
-
 TINY_COMMON = dict(
     vocab_size=320,
     hidden_size=64,
