@@ -29,7 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the embedded model takes 29 s at level 1, 37 s at 2 and 54 s at 0. XLA's switch for LLVM's
 # expensive passes takes more off: the same two files 201 against 246 s of CPU time (114 against
 # 137 s on two workers), the first-contact and GGUF parity tests on the embedded model 158
-# against 183 s. The arithmetic is the same: XLA's CPU floating-point flags depend on neither.
+# against 183 s. Neither changes the floating-point semantics (XLA's CPU fast-math options, off
+# by default, are flags of their own), and the exact-token tests pass under both.
 # Set before JAX starts its CPU client; a value given in XLA_FLAGS wins (tests/cpu_devices.py
 # passes them to the mesh tests' subprocesses, and servers the tests start inherit them).
 _TEST_XLA_FLAGS = {
