@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import interpret_callbacks  # (beside this script) as tests/conftest.py installs it
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +30,8 @@ from nori_jax.models.llama import DOWN_PROJ_SCOPE, O_PROJ_SCOPE
 from nori_jax.weights.safetensors_dir import iter_safetensors
 from pallas_kernels import attention_step, attention_step_sharded
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+
+interpret_callbacks.install()
 
 ENGINE = dict(
     dtype="float32",
