@@ -35,11 +35,12 @@ def _is_interpret_callback(flat_callback) -> bool:
 def install() -> bool:
     """Patch the two functions; True if they were as expected and are now patched."""
     try:
-        from jax._src import callback, tree_util
+        from jax._src import callback as jax_callback
+        from jax._src import tree_util
         from jax._src.pallas.mosaic_gpu.interpret import shared_memory
     except ImportError:
         return False
-    original_impl, original_to_int = callback.io_callback_impl, shared_memory._to_int
+    original_impl, original_to_int = jax_callback.io_callback_impl, shared_memory._to_int
     if getattr(original_impl, "numpy_arguments", False):
         return True  # already installed
     expected = ["args", "result_avals", "callback", "sharding", "ordered"]
@@ -60,6 +61,6 @@ def install() -> bool:
         return original_to_int(x)
 
     io_callback_impl.numpy_arguments = True
-    callback.io_callback_impl = io_callback_impl
+    jax_callback.io_callback_impl = io_callback_impl
     shared_memory._to_int = to_int
     return True
