@@ -12,8 +12,9 @@ split into what any kernel of this toolchain pays and what the attention kernel 
   and TMA-stores it: one round trip through global memory;
 - `ws_copy`: the attention kernel's shape: two compute warpgroups and a producer warpgroup, the
   register re-allocation, the producer's copy and the compute warpgroups' wait and store;
-- `ws_chain`: as `ws_copy`, with the tile's row found through three dependent scalar loads from
-  global memory first (the attention kernel's item -> part -> page chain);
+- `ws_chain1`, `ws_chain3`, `ws_chain6`: as `ws_copy`, with the tile's row found through 1, 3 or 6
+  dependent scalar loads from global memory first (the attention kernel's first copies wait on
+  such a chain: item count -> part -> page);
 - `ws_barriers`: as `ws_copy`, with as many barriers as the attention kernel allocates (24);
 - `ws_32copies`: as `ws_copy`, the tile copied in 32 pieces of 2 rows (one thread issues them,
   as the attention kernel issues a tile's per-token Q copies into its
@@ -46,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trace_events import traced_kernel_totals  # noqa: E402
 
 ROWS, D = 64, 64
+CHAIN_MAX = 8  # rows of the index table the chain variants walk
 TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 rows of 128 bytes
 
 
@@ -83,7 +85,7 @@ def copy(num_ctas, interpret):
 
 
 def warp_specialised(
-    num_ctas, interpret, *, chain: bool = False, extra_barriers: int = 0, copies: int = 1
+    num_ctas, interpret, *, chain: int = 0, extra_barriers: int = 0, copies: int = 1
 ):
     """Two compute warpgroups and a producer, as the attention kernel: the producer copies each
     compute warpgroup's half of the tile (in `copies` pieces); each waits for it and stores it."""
@@ -107,8 +109,8 @@ def warp_specialised(
         def _produce():
             plgpu.set_max_registers(40, action="decrease")
             row = cta
-            if chain:  # three dependent loads, as item -> part -> page
-                row = idx_ref[idx_ref[idx_ref[cta]]]
+            for k in range(chain):  # dependent loads, as the kernel's item -> part -> page
+                row = idx_ref[k, row]  # one row of idx per load: each a line of its own
             for w in range(2):
                 for c in range(copies):
                     rows = pl.ds(w * half + c * piece, piece)
@@ -126,7 +128,9 @@ VARIANTS = {
     "empty": empty,
     "copy": copy,
     "ws_copy": warp_specialised,
-    "ws_chain": functools.partial(warp_specialised, chain=True),
+    "ws_chain1": functools.partial(warp_specialised, chain=1),
+    "ws_chain3": functools.partial(warp_specialised, chain=3),
+    "ws_chain6": functools.partial(warp_specialised, chain=6),
     "ws_barriers": functools.partial(warp_specialised, extra_barriers=22),
     "ws_32copies": functools.partial(warp_specialised, copies=16),
 }
@@ -141,8 +145,8 @@ def main() -> None:
     dev = jax.devices()[0]
     num_ctas = 2 if args.dry else (getattr(dev, "core_count", None) or 132)
     x = jax.random.normal(jax.random.key(0), (num_ctas * ROWS, D), jnp.bfloat16)
-    # idx[idx[idx[c]]] == c: the chain lands on the CTA's own rows
-    idx = jnp.arange(num_ctas, dtype=jnp.int32)
+    # idx[k, c] == c: every chain lands on the CTA's own rows
+    idx = jnp.tile(jnp.arange(num_ctas, dtype=jnp.int32), (CHAIN_MAX, 1))
     rows = []
     fns = {"xla_add": jax.jit(lambda x, idx: x + jnp.bfloat16(1))}
     for name, make in VARIANTS.items():

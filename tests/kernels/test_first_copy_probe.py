@@ -33,7 +33,7 @@ CTAS = 2
 @pytest.mark.parametrize("name", [n for n in PROBE.VARIANTS if n != "empty"])
 def test_variant_copies_each_ctas_tile(name):
     x = jax.random.normal(jax.random.key(1), (CTAS * PROBE.ROWS, PROBE.D), jnp.bfloat16)
-    idx = jnp.arange(CTAS, dtype=jnp.int32)
+    idx = jnp.tile(jnp.arange(CTAS, dtype=jnp.int32), (PROBE.CHAIN_MAX, 1))
     kernel = PROBE.VARIANTS[name](CTAS, interpret=plgpu.InterpretGPUParams())
     np.testing.assert_array_equal(np.asarray(jax.jit(kernel)(x, idx)), np.asarray(x))
 
@@ -41,6 +41,6 @@ def test_variant_copies_each_ctas_tile(name):
 @pytest.mark.parametrize("name", list(PROBE.VARIANTS))
 def test_variant_lowers_for_cuda(name):
     x = jax.ShapeDtypeStruct((132 * PROBE.ROWS, PROBE.D), jnp.bfloat16)
-    idx = jax.ShapeDtypeStruct((132,), jnp.int32)
+    idx = jax.ShapeDtypeStruct((PROBE.CHAIN_MAX, 132), jnp.int32)
     lowered = jax.jit(PROBE.VARIANTS[name](132, interpret=False)).trace(x, idx)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
