@@ -3,7 +3,8 @@
     python benchmarks/engine/greedy_tokens.py --config h200-throughput --num-prompts 64 \
         --max-tokens 32 --out tokens.json
 
-Prompts are random token ids from a fixed seed (lengths 1 to 1,500), so any model shape works.
+Prompts are random token ids from a fixed seed (lengths 1 to 1,500, or `--max-prompt-len`), so
+any model shape works.
 Uses only the public `LLM` API, so it runs on any tree of the project.
 """
 
@@ -23,12 +24,15 @@ def main() -> None:
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-prompt-len", type=int, default=1500, help="prompt lengths from 1 up to below this"
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
     llm = LLM.from_config(engine_config_from_args(args))
     vocab = llm.engine.model.config.vocab_size
     rng = np.random.default_rng(1234)
-    lens = rng.integers(1, 1500, args.num_prompts)
+    lens = rng.integers(1, args.max_prompt_len, args.num_prompts)
     prompts = [rng.integers(10, vocab - 10, int(n)).tolist() for n in lens]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
