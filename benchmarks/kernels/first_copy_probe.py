@@ -16,8 +16,8 @@ split into what any kernel of this toolchain pays and what the attention kernel 
   dependent scalar loads from global memory first (the attention kernel's first copies wait on
   such a chain: item count -> part -> page);
 - `ws_barriers`: as `ws_copy`, with as many barriers as the attention kernel allocates (24);
-- `ws_32copies`: as `ws_copy`, the tile copied in 32 pieces of 2 rows (one thread issues them,
-  as the attention kernel issues a tile's per-token Q copies into its
+- `ws_32copies`: as `ws_copy`, the tile copied in 32 pieces of 2 rows into an unswizzled tile
+  (one thread issues them, as the attention kernel issues a tile's per-token Q copies into its
   unswizzled Q slot).
 
 Each variant's device time per call comes from a profiler trace of `--reps` calls (the
