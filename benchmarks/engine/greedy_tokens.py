@@ -29,6 +29,10 @@ def main() -> None:
     )
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.max_prompt_len < 2:
+        p.error(
+            f"--max-prompt-len {args.max_prompt_len} must be at least 2 (2 gives one-token prompts)"
+        )
     llm = LLM.from_config(engine_config_from_args(args))
     vocab = llm.engine.model.config.vocab_size
     rng = np.random.default_rng(1234)

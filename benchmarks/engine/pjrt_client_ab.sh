@@ -33,9 +33,14 @@ for client in default tfrt; do
     --out "$OUT/greedy_$client.json" 2>&1 | tail -1
 done
 python3 - "$OUT" <<'PY'
-import json, sys
-a, b = (json.load(open(f"{sys.argv[1]}/greedy_{c}.json")) for c in ("default", "tfrt"))
-print(f"greedy tokens: {sum(x == y for x, y in zip(a, b))} of {len(a)} prompts identical")
+import json, os, sys
+paths = [f"{sys.argv[1]}/greedy_{c}.json" for c in ("default", "tfrt")]
+missing = [p for p in paths if not os.path.exists(p)]
+if missing:
+    print(f"greedy tokens: not compared, no output in {missing} (see the run above)")
+else:
+    a, b = (json.load(open(p)) for p in paths)
+    print(f"greedy tokens: {sum(x == y for x, y in zip(a, b))} of {len(a)} prompts identical")
 PY
 for round in $(seq "$ROUNDS"); do
   for client in tfrt default; do  # alternating: the host drifts within a call
