@@ -68,3 +68,12 @@ def traced_kernel_totals(run) -> collections.Counter:
     for name, _, dur in events:
         total[name] += dur
     return total
+
+
+def largest_kernel_per_call(total: collections.Counter, calls: int) -> tuple[str, float, dict]:
+    """Of `traced_kernel_totals`' result over `calls` calls: (the kernel with the most total time,
+    its device time per call in us, every other kernel's per call in us, largest first). The
+    kernel benchmarks time one kernel a call, which is the largest one in their traces."""
+    top = max(total, key=total.get)
+    others = {name: t / calls / 1e3 for name, t in total.most_common() if name != top}
+    return top, total[top] / calls / 1e3, others

@@ -44,7 +44,7 @@ from pallas_kernels.ragged_paged_attention.tuning import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_events import traced_kernel_totals  # noqa: E402
+from trace_events import largest_kernel_per_call, traced_kernel_totals  # noqa: E402
 
 LAYOUTS = {"32q/8kv/128": (32, 8, 128), "32q/8kv/64": (32, 8, 64), "9q/3kv/64": (9, 3, 64)}
 LOG: list[dict] = []
@@ -101,13 +101,12 @@ def device_times(fn, xs: list) -> dict:
     total = traced_kernel_totals(lambda: jax.block_until_ready([fn(x) for x in xs]))
     if not total:
         return dict(device_times_error="no GPU events in the trace")
-    top = max(total, key=total.get)
-    n = len(xs)
+    top, kernel_us, others = largest_kernel_per_call(total, len(xs))
     return dict(
         kernel_name=top[:80],
-        kernel_ms=total[top] / n / 1e6,
-        others_ms=(sum(total.values()) - total[top]) / n / 1e6,
-        others_us={name[:60]: round(t / n / 1e3, 2) for name, t in total.most_common(8)[1:]},
+        kernel_ms=kernel_us / 1e3,
+        others_ms=sum(others.values()) / 1e3,
+        others_us={name[:60]: round(us, 2) for name, us in list(others.items())[:7]},
     )
 
 

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_events import traced_kernel_totals  # noqa: E402
+from trace_events import largest_kernel_per_call, traced_kernel_totals  # noqa: E402
 
 ROWS, D = 64, 64
 CHAIN_MAX = 8  # rows of the index table the chain variants walk
@@ -161,12 +161,11 @@ def main() -> None:
         if not args.dry:
             calls = functools.partial(lambda f: jax.block_until_ready([f(v, idx) for v in xs]), fn)
             calls()
-            total = traced_kernel_totals(calls)
-            top = max(total, key=total.get)
+            top, kernel_us, others = largest_kernel_per_call(traced_kernel_totals(calls), args.reps)
             row.update(
                 kernel=top[:60],
-                kernel_us=total[top] / args.reps / 1e3,
-                others_us={k[:60]: t / args.reps / 1e3 for k, t in total.items() if k != top},
+                kernel_us=kernel_us,
+                others_us={k[:60]: us for k, us in others.items()},
             )
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -44,3 +44,13 @@ def test_variant_lowers_for_cuda(name):
     idx = jax.ShapeDtypeStruct((PROBE.CHAIN_MAX, 132), jnp.int32)
     lowered = jax.jit(PROBE.VARIANTS[name](132, interpret=False)).trace(x, idx)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_largest_kernel_per_call_splits_the_trace_totals():
+    import collections
+
+    import trace_events  # on sys.path through _probe()
+
+    total = collections.Counter({"attn": 9_000, "copy": 3_000, "add": 600})
+    top, us, others = trace_events.largest_kernel_per_call(total, calls=3)
+    assert (top, us, others) == ("attn", 3.0, {"copy": 1.0, "add": 0.2})
