@@ -14,11 +14,16 @@ Part 2, weight layouts: a decoder-shaped chain of matmuls (per layer: norm, q/k/
 plus a KV-row write into a donated page array) over the 135M and 1B shapes, with the weights
   separate   one array per weight per layer (what the engine does today),
   stacked    one [L, ...] array per weight kind, sliced with static indices in an unrolled loop,
+  dynamic    the same stacked arrays, each layer's row taken at an index read from an int32[L]
+             argument: every layer's slice-and-matmul is then the same HLO, so XLA:GPU autotunes
+             each GEMM shape once, not once per layer (stacked static slices made the engine's
+             compile run for minutes on the H200),
   scan       the same stacked arrays under lax.scan over the layers,
 and the KV pages either per layer (separate) or one stacked [L, ...] array. Reports device time
 per call (median of calls each waited on), the host time per call when pipelined, and the number
 of copy-like fusions XLA left in the optimized program (a stacked weight that XLA copies before
-its matmul shows up there, and as device time).
+its matmul shows up there, and as device time), the seconds its compile took, and how XLA ran
+its matmuls (Triton GEMM fusions, cuBLAS calls).
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def layer(x, w, pages, slots):
     return x + (jax.nn.silu(b @ w["gate"]) * (b @ w["up"])) @ w["down"], pages
 
 
-def forward(layout, kv_layout, ws, kv, x, slots):
+def forward(layout, kv_layout, ws, kv, x, slots, layer_ids=None):
     layers = len(kv) if kv_layout == "separate" else kv.shape[0]
     if layout == "scan":
         assert kv_layout == "stacked"
@@ -123,7 +128,10 @@ def forward(layout, kv_layout, ws, kv, x, slots):
         return x.sum(), kv
     new = []
     for i in range(layers):
-        w = {k: (v[i] if layout == "separate" else v[i]) for k, v in ws.items()}
+        if layout == "dynamic":  # the row at a runtime index: no constant for XLA to fold
+            w = {k: jax.lax.dynamic_index_in_dim(v, layer_ids[i], 0, False) for k, v in ws.items()}
+        else:
+            w = {k: v[i] for k, v in ws.items()}
         pages = kv[i]
         x, pages = layer(x, w, pages, slots)
         if kv_layout == "separate":
@@ -145,27 +153,32 @@ def layout_case(shape_name, layout, kv_layout, tokens, pages_rows, calls=40):
         kvs = jnp.zeros((layers, *kv_shape), jnp.bfloat16)
     x = (0.1 * jax.random.normal(jax.random.fold_in(key, 99), (tokens, h))).astype(jnp.bfloat16)
     slots = jnp.asarray(np.random.default_rng(0).permutation(pages_rows)[:tokens], jnp.int32)
+    ids = jnp.arange(layers, dtype=jnp.int32) if layout == "dynamic" else None
     fn = jax.jit(functools.partial(forward, layout, kv_layout), donate_argnums=(1,))
-    exe = fn.lower(ws, kvs, x, slots).compile()
+    t0 = time.perf_counter()
+    exe = fn.lower(ws, kvs, x, slots, ids).compile()
+    compile_s = time.perf_counter() - t0
     hlo = exe.as_text()
     copies = len(re.findall(r"^\s*\S+ = \S+ (?:copy|dynamic-slice)\(", hlo, re.M))
     copy_fusions = len(re.findall(r"kind=kLoop, calls=%?[\w.]*(?:copy|slice)", hlo))
+    triton = len(re.findall(r'"kind":"__triton_gemm"', hlo))
+    cublas = len(re.findall(r'custom_call_target="__cublas', hlo))
     for _ in range(3):
-        s, kvs = exe(ws, kvs, x, slots)
+        s, kvs = exe(ws, kvs, x, slots, ids)
     jax.block_until_ready(kvs)
     device = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        s, kvs = exe(ws, kvs, x, slots)
+        s, kvs = exe(ws, kvs, x, slots, ids)
         jax.block_until_ready(s)
         device.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(calls):
-        s, kvs = exe(ws, kvs, x, slots)
+        s, kvs = exe(ws, kvs, x, slots, ids)
     t1 = time.perf_counter()
     jax.block_until_ready(kvs)
     pipelined = (time.perf_counter() - t0) / calls
-    n_args = len(jax.tree.leaves((ws, kvs, x, slots)))
+    n_args = len(jax.tree.leaves((ws, kvs, x, slots, ids)))
     return {
         "shape": shape_name,
         "weights": layout,
@@ -177,6 +190,9 @@ def layout_case(shape_name, layout, kv_layout, tokens, pages_rows, calls=40):
         "dispatch_us": (t1 - t0) / calls * 1e6,
         "copies": copies,
         "copy_fusions": copy_fusions,
+        "compile_s": compile_s,
+        "triton_gemms": triton,
+        "cublas_calls": cublas,
     }
 
 
@@ -209,6 +225,7 @@ def main() -> None:
             for layout, kv_layout in [
                 ("separate", "separate"),
                 ("stacked", "separate"),
+                ("dynamic", "separate"),
                 ("stacked", "stacked"),
                 ("scan", "stacked"),
                 ("separate", "separate"),
@@ -229,14 +246,16 @@ def main() -> None:
         print(f"| {key[0]} | {key[1]} | {key[2]} | {' / '.join(f'{u:.1f}' for u in us)} |")
     print(
         "\n| shape | tokens | weights | kv | args | call ms | pipelined ms | dispatch us | "
-        "copies | copy fusions |\n|---|---|---|---|---|---|---|---|---|---|"
+        "copies | copy fusions | compile s | Triton GEMMs | cuBLAS calls |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         if r["part"] == "layout" and "error" not in r:
             print(
                 f"| {r['shape']} | {r['tokens']} | {r['weights']} | {r['kv']} | {r['args']} | "
                 f"{r['call_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['dispatch_us']:.0f} | "
-                f"{r['copies']} | {r['copy_fusions']} |"
+                f"{r['copies']} | {r['copy_fusions']} | {r['compile_s']:.1f} | "
+                f"{r['triton_gemms']} | {r['cublas_calls']} |"
             )
         elif r["part"] == "layout":
             print(f"| {r['shape']} | | {r['weights']} | {r['kv']} | error: {r['error'][:80]} |")
