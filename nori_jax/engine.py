@@ -278,6 +278,7 @@ def build_engine(
         kv_scales,
         num_scheduler_steps=scfg.num_scheduler_steps,
         multi_step_max_seqs=scfg.multi_step_max_seqs,
+        stack_weights=config.stack_weights,
     )
     runner.compile_all()
     runner.warm_up()

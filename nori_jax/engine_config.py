@@ -111,6 +111,13 @@ class EngineConfig:
         "skip_temp unless XLA_FLAGS names a mode or JAX started before the engine",
         choices=COMMAND_BUFFER_UPDATES,
     )
+    stack_weights: bool = option(
+        False,
+        help="pass the weight matrices to the forward pass stacked by kind, each layer's row "
+        "taken at a runtime index (8 parameter arguments instead of 272 on the 135M shape: "
+        "fewer buffers per launch); the model's state then holds the stacked weights' shapes "
+        "only. Not yet measured on a GPU (docs/benchmarks.md, Not measured yet)",
+    )
     compilation_cache_dir: str | None = option(
         None, help="XLA compilation cache; none: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla"
     )

@@ -207,7 +207,7 @@ class LLM:
         checkpoint holds them (weights/export.py): what `update_weights` takes back, e.g. to
         start a trainer from the engine's model. Float models only (ValueError when quantized);
         replica 0's on a data-parallel mesh (they are all the same)."""
-        return dict(hf_tensors(self.engine.model))
+        return dict(hf_tensors(self.engine.model, self.engine.runner.flat_weights()))
 
     def sleep(self, level: int = 1) -> None:
         """Give the device's memory back between `generate` calls (a trainer on the same GPU):

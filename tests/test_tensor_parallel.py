@@ -43,6 +43,13 @@ def test_greedy_tokens_match_one_device_for_tp_2_4_8(report):
         assert engines[f"reference tp{tp}"]["tokens"] == single, f"tp{tp}"
     # MQA with qkv bias: the single kv head and its bias replicated on 4 devices.
     assert engines["qwen2 tp4"]["tokens"] == engines["qwen2 tp1"]["tokens"]
+    # stack_weights: the stacked matrices keep their rows' sharding (checked after new weights
+    # too), and the tokens are the same
+    stacked = engines["reference tp4 stacked"]
+    assert stacked["tokens"] == single and stacked["recompiles"] == 0
+    assert stacked["proj_specs"] == engines["reference tp4"]["proj_specs"]
+    assert stacked["updated_tokens"] == engines["reference tp1"]["updated_tokens"]
+    assert "P(None, None, 'model')" in stacked["param_specs"]  # e.g. the q/k/v stack
 
 
 def test_new_weights_on_a_mesh_match_one_device(report):

@@ -182,11 +182,13 @@ def test_arrays_unlike_the_compiled_ones_are_refused(llm):
 
 
 def _engine_arrays(llm: LLM) -> list[jax.Array]:
-    """What the engine holds on the device: weights, KV pages, the step's own buffers."""
+    """What the engine holds on the device: weights (the state's arrays and the launch's
+    parameter arguments, stacks included), KV pages, the step's own buffers."""
     runner = llm.engine.runner
     buffers = [runner._step_state, runner._samples_state, runner._logits_state]
     buffers += [runner._penalty_counts, runner._penalty_in_prompt]
-    return jax.tree.leaves(llm.engine.model.state) + list(runner.kv_pages) + buffers
+    weights = [x for x in jax.tree.leaves(llm.engine.model.state) if isinstance(x, jax.Array)]
+    return weights + list(runner._params) + list(runner.kv_pages) + buffers
 
 
 def _all_released(refs: list[weakref.ref]) -> bool:
@@ -308,3 +310,33 @@ def test_the_callers_arrays_are_not_kept(checkpoints, expected):
     for array in mine.values():
         array[...] = 0
     assert _tokens(llm) == expected["b"]
+
+
+def test_stacked_weights_answer_update_sleep_and_export_as_the_unstacked(checkpoints, expected):
+    """`stack_weights`: the forward pass takes the matrices stacked by kind. The same tokens,
+    new weights and sleep / wake-up as without, `get_weights` the checkpoint's tensors, nothing
+    recompiled; the state holds no array of a stacked leaf (the stacks are the only copy)."""
+    llm = small_llm(str(checkpoints[0]), stack_weights=True)
+    runner = llm.engine.runner
+    leaves = jax.tree.leaves(llm.engine.model.state)
+    # Two layers: every leaf but the embedding and the LM head stacked; 8 arguments (those
+    # two, 5 stacks, the rows' index) for 15 leaves.
+    assert (len(leaves), runner._packed.num_stacked, runner._packed.num_args) == (15, 13, 8)
+    shapes_only = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+    assert shapes_only == runner._packed.stacked_leaves
+    assert _tokens(llm) == expected["a"]
+    got, want = llm.get_weights(), dict(iter_safetensors(checkpoints[0]))
+    assert sorted(got) == sorted(want)
+    for key, array in want.items():
+        np.testing.assert_array_equal(got[key], array, err_msg=key)
+    llm.update_weights(str(checkpoints[1]))
+    assert _tokens(llm) == expected["b"]
+    held = [weakref.ref(x) for x in _engine_arrays(llm)]
+    llm.sleep()
+    assert _all_released(held)
+    llm.wake_up()
+    assert _tokens(llm) == expected["b"]
+    llm.sleep(level=2)
+    llm.wake_up(str(checkpoints[0]))
+    assert _tokens(llm) == expected["a"]
+    assert llm.engine.num_recompiles == 0

@@ -69,10 +69,10 @@ MESH_ARGS = {
 }
 
 
-def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -> dict:
+def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS, **options) -> dict:
     started = time.perf_counter()
     mesh = MESH_ARGS.get(tp, {"mesh": MeshConfig(model=tp)})
-    llm = LLM(path, attention_backend=backend, **mesh, **ENGINE)
+    llm = LLM(path, attention_backend=backend, **mesh, **ENGINE, **options)
     kernel_programs = ragged_paged_attention_pallas._cache_size()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
@@ -114,6 +114,8 @@ def engine(path: str, tp: int, backend: str, max_tokens: int, prompts=PROMPTS) -
             for name in ("qkv_proj", "q_proj", "k_proj")
             if name in attn
         },
+        # the launch's parameter arguments: [n, ...] stacks keep their rows' split
+        "param_specs": sorted({str(a.sharding.spec) for a in llm.engine.runner._params}),
         "kv_shape": list(kv.shape),
         "kv_shard_shape": list(kv.addressable_shards[0].data.shape),
         "kv_spec": str(kv.sharding.spec),
@@ -180,6 +182,10 @@ def main() -> None:
     # MQA with qkv bias and tied embeddings: the one kv head (and its bias) replicated 4 ways.
     for tp in (1, 4):
         engines[f"qwen2 tp{tp}"] = engine(qwen2, tp, "reference", max_tokens=6)
+    # The weight matrices stacked by kind, each stack sharded as its rows were.
+    engines["reference tp4 stacked"] = engine(
+        tp_model, 4, "reference", max_tokens=6, stack_weights=True
+    )
     # The kernel in the engine: one layer of 4 q / 2 kv heads split 2 ways, few steps (interpret
     # mode costs seconds per kernel call and device).
     short = [PROMPTS[0]]

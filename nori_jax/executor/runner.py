@@ -32,11 +32,12 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nori_jax.core.sampling_modes import (
@@ -136,11 +137,14 @@ class ModelRunner:
         kv_scales: np.ndarray | None = None,
         num_scheduler_steps: int = 1,
         multi_step_max_seqs: int = 0,
+        stack_weights: bool = False,
     ):
         """`kv_dtype`: the KV pages' dtype (None: the model's; an fp8 dtype for 8-bit pages).
         `kv_scales`: float32[num_layers, 2] of fp8 pages (kv_calibration.py); None: 1.0.
         `num_scheduler_steps` > 1: multi-step programs for the buckets and sampler programs a
-        launch of at most `multi_step_max_seqs` decode rows can need."""
+        launch of at most `multi_step_max_seqs` decode rows can need. `stack_weights`: the weight
+        matrices stacked by kind too (param_packing.py); the model's state then holds the
+        stacked leaves' shapes only (`flat_weights` gives them as arrays)."""
         self.model = loaded
         self.mesh = mesh
         self.num_pages, self.page_size = num_pages, page_size
@@ -151,9 +155,12 @@ class ModelRunner:
         self.kv_pages = allocate_kv_pages(cfg, num_pages, page_size, self.kv_dtype, mesh)
         self.kv_scales = kv_scales
         leaves, treedef = jax.tree.flatten(loaded.state)
-        # Small vectors (the norm scales) stacked: fewer arguments per launch (param_packing.py).
-        self._packed = PackedParams(leaves, treedef)
-        self._params = self._packed.pack(leaves)
+        # Small vectors (the norm scales) stacked, and the matrices with `stack_weights`: fewer
+        # arguments per launch (param_packing.py).
+        self._packed = PackedParams(leaves, treedef, stack_matrices=stack_weights)
+        self.stack_weights = stack_weights
+        self._asleep = False
+        self._pack_state()
         # Sharding objects built once: a fresh one per call misses jit's fast dispatch path.
         self._replicated = replicated(mesh)
         self._kv_sharding = kv_sharding(mesh)
@@ -295,12 +302,46 @@ class ModelRunner:
         # The last launch's samples while only the runner's buffer holds them (no copy yet).
         self._unpeeked: LaunchedSamples | None = None
 
+    def _pack_state(self) -> None:
+        """The launch's parameter arguments from the model's state. With `stack_weights` the
+        stacks replace the stacked leaves: each is deleted as its stack is built, and the state
+        keeps its shape, dtype and sharding (a `jax.ShapeDtypeStruct`, as a weight dropped by
+        `sleep` does), so the device never holds two copies of the weights."""
+        flat = list(nnx.to_flat_state(self.model.state))
+        leaves = [var.get_value() for _, var in flat]
+        self._params = self._packed.pack(leaves, consume=self.stack_weights)
+        if self.stack_weights:
+            for i in self._packed.stacked_leaves:
+                x = leaves[i]
+                flat[i][1].set_value(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+
+    def _unpack_state(self) -> None:
+        """The stacked leaves back into the model's state as arrays (the stacks freed one by one),
+        before an operation on the state's arrays (sleep, new weights); `_pack_state` after it."""
+        params, self._params = self._params, []
+        if not self.stack_weights or not params:
+            return
+        leaves = self._packed.unpack(params, consume=True)
+        flat = list(nnx.to_flat_state(self.model.state))
+        for i in self._packed.stacked_leaves:
+            flat[i][1].set_value(leaves[i])
+
+    def flat_weights(self) -> Iterator[tuple[tuple, jax.Array]]:
+        """(path, array) of every parameter in the state's order, one at a time: the state's
+        own arrays, or with `stack_weights` a copy of each stacked leaf's row made as it is
+        yielded (so reading them all holds the weights plus one leaf: for inspection and export,
+        not for a step loop)."""
+        stacked = set(self._packed.stacked_leaves) if self.stack_weights and self._params else ()
+        for i, (path, var) in enumerate(nnx.to_flat_state(self.model.state)):
+            yield path, self._packed.leaf(self._params, i) if i in stacked else var.get_value()
+
     def sleep(self, keep_weights: bool) -> None:
         """Give the device back (a trainer on the same GPU, between rollouts): the KV pages and
         the step's buffers are released, and the weights go to pinned host memory
         (`keep_weights`) or away. The compiled programs stay. The caller makes sure nothing is in
         flight and that no one reads the prefix cache's pages afterwards."""
-        self._params = []
+        self._unpack_state()
+        self._asleep = True
         self.kv_pages = []
         self._step_state = self._samples_state = self._logits_state = None
         self._penalty_counts = self._penalty_in_prompt = self._all_samples_state = None
@@ -311,7 +352,8 @@ class ModelRunner:
         """Back on the device after `sleep`: the weights (from host memory, or as
         `replace_weights` placed them while asleep), fresh KV pages and step buffers."""
         restore_weights(self.model)
-        self._params = self._packed.pack(jax.tree.leaves(self.model.state))
+        self._asleep = False
+        self._pack_state()
         cfg = self.model.config
         self.kv_pages = allocate_kv_pages(
             cfg, self.num_pages, self.page_size, self.kv_dtype, self.mesh
@@ -524,11 +566,12 @@ class ModelRunner:
         host), each placed as the array it replaces and swapped in at once; the caller makes
         sure no launch is in flight. The launch's own references go first, so each old array
         is freed as its successor lands."""
-        self._params = []
+        self._unpack_state()
         try:
             replace_weights(self.model, prepared)
         finally:  # after a failure too: the launch takes whatever the state now holds
-            self._params = self._packed.pack(jax.tree.leaves(self.model.state))
+            if not self._asleep:  # (asleep: wake_up packs them)
+                self._pack_state()
 
     def launch(self, plan: StepPlan) -> LaunchedSamples:
         """Enqueue the step and return a handle to its samples without waiting (`fetch` reads

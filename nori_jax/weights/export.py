@@ -12,7 +12,7 @@ with at most `BLOCK_BYTES` of memory beyond the weights.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
@@ -24,18 +24,22 @@ from nori_jax.weights import hf_names
 from nori_jax.weights.loader import LoadedModel
 
 
-def hf_tensors(loaded: LoadedModel) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(
+    loaded: LoadedModel, flat: Iterable[tuple[tuple, jax.Array]] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(Hugging Face name, host array) for every weight of a float model, one at a time (each
-    brought from the device as it is yielded). ValueError for a quantized model, whose stored
-    values are not a checkpoint's floats."""
+    brought from the device as it is yielded). `flat`: the (path, array) pairs to read, where
+    the state does not hold them all (a runner's `flat_weights`); default the state's.
+    ValueError for a quantized model, whose stored values are not a checkpoint's floats."""
     if loaded.quantization is not None:
         raise ValueError(
             f"the weights are stored quantized ({loaded.quantization.describe()}); export "
             "needs a float model"
         )
     cfg = loaded.config
-    for path, var in nnx.to_flat_state(loaded.state):
-        value = var.get_value()
+    if flat is None:
+        flat = ((path, var.get_value()) for path, var in nnx.to_flat_state(loaded.state))
+    for path, value in flat:
         if isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError("the engine sleeps without its weights (level 2): nothing to export")
         name, transpose = hf_names.hf_name(path)
