@@ -124,6 +124,17 @@ def _program_name(kind: str, key) -> str:
     return f"bucket {key}"
 
 
+def _flat_variables(state, leaves: list) -> list:
+    """The state's (path, variable) pairs, checked to be in the order of `leaves` (the state's
+    leaves as the runner packs them), so that leaf i's variable is the i-th."""
+    flat = list(nnx.to_flat_state(state))
+    if len(flat) != len(leaves) or any(
+        v.get_value() is not x for (_, v), x in zip(flat, leaves, strict=True)
+    ):
+        raise RuntimeError("the model state's variables are not in the order of its leaves")
+    return flat
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -307,10 +318,10 @@ class ModelRunner:
         stacks replace the stacked leaves: each is deleted as its stack is built, and the state
         keeps its shape, dtype and sharding (a `jax.ShapeDtypeStruct`, as a weight dropped by
         `sleep` does), so the device never holds two copies of the weights."""
-        flat = list(nnx.to_flat_state(self.model.state))
-        leaves = [var.get_value() for _, var in flat]
+        leaves = jax.tree.leaves(self.model.state)  # the order PackedParams was built in
         self._params = self._packed.pack(leaves, consume=self.stack_weights)
         if self.stack_weights:
+            flat = _flat_variables(self.model.state, leaves)
             for i in self._packed.stacked_leaves:
                 x = leaves[i]
                 flat[i][1].set_value(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
@@ -321,8 +332,8 @@ class ModelRunner:
         params, self._params = self._params, []
         if not self.stack_weights or not params:
             return
+        flat = _flat_variables(self.model.state, jax.tree.leaves(self.model.state))
         leaves = self._packed.unpack(params, consume=True)
-        flat = list(nnx.to_flat_state(self.model.state))
         for i in self._packed.stacked_leaves:
             flat[i][1].set_value(leaves[i])
 
