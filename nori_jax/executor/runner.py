@@ -6,7 +6,8 @@ graph's buffers moved updates and re-uploads the graph first: on the H200 a chai
 launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 ms with none
 (benchmarks/engine/graph_launch_bench.py; docs/benchmarks.md). So every buffer of the forward pass
 keeps its address from launch to launch: `params` never change (the norm scales stacked into a
-few arrays once, param_packing.py), and the runner owns one device buffer each for the KV pages,
+few arrays once, and with `stack_weights` the weight matrices, param_packing.py), and the runner
+owns one device buffer each for the KV pages,
 `samples`, `logits`, the step buffer and (with multi-step decode) `all_samples`, which each
 program takes donated and returns in place. A step's fresh
 host-to-device buffer goes through `stage` (a one-kernel program, cheap to update), and the host
