@@ -113,19 +113,14 @@ class PackedParams:
 
     def unpack(self, args: list[jax.Array], consume: bool = False) -> list[jax.Array]:
         """The leaves as arrays again (each on its own sharding), from `pack`'s arguments.
-        `consume`: each stack is deleted once its rows are out."""
+        `consume`: the stacks are deleted once their rows are out."""
         self._check(args)
-        leaves: list[jax.Array | None] = [None] * self.num_leaves
-        for a, arg in enumerate(self._args):
-            if isinstance(arg, int):
-                leaves[arg] = args[a]
-                continue
-            take = _row_taker(arg[0])
-            for row, i in enumerate(arg[1]):
-                leaves[i] = take(args[a], row)
-            if consume:
-                args[a].delete()
-        return leaves  # type: ignore[return-value]
+        leaves = [self.leaf(args, i) for i in range(self.num_leaves)]
+        if consume:
+            for a, arg in enumerate(self._args):
+                if not isinstance(arg, int):
+                    args[a].delete()
+        return leaves
 
     @property
     def num_stacked(self) -> int:

@@ -344,7 +344,8 @@ class ModelRunner:
         yielded (so reading them all holds the weights plus one leaf: for inspection and export,
         not for a step loop)."""
         stacked = set(self._packed.stacked_leaves) if self.stack_weights and self._params else ()
-        for i, (path, var) in enumerate(nnx.to_flat_state(self.model.state)):
+        state = self.model.state
+        for i, (path, var) in enumerate(_flat_variables(state, jax.tree.leaves(state))):
             yield path, self._packed.leaf(self._params, i) if i in stacked else var.get_value()
 
     def sleep(self, keep_weights: bool) -> None:
