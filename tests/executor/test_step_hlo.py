@@ -22,9 +22,9 @@ from nori_jax.models.llama import ATTENTION_SCOPE
 _CONTROL = re.compile(r"=\s.*?\b(conditional|while)\(")
 
 
-@pytest.fixture(scope="module")
-def programs():
-    llm = LLM("tiny-llama", **TINY_MULTI_STEP)
+@pytest.fixture(scope="module", params=[False, True], ids=["default", "stack_weights"])
+def programs(request):
+    llm = LLM("tiny-llama", stack_weights=request.param, **TINY_MULTI_STEP)
     return {name: exe.as_text() for name, exe in llm.engine.runner.compiled_programs().items()}
 
 
