@@ -116,7 +116,8 @@ class EngineConfig:
         help="pass the weight matrices to the forward pass stacked by kind, each layer's row "
         "taken at a runtime index (8 parameter arguments instead of 272 on the 135M shape: "
         "fewer buffers per launch); the model's state then holds the stacked weights' shapes "
-        "only. Not yet measured on a GPU (docs/benchmarks.md, Not measured yet)",
+        "only. Slower on a CPU (XLA copies each row out: 0.6x offline); not yet measured on a "
+        "GPU (docs/benchmarks.md, Not measured yet)",
     )
     compilation_cache_dir: str | None = option(
         None, help="XLA compilation cache; none: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla"
