@@ -114,7 +114,7 @@ class EngineConfig:
     stack_weights: bool = option(
         False,
         help="pass the weight matrices to the forward pass stacked by kind, each layer's row "
-        "taken at a runtime index (8 parameter arguments instead of 272 on the 135M shape: "
+        "taken at a runtime index (7 parameter arguments instead of 122 on the 135M shape: "
         "fewer buffers per launch); the model's state then holds the stacked weights' shapes "
         "only. Slower on a CPU (XLA copies each row out: 0.6x offline); not yet measured on a "
         "GPU (docs/benchmarks.md, Not measured yet)",

@@ -4,8 +4,10 @@
 
 Part 1, dispatch: one compiled program of N small inputs (D of them donated and returned), called
 200 times back to back; host microseconds per call (the loop without its final wait) for
-N = 8 / 40 / 305 and D = 0 / 30. The forward pass of the SmolLM2-135M shape has 272 parameter
-arrays and 30 donated KV arrays: if the per-buffer cost is what bounds a launch, this shows it.
+N = 8 / 40 / 305 and D = 0 / 30. The forward pass of the SmolLM2-135M shape had 272 parameter
+arrays and 30 donated KV arrays when this was written (122 parameter arrays since q/k/v and
+gate/up are fused and the norm scales stacked): if the per-buffer cost is what bounds a launch,
+this shows it.
 Each case is timed twice, alternating: through `jax.stages.Compiled` (JAX's dispatcher) and
 through the runner's direct call of the executable (nori_jax/executor/direct_call.py).
 (`--parts dispatch` runs this part alone.)

@@ -10,7 +10,8 @@ made when the runner starts (and for new weights); the program takes row i where
 the vector, a slice that fuses into the elementwise op that reads it.
 
 With `stack_matrices` (the engine's `stack_weights`) the weight matrices are stacked the same
-way, by shape, dtype and sharding: the 135M shape's 272 parameter arrays become 8 arguments. A
+way, by shape, dtype and sharding: the 135M shape's 122 parameter arrays (four fused matrices a
+layer, the embedding, the stacked norm scales) become 7 arguments, the row index included. A
 matrix's row is then taken at a *runtime* index (the last argument, int32[n], 0..n-1), not a
 constant one, so that every layer's slice-and-matmul is the same HLO: XLA:GPU autotunes each of
 its GEMM fusions, and with constant slices (each layer's a different fusion) the forward pass of
