@@ -116,10 +116,10 @@ class EngineConfig:
         help="pass the weight matrices to the forward pass stacked by kind, each layer's row "
         "taken at a runtime index (7 parameter arguments instead of 122 on the 135M shape: "
         "fewer buffers per launch); the model's state then holds the stacked weights' shapes "
-        "only. A trade, not a default: on an H100 the launch is 0.03-0.29 ms shorter at 16-64 "
-        "sequences, but XLA copies each row out, so device-bound steps run 2-5% longer and "
-        "the 2,000-request offline run 1.5% slower (on a CPU 0.6x); docs/benchmarks.md, "
-        "Stacked weights at a runtime row index",
+        "only. A trade, not a default: on an H100 the forward pass dispatches 0.03-0.29 ms "
+        "faster at 16-64 sequences, but XLA keeps the rows' slices out of the matmuls, so "
+        "device-bound steps run 2-5% longer and the 2,000-request offline run 1.5% slower (on "
+        "a CPU 0.6x); docs/benchmarks.md, Stacked weights at a runtime row index",
     )
     compilation_cache_dir: str | None = option(
         None, help="XLA compilation cache; none: $NORI_JAX_CACHE_DIR or ~/.cache/nori_jax/xla"

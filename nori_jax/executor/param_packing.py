@@ -16,11 +16,11 @@ matrix's row is then taken at a *runtime* index (the last argument, int32[n], 0.
 constant one, so that every layer's slice-and-matmul is the same HLO: XLA:GPU autotunes each of
 its GEMM fusions, and with constant slices (each layer's a different fusion) the forward pass of
 the fourteenth session compiled for minutes (with the runtime index it compiles as fast as
-unstacked weights, but XLA:GPU then copies each row before its matmul: a shorter launch for
-longer device work, so the engine leaves it off by default; docs/benchmarks.md, "Stacked weights
-at a runtime row index"). Stacking copies the weights, so `pack(...,
-consume=True)` deletes each leaf once its stack is built (the device then holds the weights plus
-one stack, never two copies), and `unpack` gives the leaves back.
+unstacked weights, but XLA:GPU then keeps each row's slice out of its matmul, most likely a
+copy: a shorter launch for longer device work, so the engine leaves it off by default;
+docs/benchmarks.md, "Stacked weights at a runtime row index"). Stacking copies the weights, so
+`pack(..., consume=True)` deletes each leaf once its stack is built (the device then holds the
+weights plus one stack, never two copies), and `unpack` gives the leaves back.
 """
 
 from __future__ import annotations
