@@ -15,9 +15,9 @@ layer, the embedding, the stacked norm scales) become 7 arguments, the row index
 matrix's row is then taken at a *runtime* index (the last argument, int32[n], 0..n-1), not a
 constant one, so that every layer's slice-and-matmul is the same HLO: XLA:GPU autotunes each of
 its GEMM fusions, and with constant slices (each layer's a different fusion) the forward pass of
-the fourteenth session compiled for minutes (with the runtime index it compiles as fast as
-unstacked weights, but XLA:GPU then keeps each row's slice out of its matmul, most likely a
-copy: a shorter launch for longer device work, so the engine leaves it off by default;
+the fourteenth session compiled for minutes (with the runtime index it compiles in about the
+time of unstacked weights, but XLA:GPU then keeps each row's slice out of its matmul, most
+likely a copy: a shorter launch for longer device work, so the engine leaves it off by default;
 docs/benchmarks.md, "Stacked weights at a runtime row index"). Stacking copies the weights, so
 `pack(..., consume=True)` deletes each leaf once its stack is built (the device then holds the
 weights plus one stack, never two copies), and `unpack` gives the leaves back.

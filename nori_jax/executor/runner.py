@@ -5,17 +5,16 @@ bucket, sampler program and multi-step key, and launched on buffers the runner o
 graph's buffers moved updates and re-uploads the graph first: on the H200 a chain of 400 kernels
 launched in 1.9 ms whenever one input or output was a fresh array, against 0.8 ms with none
 (benchmarks/engine/graph_launch_bench.py; docs/benchmarks.md). So every buffer of the forward pass
-keeps its address from launch to launch: `params` never change (the norm scales stacked into a
-few arrays once, and with `stack_weights` the weight matrices, param_packing.py), and the runner
-owns one device buffer each for the KV pages,
-`samples`, `logits`, the step buffer and (with multi-step decode) `all_samples`, which each
-program takes donated and returns in place. A step's fresh
+keeps its address from launch to launch: `params` never change (the norm scales stacked into a few
+arrays once, and with `stack_weights` the weight matrices, param_packing.py), and the runner owns
+one device buffer each for the KV pages, `samples`, `logits`, the step buffer and (with multi-step
+decode) `all_samples`, which each program takes donated and returns in place. A step's fresh
 host-to-device buffer goes through `stage` (a one-kernel program, cheap to update), and the host
-reads the samples through a copy (the runner's own buffer is donated to the next launch before
-the host reads it). That copy is made by the next launch's staging program ("stage+peek"): in an
-overlapped engine the next step is launched before the host fetches this one, and one program
-per launch fewer saves a launch's worth of host time. A fetch that finds no later launch makes the
-copy itself (`peek`). The parameters go in as a flat list prepared once; a launch hands its flat
+reads the samples through a copy (the runner's own buffer is donated to the next launch before the
+host reads it). That copy is made by the next launch's staging program ("stage+peek"): in an
+overlapped engine the next step is launched before the host fetches this one, and one program per
+launch fewer saves a launch's worth of host time. A fetch that finds no later launch makes the copy
+itself (`peek`). The parameters go in as a flat list prepared once; a launch hands its flat
 argument list straight to each program's executable (direct_call.py), past JAX's per-argument
 dispatch checks.
 
