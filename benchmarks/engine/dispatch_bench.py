@@ -22,10 +22,11 @@ plus a KV-row write into a donated page array) over the 135M and 1B shapes, with
              compile run for minutes on the H200),
   scan       the same stacked arrays under lax.scan over the layers,
 and the KV pages either per layer (separate) or one stacked [L, ...] array. Reports device time
-per call (median of calls each waited on), the host time per call when pipelined, and the number
-of copy-like fusions XLA left in the optimized program (a stacked weight that XLA copies before
-its matmul shows up there, and as device time), the seconds its compile took, and how XLA ran
-its matmuls (Triton GEMM fusions, cuBLAS calls).
+per call (median of calls each waited on), the host time per call when pipelined, how many copy
+and dynamic-slice instructions and copy-like loop fusions XLA left in the optimized program (each
+counted wherever it stands, fused or not: a stacked weight that XLA copies before its matmul
+shows up there, and as device time), the seconds its compile took, and how XLA ran its matmuls
+(Triton GEMM fusions, cuBLAS calls).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def layout_case(shape_name, layout, kv_layout, tokens, pages_rows, calls=40):
     exe = fn.lower(ws, kvs, x, slots, ids).compile()
     compile_s = time.perf_counter() - t0
     hlo = exe.as_text()
-    copies = len(re.findall(r"^\s*\S+ = \S+ (?:copy|dynamic-slice)\(", hlo, re.M))
+    copies = len(re.findall(r"^\s*\S+ = \S+ copy\(", hlo, re.M))
+    dynamic_slices = len(re.findall(r"^\s*\S+ = \S+ dynamic-slice\(", hlo, re.M))
     copy_fusions = len(re.findall(r"kind=kLoop, calls=%?[\w.]*(?:copy|slice)", hlo))
     # "__triton_gemm" in older XLA, "__triton_nested_gemm_fusion" in jax 0.11.2's (which counted
     # 0 under the first pattern on an H100, thirty-seventh session)
@@ -193,6 +195,7 @@ def layout_case(shape_name, layout, kv_layout, tokens, pages_rows, calls=40):
         "pipelined_ms": pipelined * 1e3,
         "dispatch_us": (t1 - t0) / calls * 1e6,
         "copies": copies,
+        "dynamic_slices": dynamic_slices,
         "copy_fusions": copy_fusions,
         "compile_s": compile_s,
         "triton_gemms": triton,
@@ -250,16 +253,16 @@ def main() -> None:
         print(f"| {key[0]} | {key[1]} | {key[2]} | {' / '.join(f'{u:.1f}' for u in us)} |")
     print(
         "\n| shape | tokens | weights | kv | args | call ms | pipelined ms | dispatch us | "
-        "copies | copy fusions | compile s | Triton GEMMs | cuBLAS calls |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "copies | dynamic slices | copy fusions | compile s | Triton GEMMs | cuBLAS calls |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         if r["part"] == "layout" and "error" not in r:
             print(
                 f"| {r['shape']} | {r['tokens']} | {r['weights']} | {r['kv']} | {r['args']} | "
                 f"{r['call_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['dispatch_us']:.0f} | "
-                f"{r['copies']} | {r['copy_fusions']} | {r['compile_s']:.1f} | "
-                f"{r['triton_gemms']} | {r['cublas_calls']} |"
+                f"{r['copies']} | {r['dynamic_slices']} | {r['copy_fusions']} | "
+                f"{r['compile_s']:.1f} | {r['triton_gemms']} | {r['cublas_calls']} |"
             )
         elif r["part"] == "layout":
             print(f"| {r['shape']} | | {r['weights']} | {r['kv']} | error: {r['error'][:80]} |")

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU runs the open issues still need, one device call per part (each fits the device's
+# 10-minute limit), logs under $OUT. Without PARTS it picks by the GPU it finds: on an H200 the
+# 8B pair (only an H200 answers it), on an H100 the prefill runs. docs/benchmarks.md, "Not
+# measured yet", says what each answers.
+#   OUT=/tmp/open benchmarks/open_targets.sh               # the GPU's default part
+#   PARTS="prefill64 floor" OUT=/tmp/open benchmarks/open_targets.sh
+#   DRY=1 PARTS=floor benchmarks/open_targets.sh            # CPU: the script's flow only
+#   pair8b     issue 22 item 1: Llama-3.1-8B shape, bf16 against fp8 weights + fp8 pages,
+#              600 requests, alternated twice (target >= 1.5x on the H200)
+#   prefill64  issue 22 item 3: the prefill kernel against cuDNN's flash attention at the
+#              engine's 64-token pages, chunks of 512-8,192 tokens, every layout
+#   floor      issue 22 item 3: what a Mosaic GPU kernel pays before its work starts
+#              (first_copy_probe.py: the fixed 2-2.6 us behind cuDNN on 512-token chunks)
+#   client     issue 19 item 2: the launch with XLA's TFRT GPU client against the default one
+#              (pjrt_client_ab.sh, one round)
+# Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh).
+set -u
+OUT=${OUT:-/tmp/open_targets}
+here=$(cd "$(dirname "$0")" && pwd)
+export NORI_JAX_CACHE_DIR=${NORI_JAX_CACHE_DIR:-/tmp/nori_xla} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-$here/..}
+mkdir -p "$OUT"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+if [ -z "${PARTS:-}" ]; then
+  case $gpu in *H200*) PARTS=pair8b ;; *) PARTS="prefill64 floor" ;; esac
+fi
+echo "=== $gpu: $PARTS ($(date +%T))"
+dry=""; [ -n "${DRY:-}" ] && dry=--dry  # DRY=1: the kernel parts' CPU dry runs (flow only)
+quiet() { grep -v "^W1\|^I0000\|INFO"; }
+for part in $PARTS; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    pair8b)
+      for round in 1 2; do
+        for mode in bf16 fp8; do
+          flags=""; [ $mode = fp8 ] && flags="--quantization fp8 --kv-cache-dtype fp8"
+          log="$OUT/pair8b_${mode}_$round.log"
+          timeout ${T_RUN:-140} python3 -m nori_jax.cli bench offline --config h200-throughput \
+            --model llama3.1-8b --load-format dummy --max-num-seqs 1024 \
+            --max-num-batched-tokens 8192 --num-scheduler-steps 1 --num-prompts 600 $flags \
+            --result-json "$OUT/pair8b_${mode}_$round.json" > "$log" 2>&1
+          echo "--- $mode, round $round (rc $?)"
+          grep -E "engine ready|throughput|Recompiles|Tokens per step|waiting" "$log" | quiet | tail -6
+        done
+      done ;;
+    prefill64)
+      timeout ${T_PREFILL:-420} python3 "$here/kernels/attention_bench.py" --out "$OUT" \
+        --phase prefill --page-size 64 --cudnn-baseline --device-times $dry \
+        > "$OUT/prefill64.log" 2>&1
+      echo "rc $?"; sed -n '/^ceilings/,$p' "$OUT/prefill64.log" ;;
+    floor)
+      timeout ${T_FLOOR:-240} python3 "$here/kernels/first_copy_probe.py" --out "$OUT" $dry \
+        > "$OUT/floor.log" 2>&1
+      echo "rc $?"; quiet < "$OUT/floor.log" | tail -20 ;;
+    client)
+      OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
+    *) echo "unknown part: $part" ;;
+  esac
+done
+echo "=== done ($(date +%T))"
