@@ -40,8 +40,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get("NORI_JAX_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
-        "(default: $NORI_JAX_API_KEY; none: open)",
+        help="require 'Authorization: Bearer KEY' on every path except /health, /metrics, "
+        "/openapi.json, /docs and /redoc (default: $NORI_JAX_API_KEY; none: open)",
     )
     g.add_argument(
         "--chat-template",

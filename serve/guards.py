@@ -1,6 +1,7 @@
 """What every request passes before the app sees it (pure ASGI, so nothing is parsed yet):
 
-1. the API key, from the headers alone, on the guarded routes (/v1/*, /generate);
+1. the API key, from the headers alone, on every path but the open ones (OPEN_PATHS: /health,
+   /metrics, /openapi.json, /docs, /redoc), so an unknown path without the key gets a 401;
 2. the body's size: a Content-Length over the limit is refused at once, and a body without one is
    read only up to the limit (413);
 3. the body's read time: a client that does not send its body within the timeout gets a 408.

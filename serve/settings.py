@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_name: str  # the id clients send as `model` and /v1/models lists
-    api_key: str | None = None  # Bearer token required on /v1/* and /generate when set
+    api_key: str | None = None  # a Bearer token every path but the open ones needs (guards.py)
     chat_template: str | None = None  # Jinja source overriding the tokenizer's own
     request_timeout_s: float | None = None  # per request, queueing included; None: no limit
     retry_after_s: int = 1  # the Retry-After header of a 429 (waiting queue full)

@@ -9,10 +9,10 @@ model. Then `nori-jax bench serve` sends `--num-prompts` streaming /v1/completio
 most `--concurrency` at once, and the script reads from /proc how many CPU seconds the API server
 processes (all their threads; several with `-- --api-server-count N`) and the fake core spent
 during the load. The figure: API-server CPU microseconds per streamed output token, which bounds
-the served throughput of one API server process at about 1e6 / (that figure) tokens per second,
-and per request. With `--output-len 1` and PERF.md's mean prompt (`--input-len 680`, token ids)
-the per-request figure is what a request costs its API server besides its tokens: parsing and
-validating the body, the way to the core, the response's start and end.
+the served throughput of one API server process at about 1e6 / (that figure) tokens per second, and
+per request. With `--output-len 1` and the benchmark workload's mean prompt (`--input-len 680`,
+token ids) the per-request figure is what a request costs its API server besides its tokens: parsing
+and validating the body, the way to the core, the response's start and end.
 Flags after `--` go to `nori-jax serve`. Needs the bench extra.
 """
 

@@ -6,7 +6,8 @@
     python benchmarks/engine/batch_vs_offline.py --config tiny-cpu --num-prompts 64 \
         --bench-seed 0 --memory-lines 2000
 
-1. `bench offline`'s requests (PERF.md's workload by default: the same flags, seed and lengths)
+1. `bench offline`'s requests (the benchmark workload by default, docs/benchmarks.md,
+   Conventions: the same flags, seed and lengths)
    run through `run_offline` (every request queued at once, token ids in, nothing decoded).
 2. The same requests, written as an OpenAI batch file (/v1/completions, token-id prompts,
    max_tokens, greedy, ignore_eos), run through `run-batch`'s runner on the same engine: grain

@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-prompts", type=int, default=100)
-    ap.add_argument("--output-len", type=int, default=303, help="fixed, as PERF.md's HF figure")
+    ap.add_argument("--output-len", type=int, default=303, help="fixed, the workload's mean output")
     ap.add_argument("--input-max", type=int, default=6144)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

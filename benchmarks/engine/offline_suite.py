@@ -20,7 +20,8 @@ PERF = ["--dataset", "lognormal", "--input-max", "6144", "--output-max", "2048"]
 
 
 def run(model: str, backend: str, n: int, extra: list[str] | None = None) -> list[str]:
-    """PERF.md's workload on configs/engine/h200-throughput.yaml's shapes (shared compile cache)."""
+    """The benchmark workload (docs/benchmarks.md, Conventions) on the shapes of
+    configs/engine/h200-throughput.yaml (shared compile cache)."""
     return [
         "--config",
         "h200-throughput",

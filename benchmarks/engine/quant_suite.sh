@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the weight-quantization figures of docs/benchmarks.md. The fp8 / int8 / int4
 # matmuls against bf16 on Llama-3.1-8B shapes (with what XLA lowered each to), then the offline
-# PERF.md workload on the Llama-3.1-8B shape (random weights) in each weight mode, in the order
+# benchmark workload (docs/benchmarks.md, Conventions) on the Llama-3.1-8B shape (random weights) in each weight mode, in the order
 # given (alternate them for an A/B: MODES="none fp8 none fp8").
 #   OUT=/tmp/quant benchmarks/engine/quant_suite.sh
 #   PARTS=matmul TOKENS=16,256 MATMUL_SHAPES="gate/up 4096x14336" benchmarks/engine/quant_suite.sh

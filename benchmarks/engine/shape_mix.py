@@ -3,9 +3,9 @@
     python benchmarks/engine/shape_mix.py [--num-prompts 600] [--num-pages 10164]
         [--max-num-seqs 1024] [--max-num-batched-tokens 8192] [--page-size 64]
 
-Draws `bench offline`'s workload with its own function (PERF.md's lognormal lengths; the same
-requests as `nori-jax bench offline --num-prompts N --bench-seed S`, warm-up left out), queues every
-request at once and runs the engine core (Scheduler, PageAllocator, PlanBuilder) over
+Draws `bench offline`'s workload with its own function (the benchmark workload's lognormal lengths;
+the same requests as `nori-jax bench offline --num-prompts N --bench-seed S`, warm-up left out),
+queues every request at once and runs the engine core (Scheduler, PageAllocator, PlanBuilder) over
 host_step_bench.py's fake executor, which samples random tokens, until all have finished. Prints the
 launches by step shape (token bucket, kind) with their mean real tokens: how many steps of each
 regime a GPU run will take, with `--num-pages` the pool that run has (its start-up log says it).

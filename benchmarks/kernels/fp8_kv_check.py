@@ -13,9 +13,9 @@ pages P rounded as the kernel rounds it (fp8_probs), and the table adds its dist
 reference on Q as given.
 
 Decode: batch 256/512/1024 x ctx 1024 (--decode-list), 32q/8kv/128 and 9q/3kv/64, page 64,
-default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as PERF.md asks
-of an A/B. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per value, so
-at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
+default tuning; bf16 and e4m3 pages alternate (bf16, fp8, bf16, fp8) in one process, as every A/B of
+the project runs. KV bytes read per call are batch x ctx x kv heads x 2 x head_dim x bytes per
+value, so at equal TB/s fp8 is twice the tokens per second; `speedup` is bf16 time / fp8 time.
 `--prefill-list` times prefill chunks (after a cached prefix) the same way, in TFLOP/s.
 `--convert-early` adds a third form: fp8 pages' K converted off the critical path (the next K
 under P V: tuning.fp8_convert_early; only where Q K^T does not read K in fp8), on the default

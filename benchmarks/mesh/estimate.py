@@ -3,7 +3,7 @@
 disaggregated request, for a model shape (default Llama-3.1-8B) on NVLink and on PCIe.
 
 Pure arithmetic, no JAX: the inputs are the single-H200 ceilings and kernel rates measured in
-/work/shared/PERF.md and docs/benchmarks.md, and the link figures below (assumptions, stated as
+docs/benchmarks.md, and the link figures below (assumptions, stated as
 such). Nothing here was run on more than one GPU; the tables are a prediction for those runs to
 confirm or refute.
 
@@ -23,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nori_jax.model_config import ModelConfig, load_preset  # noqa: E402 (JAX-free)
 
-# Measured on one H200 (PERF.md, docs/benchmarks.md "Ceilings" and the kernel tables).
+# Measured on one H200 (docs/benchmarks.md, "Ceilings" and the kernel tables).
 MATMUL_TFLOPS = 813.0  # bf16 matmul 8192^3 through JAX
 HBM_TBPS = 3.32  # elementwise x*2 over 2 GiB, read + write
 ATTN_DECODE_TBPS = 3.65  # our decode kernel, 32q/8kv/128, 256 x 1,024 (KV bytes read)
 ATTN_FLOOR_MS = 0.085  # a decode call at batch 1-32, short contexts: dispatch-bound
 ATTN_PREFILL_8K_MS = 0.856  # our prefill kernel, 8,192-token chunk from 0, 32q/8kv/128
-# The workload's prompt lengths (PERF.md): lognormal(mu 6.2, sigma 0.8), clipped to 6,144.
+# The benchmark workload's prompt lengths (docs/benchmarks.md, Conventions): lognormal(mu 6.2,
+# sigma 0.8), clipped to 6,144.
 PROMPT_MU, PROMPT_SIGMA = 6.2, 0.8
 
 

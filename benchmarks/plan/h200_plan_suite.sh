@@ -49,7 +49,7 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
         --config h200-throughput --model "$m" $SHAPES --out "$OUT/calibration/" 2>&1 | quiet
     done ;;
   offline)
-    # PERF.md's workload: 2,000 requests (OFFLINE_MODELS picks the shapes).
+    # The benchmark workload: 2,000 requests (OFFLINE_MODELS picks the shapes).
     for m in ${OFFLINE_MODELS:-smollm2-135m llama3.2-1b}; do
       n=${N_OFFLINE:-2000}
       timeout 200 python3 -m nori_jax.cli bench offline --config h200-throughput --model "$m" \
@@ -62,7 +62,7 @@ for part in ${PARTS:-calibrate offline sweep135 sweep1b compare}; do
     # The API server processes alone (a fake engine core): CPU microseconds per streamed token.
     timeout 120 python3 "$here/../engine/api_server_bench.py" --runs 2 --json "$OUT/api_servers.json" \
       -- $SERVE 2>&1 | tail -4
-    # And per request (PERF.md's mean prompt, one output token): what a request costs its server.
+    # And per request (the workload's mean prompt, one output token): what a request costs its server.
     timeout 80 python3 "$here/../engine/api_server_bench.py" --runs 2 --num-prompts 2000 \
       --output-len 1 --input-len 680 --json "$OUT/api_requests.json" -- $SERVE --max-model-len 2048 \
       2>&1 | tail -4 ;;

@@ -45,8 +45,9 @@ class LognormalLengths:
         return np.clip(np.rint(raw), self.min_len, self.max_len).astype(np.int64)
 
 
-# PERF.md's workload. The clip bounds keep input + output within an 8k context (SmolLM2) while
-# cutting less than 0.1% of inputs and about 0.1% of outputs.
+# The project's benchmark workload (docs/benchmarks.md, Conventions). The clip bounds keep
+# input + output within an 8k context (SmolLM2) while cutting less than 0.1% of inputs and about
+# 0.1% of outputs.
 DEFAULT_INPUT = LognormalLengths(mu=6.2, sigma=0.8, min_len=1, max_len=6144)
 DEFAULT_OUTPUT = LognormalLengths(mu=5.5, sigma=0.7, min_len=1, max_len=2048)
 

@@ -1,7 +1,7 @@
 """Where an engine's wall time goes by the shape of its steps: token bucket, kind, steps a launch.
 
-A run's mean step time hides the regimes it mixes. PERF.md's 600-request offline run on the
-Llama-3.1-8B shape, for one, is 1,868 launches of which 51 carry prompt tokens and 996 decode
+A run's mean step time hides the regimes it mixes. The benchmark workload's 600-request offline run
+on the Llama-3.1-8B shape, for one, is 1,868 launches of which 51 carry prompt tokens and 996 decode
 about six sequences in bucket 16 (the long outputs' tail, bound by reading the weights), while
 a few hundred decode hundreds of sequences (bound by the KV reads;
 benchmarks/engine/shape_mix.py counts them): a change that speeds one regime and slows another
