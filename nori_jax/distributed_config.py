@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nori_jax.config_field import option
+from nori_jax.config_field import check_types, option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class DistributedConfig:
     )
 
     def __post_init__(self) -> None:
+        check_types(self, prefix="distributed ")
         n, i = self.num_processes, self.process_id
         for name, value, low in (("num_processes", n, 1), ("process_id", i, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

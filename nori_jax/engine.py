@@ -374,8 +374,12 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def new_request_id(self) -> str:
-        self._next_id += 1
-        return f"req-{self._next_id - 1}"
+        """A request id no live request holds (a caller's own ids may look like these)."""
+        while True:
+            self._next_id += 1
+            request_id = f"req-{self._next_id - 1}"
+            if request_id not in self.processor:
+                return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """Validate a prompt and return (token ids, text or None)."""

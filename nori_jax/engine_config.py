@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from nori_jax.config_field import option
+from nori_jax.config_field import check_types, option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.distributed_config import DistributedConfig
 from nori_jax.executor.xla_flags import COMMAND_BUFFER_UPDATES
@@ -134,12 +134,17 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        check_types(self)
+        if not 0 <= self.seed < 2**32:  # JAX's PRNG keeps 32 bits of it
+            raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        if not 0.0 < self.cpu_kv_cache_gib < float("inf"):
+            raise ValueError(f"cpu_kv_cache_gib={self.cpu_kv_cache_gib} must be > 0")
         for name, allowed in (
             ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),

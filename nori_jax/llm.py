@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -13,7 +14,6 @@ from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine import make_engine
 from nori_jax.engine_config import EngineConfig
 from nori_jax.engine_defaults import resolve_engine_config
-from nori_jax.heap_freeze import heap_frozen
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.sampling_params import SamplingParams, sample_choices
 from nori_jax.stream_generate import StreamRequest, stream_requests
@@ -72,19 +72,20 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
+        """Generate for every prompt (text, or token ids as a list or a 1-D integer numpy / JAX
+        array; a 2-D array is a prompt per row); outputs come back in input order.
 
         A prompt whose SamplingParams has n > 1 gives n outputs, one after the other (`index` 0
         to n - 1), so with one `n` for all, prompt i's sample j is output i * n + j.
         Any iterable of prompts is taken (a grain MapDataset, a generator), read whole first;
         `generate_stream` reads one as it goes and yields outputs as they finish. `priority`
-        (one for all or one per prompt): with `scheduling_policy="priority"`, lower runs first."""
-        if isinstance(prompts, str):
-            prompts = [prompts]  # one prompt
-        elif not isinstance(prompts, list):
-            prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int):
-            prompts = [prompts]  # one prompt of token ids
+        (one for all or one per prompt): with `scheduling_policy="priority"`, lower runs first.
+
+        Every prompt and setting is checked before anything is queued; what the waiting queue
+        cannot take yet (`max_num_waiting`) is queued as it frees up. Only this call's requests
+        are waited for (others in the engine run on beside them), and an error or an interrupt
+        aborts those still in flight, so a failed call leaves nothing queued."""
+        prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty")
         if isinstance(params, list) and len(params) != len(prompts):
@@ -92,6 +93,13 @@ class LLM:
         param_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
+        for i, p in enumerate(param_list):
+            if not isinstance(p, SamplingParams):
+                where = f"params[{i}]" if isinstance(params, list) else "params"
+                raise ValueError(
+                    f"{where} must be a SamplingParams (or a list of them, one per prompt), "
+                    f"got {type(p).__name__}"
+                )
         if isinstance(priority, list) and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         priorities = priority if isinstance(priority, list) else [priority or 0] * len(prompts)
@@ -102,29 +110,24 @@ class LLM:
         for p, rank in zip(param_list, priorities, strict=True):
             p.validate()
             check_priority(rank, policy)
-        ids = [  # (request id, sample index), n of them per prompt
-            (
-                self.engine.add_request(
-                    None, prompt, sample, tokenized=tok, stream=False, priority=rank
-                ),
-                j,
+        requests = (  # keyed (prompt index, sample index), n of them per prompt
+            StreamRequest((i, j), prompt, sample, priority=rank, tokenized=tok)
+            for i, (prompt, p, tok, rank) in enumerate(
+                zip(prompts, param_list, tokenized, priorities, strict=True)
             )
-            for prompt, p, tok, rank in zip(prompts, param_list, tokenized, priorities, strict=True)
             for j, sample in enumerate(sample_choices(p))
-        ]
-        finished: dict[str, RequestOutput] = {}
-        with heap_frozen():  # no full garbage collection walks the engine's heap mid-loop
-            while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-            self.engine.drain()
-        outputs = []
-        for request_id, j in ids:
-            out = finished[request_id]
-            out.index = j
-            outputs.append(out)
-        return outputs
+        )
+        # Everything is queued that the waiting queue takes (the rest as it frees up), and only
+        # this call's requests are waited for; an error or an interrupt aborts those still in
+        # flight (closing the loop), so none is left queued for the next call.
+        finished: dict[tuple[int, int], RequestOutput] = {}
+        with contextlib.closing(stream_requests(self.engine, requests, 2**62)) as results:
+            for (i, j), result in results:
+                if isinstance(result, ValueError):  # refused by the engine (its own checks)
+                    raise ValueError(f"prompt {i}: {result}") from result
+                result.index = j
+                finished[i, j] = result
+        return [finished[key] for key in sorted(finished)]
 
     def generate_stream(
         self,
@@ -144,10 +147,8 @@ class LLM:
         the rest of the iterable is not read yet. A bad prompt raises ValueError naming its index;
         then, as when the loop stops early, the requests still in flight are aborted.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt
+        if isinstance(prompts, (str, bytes, bytearray, np.ndarray)) or _is_token_ids(prompts):
+            prompts = _prompt_list(prompts)  # one prompt, or an array's rows
         default = params or SamplingParams()
         limit = max_in_flight
         if limit is None:
@@ -228,3 +229,36 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         """The engine's metrics (the same numbers the server exposes at /metrics)."""
         return self.engine.get_metrics()
+
+
+def _is_token_ids(value: object) -> bool:
+    """A list of token ids (one prompt), not a list of prompts."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and isinstance(value[0], (int, np.integer))
+        and not isinstance(value[0], bool)
+    )
+
+
+def _prompt_list(prompts: object) -> list:
+    """`generate`'s prompts as a list of prompts: one text, one list or 1-D integer array of token
+    ids, or an iterable of those (a 2-D array: a prompt per row); arrays become lists."""
+    if isinstance(prompts, (bytes, bytearray)):
+        raise ValueError("prompts is bytes: pass text (str) or token ids (a list of ints)")
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts]
+    if prompts is None or isinstance(prompts, (int, float)):
+        raise ValueError(
+            f"prompts must be a prompt (text or token ids) or an iterable of them, "
+            f"got {type(prompts).__name__}"
+        )
+    if hasattr(prompts, "__array__"):  # numpy, JAX: token ids, one prompt per row
+        ids = np.asarray(prompts)
+        if ids.ndim in (1, 2) and np.issubdtype(ids.dtype, np.integer):
+            return [ids.tolist()] if ids.ndim == 1 else ids.tolist()
+        raise ValueError(
+            f"an array of prompts must hold integer token ids in 1 or 2 dimensions, "
+            f"got {ids.dtype}{list(ids.shape)}"
+        )
+    return list(prompts)  # (an array among them is one prompt's ids: encode_prompt)

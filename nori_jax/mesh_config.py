@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import yaml
 
-from nori_jax.config_field import option
+from nori_jax.config_field import check_types, option
 from pallas_kernels.page_constants import stored_kv_heads
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class MeshConfig:
     )
 
     def __post_init__(self) -> None:
+        check_types(self, prefix="mesh ")
         for name in ("model", "data"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -35,7 +35,8 @@ def lone_surrogate(text: str) -> str | None:
 def encode_prompt(
     tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int, max_model_len: int
 ) -> tuple[list[int], str | None]:
-    """(token ids, text or None) of a text or token-id prompt; ParameterError naming the fault."""
+    """(token ids, text or None) of a text or token-id prompt (a list, or a 1-D integer array);
+    ParameterError naming the fault."""
     if isinstance(prompt, str):
         if not prompt:
             raise ParameterError("prompt", "prompt is empty")
@@ -48,6 +49,10 @@ def encode_prompt(
         check_text_length(tokenizer, prompt, max_model_len)
         token_ids, text = tokenizer.encode(prompt), prompt
     else:
+        if not isinstance(prompt, (list, tuple, bytes, bytearray)) and hasattr(prompt, "__array__"):
+            ids = np.asarray(prompt)  # numpy or JAX token ids
+            if ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+                prompt = ids.tolist()
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):

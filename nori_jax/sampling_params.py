@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 # logprobs: the sampled token's logprob (0) and up to this many most likely tokens with theirs
 # (vLLM's default max_logprobs; the step returns that many for each row that asks).
 MAX_LOGPROBS = 20
@@ -112,22 +114,14 @@ class SamplingParams:
         )
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) and self.stop is not None:
-            raise ParameterError("stop", f"stop={self.stop!r} must be a string or a list of them")
-        if not isinstance(self.stop_token_ids, (list, tuple)) and self.stop_token_ids is not None:
-            raise ParameterError(
-                "stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be a list"
-            )
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
-        """Raise ParameterError naming the first setting the engine cannot hold."""
+        """Bring the settings to their canonical form (a stop string into a list, None lists
+        empty, top_k -1 to 0, numpy scalars to Python numbers), then raise ParameterError naming
+        the first setting the engine cannot hold. The engine calls it again at submission, so a
+        field set after construction is held to the same rules as one given to it."""
+        self._normalize()
         _check_n(self.n)
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise ParameterError(
@@ -169,6 +163,28 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name}={getattr(self, name)!r} must be a boolean")
+
+    def _normalize(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, np.generic):  # np.float32(0.5), np.int64(5): a number
+                setattr(self, field.name, value.item())
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) and self.stop is not None:
+            raise ParameterError(
+                "stop", f"stop={self.stop!r:.200} must be a string or a list of them"
+            )
+        if not isinstance(self.stop_token_ids, (list, tuple)) and self.stop_token_ids is not None:
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids={self.stop_token_ids!r:.200} must be a list"
+            )
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [
+            t.item() if isinstance(t, np.integer) else t for t in self.stop_token_ids or []
+        ]
+        if self.top_k == -1:
+            self.top_k = 0
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -29,6 +29,8 @@ class StreamRequest[K]:
     params: SamplingParams
     request_id: str | None = None  # the engine's id; None: the engine draws one
     priority: int = 0  # under the scheduling policy "priority": lower runs first
+    # `engine.tokenize(prompt)` where the caller already ran it (validating a batch up front)
+    tokenized: tuple[list[int], str | None] | None = None
 
 
 def stream_requests[K](
@@ -62,6 +64,7 @@ def stream_requests[K](
                             held.request_id,
                             held.prompt,
                             held.params,
+                            tokenized=held.tokenized,
                             stream=False,
                             priority=held.priority,
                         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from nori_jax.core.scheduler_config import DEFAULT_MAX_MODEL_LEN, SchedulerConfig
@@ -36,11 +37,32 @@ def test_flat_and_nested_keys_build_the_same_config():
         ({"num_scheduler_steps": 0}, "num_scheduler_steps=0 must be >= 1"),
         ({"num_scheduler_steps": 2**31}, r"num_scheduler_steps=2147483648 must be at most 64"),
         ({"multi_step_max_seqs": -1}, "multi_step_max_seqs=-1 must be >= 1"),
+        # a value of the wrong type is named here, not deep inside the engine (or taken as True)
+        ({"page_size": "16"}, "page_size='16' must be an integer"),
+        ({"page_size": 16.0}, "page_size=16.0 must be an integer"),
+        ({"max_num_seqs": 8.5}, "max_num_seqs=8.5 must be an integer"),
+        ({"max_model_len": 100.5}, "max_model_len=100.5 must be an integer or none"),
+        ({"num_pages": 64.7}, "num_pages=64.7 must be an integer or none"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization='0.5' must be a number"),
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching='false' must be true or false"),
+        ({"async_scheduling": "no"}, "async_scheduling='no' must be true or false"),
+        ({"max_num_seqs": True}, "max_num_seqs=True must be an integer"),
+        ({"mesh": {"model": "2"}}, "mesh model='2' must be an integer"),
+        ({"seed": -1}, r"seed=-1 must be in \[0, 2\*\*32\)"),
+        ({"seed": 2**70}, "seed=1180591620717411303424 must be in"),
+        ({"seed": "abc"}, "seed='abc' must be an integer"),
+        ({"cpu_kv_cache_gib": -1.0}, "cpu_kv_cache_gib=-1.0 must be > 0"),
     ],
 )
 def test_bad_values_name_the_key(values, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_dict(values)
+
+
+def test_numpy_scalars_become_python_numbers():
+    config = EngineConfig.from_dict({"max_num_seqs": np.int64(8), "kv_headroom": np.float32(0.5)})
+    assert config.scheduler.max_num_seqs == 8 and type(config.scheduler.max_num_seqs) is int
+    assert type(config.scheduler.kv_headroom) is float
 
 
 def test_the_engine_defaults_are_the_schedulers_own():

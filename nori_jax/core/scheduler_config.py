@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import math
 
-from nori_jax.config_field import option
+from nori_jax.config_field import check_types, option
 
 logger = logging.getLogger(__name__)
 # max_model_len=None: the model's own limit, but at most this (a longer context costs KV pages
@@ -87,6 +87,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.long_prefill_threshold == 0:  # the flag's "off" value
             object.__setattr__(self, "long_prefill_threshold", None)
         for name in (
