@@ -131,6 +131,23 @@ def test_the_prefix_cache_is_emptied(llm, checkpoints):
     assert _hits(llm) == hits  # nothing cached survived the update
 
 
+def test_weights_that_wrote_nan_leave_no_trace_once_replaced(llm, checkpoints, expected):
+    """A trainer's diverged step (NaN weights) fills the KV pages it touches with NaN. Masked
+    positions of a page (past a sequence's end, a page tail another request wrote) weigh 0 in
+    the attention, but 0 x NaN is NaN: every new set of weights clears the pool of NaN and inf
+    (in place: the pages keep their addresses), so the good weights answer as before."""
+    llm.update_weights(str(checkpoints[0]))
+    good = dict(iter_safetensors(checkpoints[0]))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    llm.update_weights(good | {q: np.full_like(good[q], np.nan)})
+    llm.generate(PROMPTS * 2, PARAMS[0])  # every page these touch now holds NaN
+    addresses = [p.unsafe_buffer_pointer() for p in llm.engine.runner.kv_pages]
+    llm.update_weights(good)
+    assert [p.unsafe_buffer_pointer() for p in llm.engine.runner.kv_pages] == addresses
+    assert _tokens(llm) == expected["a"]
+    assert llm.engine.num_recompiles == 0
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -7,6 +7,8 @@ page costs every device the same 1/tp of its bytes either way.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -78,3 +80,22 @@ def allocate_kv_pages(
     sharding = kv_sharding(mesh)
     zeros = jax.jit(lambda: jnp.zeros(layout.shape, dtype), out_shardings=sharding)
     return [zeros() for _ in range(cfg.num_layers)]
+
+
+def without_non_finite(pages: list[jax.Array]) -> list[jax.Array]:
+    """`pages` with every NaN and inf set to 0, in place (donated; an elementwise program, so
+    XLA writes its output into its input and the pool neither moves nor needs a second copy).
+
+    Why: a masked position of a page (past a sequence's end, in a page's tail another request
+    wrote) weighs exactly 0 in the attention, which cancels any finite value there, but 0 x NaN
+    is NaN: weights that wrote NaN or inf into the pool (a trainer's diverged step) would spoil
+    requests long after they were replaced."""
+    return _finite_program(pages[0].sharding)(pages)
+
+
+@functools.cache
+def _finite_program(sharding):
+    def finite(pages):
+        return [jnp.where(jnp.isfinite(p), p, jnp.zeros((), p.dtype)) for p in pages]
+
+    return jax.jit(finite, donate_argnums=0, out_shardings=sharding)
