@@ -129,7 +129,10 @@ class SamplingParams:
             )
         t = self.temperature
         if not _is_number(t) or not 0.0 <= t <= FLOAT32_MAX:  # NaN fails both comparisons
-            raise ParameterError("temperature", f"temperature={t!r} must be a finite number >= 0")
+            raise ParameterError(
+                "temperature",
+                f"temperature={t!r} must be a number in [0, 3.4e38] (float32's range)",
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:

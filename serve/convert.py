@@ -92,14 +92,22 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            if any(p.type != "text" or p.text is None for p in content):
-                raise bad_request("only text content parts are supported", f"messages.{i}.content")
+            for j, p in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if p.type != "text":
+                    raise bad_request("only text content parts are supported", where)
+                if p.text is None:
+                    raise bad_request("a text content part needs its text", where)
             content = "".join(p.text or "" for p in content)
         msg = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
         messages.append(msg)
     return messages
+
+
+# apply_chat_template's own arguments: set by the request's fields, never by its kwargs
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt"})
 
 
 def chat_prompt(
@@ -112,14 +120,25 @@ def chat_prompt(
     assert tok is not None  # check_chat
     messages = chat_messages(req)
     check_text_length(tok, "".join(m["content"] for m in messages), ctx.max_model_len)
-    try:
-        text = tok.apply_chat_template(
-            messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs may not set {taken}: the request's own fields do",
+            "chat_template_kwargs",
         )
+    try:
+        text = tok.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         # The template's own checks (roles, alternation) and bad chat_template_kwargs: the
         # request's fault, not the server's.
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    except RecursionError:  # a value nested too deeply for the template's tojson
+        raise bad_request(
+            "cannot apply the chat template: a value in chat_template_kwargs is nested too "
+            "deeply to render",
+            "chat_template_kwargs",
+        ) from None
     try:  # the messages are checked (protocol.Text); a template's own strings are not
         unicode_text(text)
     except ValueError as e:

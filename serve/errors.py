@@ -102,6 +102,7 @@ def api_error_from(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     )
 
 
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 _TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
@@ -180,7 +181,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers).response()
+        detail = str(exc.detail)
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None and detail == FASTAPI_PARSE_ERROR:
+            # FastAPI's word for a body json.loads refused other than by a syntax error (nested
+            # too deeply, an integer of over 4,300 digits, bytes that are not UTF-8): say which
+            detail = f"invalid JSON in the request body: {type(cause).__name__}: {str(cause):.200}"
+        return ApiError(exc.status_code, detail, kind, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

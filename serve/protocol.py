@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from nori_jax.prompts import lone_surrogate
 from nori_jax.sampling_params import (
+    FLOAT32_MAX,
     INT32_MAX,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -40,10 +41,25 @@ def unicode_text(s: str) -> str:
 
 Text = Annotated[str, AfterValidator(unicode_text)]  # every string that reaches the tokenizer
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+def stop_string(s: str) -> str:
+    # (pydantic's own length check after a validator counts "items")
+    if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+        raise ValueError(
+            f"a stop string of {len(s)} characters; it needs 1 to {MAX_STOP_STRING_CHARS}"
+        )
+    return s
+
+
+StopString = Annotated[
+    Text,
+    AfterValidator(stop_string),
+    Field(json_schema_extra={"minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}),
+]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
-Temperature = Annotated[float, Field(ge=0.0)]
+Temperature = Annotated[float, Field(ge=0.0, le=FLOAT32_MAX)]  # kept in a float32 array
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # 0 or -1: off
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]  # 0: off

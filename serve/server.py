@@ -6,15 +6,18 @@ those still running after it end with a JSON error (a stream: an error event, th
 end, `[DONE]` on SSE), never cut mid-chunk. Then uvicorn closes the listener and exits. A second
 signal stops at once (uvicorn's own shutdown).
 
-Header timeout: uvicorn bounds only the idle time between requests; a client that trickles its
-request line and headers would hold a connection for ever. `header_timeout_protocol` closes a
-connection whose headers are not complete within the timeout of its first byte (or of the
-connection's start).
+Headers: uvicorn bounds only the idle time between requests, and its httptools protocol keeps
+every header it is sent: a client that trickles its request line and headers would hold a
+connection for ever, and one that sends a gigabyte of headers makes the server hold it.
+`header_timeout_protocol` closes a connection whose headers are not complete within the timeout of
+its first byte (or of the connection's start), and answers a 431 (JSON) and closes one whose
+request line and headers pass MAX_HEADER_BYTES.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from types import FrameType
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     from serve.api_servers import ApiServers
 
 logger = logging.getLogger(__name__)
+# A request's line and headers, together: far above what clients send (a few KiB with cookies
+# and tokens; nginx takes 32 KiB by default), far below what would cost the server memory.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class Server(uvicorn.Server):
@@ -86,17 +92,36 @@ class Server(uvicorn.Server):
         return self.engine.num_in_flight
 
 
-def header_timeout_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
+def header_timeout_protocol(
+    timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (its C parser: a third less CPU per streamed event than the
     pure-Python h11 one, docs/benchmarks.md), closing connections whose request headers take over
-    timeout_s."""
+    timeout_s, and refusing (431) those whose request line and headers pass max_header_bytes."""
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _headers_pending = True  # the next bytes belong to a request line or headers
+        _header_bytes = 0
+        _headers_completed = 0  # requests whose headers were parsed on this connection
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            pending, completed = self._headers_pending, self._headers_completed
+            super().data_received(data)
+            # Counted once parsed: a chunk read while headers were due that completed none is
+            # all request line and headers; one that completed some (and may carry a body, or
+            # a whole request) is not counted. So the parser holds at most max_header_bytes
+            # plus one read of them before the refusal.
+            if pending and self._headers_pending and self._headers_completed == completed:
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes and not self.transport.is_closing():
+                    self._refuse_headers()
 
         def on_message_begin(self) -> None:  # a request's first byte: its headers are due
             super().on_message_begin()
@@ -105,7 +130,35 @@ def header_timeout_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._headers_pending, self._header_bytes = False, 0
+            self._headers_completed += 1
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._headers_pending = True  # a kept-alive connection's next request
+
+        def _refuse_headers(self) -> None:
+            self._disarm()
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": f"the request line and headers pass {max_header_bytes} bytes",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "headers_too_large",
+                    }
+                }
+            ).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\n"
+                b"content-length: "
+                + str(len(body)).encode()
+                + b"\r\nconnection: close\r\n\r\n"
+                + body
+            )
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -40,8 +40,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
 
 
 def _token_ids(ctx: ServeContext, body: TokenizeRequest) -> list[int]:
-    if (body.prompt is None) == (body.messages is None):
+    if body.prompt is not None and body.messages is not None:
         raise bad_request("give either prompt (a text) or messages (a chat), not both", "prompt")
+    if body.prompt is None and body.messages is None:
+        raise bad_request("give prompt (a text) or messages (a chat)", "prompt")
     if body.messages is not None:
         convert.check_chat_template(ctx)
         try:

@@ -124,7 +124,7 @@ def test_bad_values(c: httpx.Client, body: dict, param: str) -> None:
         (
             {"prompt": "x", "stop": ["ok", "x" * 257]},
             "stop",
-            "stop.1: Value should have at most 256",
+            "stop.1: a stop string of 257 characters; it needs 1 to 256",
         ),
         ({"prompt": [3, -5]}, "prompt", "prompt.1: Input should be greater than or equal to 0"),
         ({"prompt": [[1], [2**40]]}, "prompt", "prompt.1.0: Input should be less than or equal"),
@@ -223,12 +223,20 @@ def test_chat_rejections(c: httpx.Client) -> None:
     body = {"messages": msgs, "top_logprobs": 3}  # without logprobs: true, as OpenAI refuses it
     err = assert_error(c.post("/v1/chat/completions", json=body), 400, "top_logprobs")
     assert "logprobs" in err["message"]
-    body = {"messages": msgs, "chat_template_kwargs": {"messages": []}}
-    assert_error(c.post("/v1/chat/completions", json=body), 400, "messages")
+    for reserved in ("messages", "add_generation_prompt"):  # the request's own fields set them
+        body = {"messages": msgs, "chat_template_kwargs": {reserved: []}}
+        err = assert_error(c.post("/v1/chat/completions", json=body), 400, "chat_template_kwargs")
+        assert reserved in err["message"] and "apply_chat_template" not in err["message"]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    assert_error(
-        c.post("/v1/chat/completions", json={"messages": image}), 400, "messages.0.content"
+    err = assert_error(
+        c.post("/v1/chat/completions", json={"messages": image}), 400, "messages.0.content.0"
     )
+    assert "only text content parts" in err["message"]
+    textless = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]
+    err = assert_error(
+        c.post("/v1/chat/completions", json={"messages": textless}), 400, "messages.0.content.1"
+    )
+    assert "needs its text" in err["message"]
 
 
 def test_unknown_model_and_route(c: httpx.Client) -> None:
@@ -364,6 +372,44 @@ def test_text_that_is_not_unicode_is_refused(c: httpx.Client, path, raw, param) 
     assert c.post(path, json=body).status_code == 200
 
 
+def test_a_template_value_nested_too_deeply_to_render_is_refused() -> None:
+    """A template that renders a chat_template_kwargs value with tojson (as templates with
+    tools do) recurses once per level: a value nested deeper than Python's recursion limit (yet
+    within the JSON parser's) is the request's fault, a 400, not a 500."""
+
+    class Template:
+        chat_template = "{{ tools | tojson }}"
+        longest_token_bytes = 16
+
+        def apply_chat_template(self, messages, add_generation_prompt, **kwargs):
+            return json.dumps(kwargs["tools"])
+
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    ctx = SimpleNamespace(tokenizer=Template(), max_model_len=64)
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tools": deep}
+    )
+    with pytest.raises(ApiError) as e:
+        chat_prompt(ctx, req)
+    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+    assert "nested too deeply" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "RecursionError"),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "digits"),
+        (b'{"prompt": "\xff\xfe"}', "UnicodeDecodeError"),
+    ],
+)
+def test_a_body_the_json_parser_refuses_says_why(c: httpx.Client, raw: bytes, why: str) -> None:
+    err = assert_error(post_raw(c, "/v1/completions", raw), 400)
+    assert "invalid JSON in the request body" in err["message"] and why in err["message"], err
+
+
 def test_a_rendered_chat_prompt_that_is_not_unicode_is_refused() -> None:
     """A template may put a chat_template_kwargs value (which no field type checks) into the
     prompt: the rendered text is checked before it reaches the tokenizer."""
@@ -401,19 +447,19 @@ def test_a_rendered_chat_prompt_that_is_not_unicode_is_refused() -> None:
         ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
         ({"stop": "x" * 257}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
         ({"max_tokens": 2**31}, "max_tokens"),
         ({"logprobs": 2**40}, "logprobs"),
         ({"n": 2**70}, "n"),
         ({"prompt": [2**40]}, "prompt"),
-        ({"temperature": 1e39}, None),  # a finite double, infinite as float32
+        ({"temperature": 1e39}, "temperature"),  # a finite double, infinite as float32
     ],
 )
 def test_numbers_out_of_the_engines_range(server: Server, c: httpx.Client, body, param) -> None:
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2} | body)
-    if param is None:  # accepted or refused, never a 5xx, and the engine lives on
-        assert r.status_code in (200, 400), r.text
-    else:
-        assert_error(r, 400, param)
+    err = assert_error(r, 400, param)
+    if "stop" in body and "x" * 257 in str(body["stop"]):
+        assert "257 characters" in err["message"], err
     assert server.engine.is_healthy
 
 
@@ -517,6 +563,23 @@ def test_headers_that_do_not_arrive_close_the_connection(server: Server) -> None
     answer = _raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\n", wait_s=10)
     assert answer == b""  # closed by the server, well before our own 10 s
     assert time.monotonic() - started < 8
+
+
+def test_headers_past_their_bound_get_a_431(server: Server, c: httpx.Client) -> None:
+    """The request line and headers are bounded (MAX_HEADER_BYTES), as the body is: headers
+    sent without end are refused once past it, not held in the server's memory."""
+    filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(200))  # 200 KB
+    answer = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n" + filler)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    err = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "headers_too_large"
+    # Large headers within the bound, on one kept-alive connection (the count is per request),
+    # with a body sent in the same packets: all served.
+    big = {f"x-big-{i}": "b" * 1000 for i in range(30)}
+    for _ in range(3):
+        r = c.post("/v1/completions", json={"prompt": "x" * 30_000, "max_tokens": 1}, headers=big)
+        assert r.status_code in (200, 400), r.text  # served or refused for its length: parsed
+    assert c.get("/health", headers=big).status_code == 200
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_it(server: Server, c, monkeypatch) -> None:

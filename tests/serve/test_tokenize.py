@@ -70,6 +70,8 @@ def test_messages_give_the_chat_routes_prompt(c: httpx.Client) -> None:
 def test_bad_bodies(c: httpx.Client, path: str, body: dict, param: str | None) -> None:
     err = assert_error(c.post(path, json=body), 400, param)
     assert len(err["message"]) < 1000
+    if body == {}:
+        assert "not both" not in err["message"]  # neither was given
 
 
 def test_a_lone_surrogate_is_no_text(c: httpx.Client) -> None:
