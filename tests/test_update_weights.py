@@ -159,6 +159,10 @@ def test_weights_that_wrote_nan_leave_no_trace_once_replaced(llm, checkpoints, e
         ),
         (lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"}, "lacks tensors"),
         (lambda t: [*t.items(), ("model.norm.weight", t["model.norm.weight"])], "given twice"),
+        (lambda t: None, "must be a mapping of names to arrays"),
+        (lambda t: list(t), "item 0 is not a \\(name, array\\) pair"),  # names alone
+        (lambda t: t | {"model.norm.weight": "abc"}, "is a str, not an array"),
+        (lambda t: t | {5: t["model.norm.weight"]}, "name must be a string"),
     ],
 )
 def test_a_bad_set_of_tensors_is_refused_and_changes_nothing(

@@ -31,13 +31,32 @@ Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 def named_tensors(tensors: Tensors) -> dict[str, Any]:
-    """The tensors by name; ValueError for a name given twice."""
+    """The tensors by name; ValueError for a name given twice, or for anything but a mapping or
+    (name, array) pairs of arrays (numpy, JAX, torch-on-CPU via `.numpy()`)."""
     if isinstance(tensors, Mapping):
-        return dict(tensors)
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise ValueError(
+            f"{SOURCE}: the weights must be a mapping of names to arrays, (name, array) pairs or "
+            f"a Hugging Face directory's path, got {type(tensors).__name__}"
+        )
+    else:
+        items = []
+        for i, pair in enumerate(tensors):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(f"{SOURCE}: item {i} is not a (name, array) pair: {pair!r:.80}")
+            items.append(tuple(pair))
     named: dict[str, Any] = {}
-    for name, array in tensors:
+    for name, array in items:
+        if not isinstance(name, str):
+            raise ValueError(f"{SOURCE}: a tensor's name must be a string, got {name!r:.80}")
         if name in named:
             raise ValueError(f"{SOURCE}: tensor {name!r} is given twice")
+        if not hasattr(array, "__array__") or isinstance(array, (str, bytes)):
+            raise ValueError(
+                f"{SOURCE}: tensor {name!r} is a {type(array).__name__}, not an array (numpy, "
+                "JAX, or torch's .numpy())"
+            )
         named[name] = array
     return named
 
