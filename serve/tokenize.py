@@ -50,6 +50,9 @@ def _token_ids(ctx: ServeContext, body: TokenizeRequest) -> list[int]:
             return convert.chat_prompt(ctx, body, bool(body.add_special_tokens))
         except ParameterError as e:  # messages longer than the model can hold
             raise parameter_error(e, "messages") from None
+    chat_only = sorted({"add_generation_prompt", "chat_template_kwargs"} & body.model_fields_set)
+    if chat_only:  # they shape a chat's rendering: with a text prompt they would do nothing
+        raise bad_request(f"{chat_only[0]} applies to messages, not to a prompt", chat_only[0])
     tok = _tokenizer(ctx, "prompt")
     try:
         check_text_length(tok, body.prompt, ctx.max_model_len)

@@ -65,6 +65,9 @@ def test_messages_give_the_chat_routes_prompt(c: httpx.Client) -> None:
         ("/tokenize", {"messages": []}, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x" * 100_000}]}, "messages"),
         ("/tokenize", {"prompt": "x", "top_k": 3}, "top_k"),  # not a field of the route
+        # fields of a chat's rendering, with a text prompt: they would do nothing
+        ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "x", "chat_template_kwargs": {}}, "chat_template_kwargs"),
     ],
 )
 def test_bad_bodies(c: httpx.Client, path: str, body: dict, param: str | None) -> None:
