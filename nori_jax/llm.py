@@ -147,7 +147,11 @@ class LLM:
         the rest of the iterable is not read yet. A bad prompt raises ValueError naming its index;
         then, as when the loop stops early, the requests still in flight are aborted.
         """
-        if isinstance(prompts, (str, bytes, bytearray, np.ndarray)) or _is_token_ids(prompts):
+        if (
+            isinstance(prompts, (str, bytes, bytearray))
+            or _is_token_ids(prompts)
+            or (hasattr(prompts, "__array__") and not isinstance(prompts, list))
+        ):
             prompts = _prompt_list(prompts)  # one prompt, or an array's rows
         default = params or SamplingParams()
         limit = max_in_flight

@@ -97,6 +97,8 @@ def test_token_ids_as_numpy_or_jax_arrays(llm, alone):
     assert [o.prompt_token_ids for o in llm.generate(rows, GREEDY)] == rows.tolist()
     mixed = [np.array(PROMPTS[1]), "abc", PROMPTS[3]]
     assert [o.token_ids for o in llm.generate(mixed, GREEDY)][::2] == [alone[1], alone[3]]
+    streamed = dict(llm.generate_stream(jnp.asarray(PROMPTS[0]), GREEDY))  # one prompt
+    assert [o.token_ids for o in streamed.values()] == [alone[0]]
 
 
 @pytest.mark.parametrize(
