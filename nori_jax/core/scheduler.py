@@ -826,10 +826,12 @@ class Scheduler:
         preempted = [i for i in np.flatnonzero(~live).tolist() if not reqs[i].is_finished]
         # How many samples each row delivers: its steps, or through its first stop token. A
         # preempted row's slot may hold another request now: its own settings decide.
+        # `_eos_ids` is every request's EOS ids together: a row that met one of them, or that
+        # has stop ids, is checked against its own request's (requests may bring different EOS
+        # ids), as `update` checks each finish with `_finish_reason`.
         stops = (tokens[:, :, None] == self._eos_ids).any(axis=2) & ~c.ignore_eos[slots]
-        for i in np.flatnonzero(c.has_stop_ids[slots] & live).tolist():
-            stops[:, i] |= np.isin(tokens[:, i], reqs[i].params.stop_token_ids)
-        for i in preempted:
+        own = np.flatnonzero((stops.any(axis=0) | c.has_stop_ids[slots]) & live).tolist()
+        for i in own + preempted:
             p, req = reqs[i].params, reqs[i]
             ends = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
             stops[:, i] = np.isin(tokens[:, i], ends)
@@ -856,6 +858,9 @@ class Scheduler:
         last_tokens = by_row[np.arange(len(rows)), take_r - 1]
         lr = live[rows]
         ls = slots[rows[lr]]
+        # (a prefill chunk that ends one token short of its prompt decodes: its first sample can
+        # come from a multi-step launch)
+        first = rows[lr][c.known[ls] == c.prompt_len[ls]].tolist()
         c.known[ls] += take_r[lr]
         c.pending[ls] -= steps[rows[lr]]
         c.last_token[ls] = last_tokens[lr]
@@ -863,6 +868,8 @@ class Scheduler:
         for i in preempted:
             reqs[i].num_pending_tokens -= int(steps[i])
             reqs[i].times.last_token = now
+            if reqs[i].times.first_token is None:
+                first.append(i)
 
         taken = np.arange(k)[None, :] < take_r[:, None]
         delivered = by_row[taken]  # row by row, in order
@@ -870,6 +877,9 @@ class Scheduler:
         if logprobs is not None:
             lps = logprobs[:, : len(slots)][:, rows].T[taken].astype(np.float32)
         update = StepUpdate(np.repeat(ids, take_r).tolist(), delivered, lps, [], [])
+        for i in first:
+            reqs[i].times.first_token = now
+            update.first_tokens.append(reqs[i])
         if self.allocator.enable_prefix_caching:
             self._register_full_pages(slots[live])
         # Finishes: rows that stopped, reached their length, or were preempted (checked alone).
