@@ -34,6 +34,8 @@ def test_bench_offline_runs_and_writes_json(tmp_path, capsys):
     assert r["num_requests"] == 12 and r["num_recompiles"] == 0
     assert 0 < r["num_sampled_requests"] < 12  # penalties and min_tokens compiled ahead too
     assert r["output_tokens"] > 0 and r["total_token_throughput"] > 0
+    # the long prompt (240 tokens after a 32-token prefix) does not fit tiny-cpu's 256
+    assert 1 <= r["num_clamped_requests"] < 12
     assert r["steps"] > 0 and 0 <= r["padding_fraction"] < 1 and r["startup_s"] > 0
     assert r["prefix_cache_hit_rate"] > 0  # the shared 32-token prefix is two full pages
     assert r["latency_ms"]["ttft_short"]["p99"] <= r["latency_ms"]["e2e_all"]["p99"]
@@ -92,6 +94,18 @@ def test_offline_draws_the_lengths_bench_serve_sends():
     assert [len(p) for p in offline.prompts] == [r.prompt_len for r in reqs]
     assert offline.output_lens == [r.output_len for r in reqs]
     assert np.std([len(p) for p in offline.prompts]) > 0  # lognormal, not a constant
+
+
+def test_requests_cut_to_the_context_are_counted_and_said(caplog):
+    """bench serve sends the drawn lengths as they are; offline has to cut what does not fit
+    max_model_len, and says how many (a different workload from the same seed)."""
+    cfg = _offline_config("--num-prompts", "30", "--warmup-requests", "4")
+    assert draw_requests(cfg, 50_000, 1 << 20).clamped == 0
+    with caplog.at_level("WARNING", logger="nori_jax.bench.offline"):
+        short = draw_requests(cfg, 50_000, 256)
+    assert 0 < short.clamped <= 30
+    assert f"{short.clamped} of 30 requests were cut to fit max_model_len=256" in caplog.text
+    assert all(len(p) + o <= 256 for p, o in zip(short.prompts, short.output_lens, strict=True))
 
 
 def test_bad_workload_flags_exit_2_before_loading_a_model(capsys):

@@ -8,7 +8,15 @@
 - Goodput: successful requests per second meeting every given SLO (DistServe); a one-token
   request has TPOT 0 for this purpose.
 Mean, median and std are over the values above; percentiles use linear interpolation (numpy).
-Empty sets report 0, as vLLM does, rather than NaN that would break JSON consumers.
+Empty sets report 0, as vLLM does, rather than NaN that would break JSON consumers. Failed
+requests are in none of them (a warning says so when more than 1% failed).
+
+Two keys of our own say whether the run measured a server that kept up:
+- `achieved_request_rate`: requests sent per second over the sending window (the offered rate
+  the server actually saw; below the configured one when the client fell behind);
+- `ttft_growth`: the median TTFT of the last fifth of the requests (by send time) over the first
+  fifth's. About 1 when the queue is steady; a server that cannot keep up with the offered rate
+  queues more and more, and its TTFT grows over the run (sweep.py's knee uses it).
 
 Client health, the evidence that the client is not the bottleneck: send lag (requests leaving
 after their scheduled time, checked at finite rates), event-loop lag (a busy loop reads chunks
@@ -72,6 +80,8 @@ def compute_metrics(
         "max_output_tokens_per_s": _peak_output_rate(ok),
         "max_concurrent_requests": _peak_concurrency(ok),
         "output_lens": output_lens,
+        "achieved_request_rate": _achieved_rate(results),
+        "ttft_growth": _ttft_growth(ok),
     }
     values = {
         "ttft": [r.ttft_s for r in ok],
@@ -87,6 +97,26 @@ def compute_metrics(
         for p in percentiles:
             m[f"p{percentile_word(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return m
+
+
+def _achieved_rate(results: Sequence[RequestResult]) -> float:
+    """Requests sent per second between the first send and the last (0 for fewer than 2)."""
+    sent = sorted(r.sent_s for r in results if math.isfinite(r.sent_s))
+    if len(sent) < 2 or sent[-1] <= sent[0]:
+        return 0.0
+    return (len(sent) - 1) / (sent[-1] - sent[0])
+
+
+def _ttft_growth(ok: Sequence[RequestResult]) -> float:
+    """Median TTFT of the last fifth of the requests by send time over the first fifth's (1.0
+    with fewer than 10 requests, or a first fifth of zero TTFT)."""
+    by_send = sorted((r for r in ok if math.isfinite(r.sent_s)), key=lambda r: r.sent_s)
+    fifth = len(by_send) // 5
+    if fifth < 2:
+        return 1.0
+    first = float(np.median([r.ttft_s for r in by_send[:fifth]]))
+    last = float(np.median([r.ttft_s for r in by_send[-fifth:]]))
+    return last / first if first > 0 else 1.0
 
 
 def _is_good(r: RequestResult, slos_ms: Mapping[str, float]) -> bool:

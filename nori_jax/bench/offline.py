@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ from nori_jax.bench.workload import (
 from nori_jax.core.step_shapes import format_rows
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
 from nori_jax.heap_freeze import heap_frozen
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from nori_jax import LLMEngine, SamplingParams
@@ -92,6 +95,7 @@ class Requests:
     output_lens: list[int]
     is_long: list[bool]
     sampled: list[bool]  # carries OfflineConfig.sampling (never a warm-up request)
+    clamped: int = 0  # measured requests whose drawn lengths were cut to fit max_model_len
 
 
 def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Requests:
@@ -107,14 +111,26 @@ def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Re
         idx = np.linspace(0, w.num_prompts - 1, cfg.long_prompts).astype(int) + w.warmup_requests
         ins[idx], is_long[idx] = cfg.long_len, True
     shared = data_rng.integers(10, vocab_size - 10, cfg.shared_prefix_len).tolist()
+    drawn = ins + outs
     ins = np.minimum(ins, max_model_len - 1 - len(shared))  # every request inside the context
     outs = np.minimum(outs, max_model_len - len(shared) - ins)
+    # (`bench serve` sends the drawn lengths as they are: a cut request is another workload)
+    clamped = int(np.count_nonzero((ins + outs + len(shared) < drawn)[w.warmup_requests :]))
+    if clamped:
+        logger.warning(
+            "%d of %d requests were cut to fit max_model_len=%d (input + output): this run's "
+            "workload is not the one `bench serve --seed %d` sends",
+            clamped,
+            w.num_prompts,
+            max_model_len,
+            w.seed,
+        )
     prompts = [shared + data_rng.integers(10, vocab_size - 10, int(k)).tolist() for k in ins]
     # Its own stream, so that the share changes no length or prompt of the draw.
     share = np.random.default_rng([w.seed, _SAMPLING_STREAM]).random(len(ins)) < cfg.sampling_share
     share[: w.warmup_requests] = False
     sampled = (share & bool(cfg.sampling)).tolist()
-    return Requests(prompts, outs.tolist(), is_long.tolist(), sampled)
+    return Requests(prompts, outs.tolist(), is_long.tolist(), sampled, clamped)
 
 
 def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[str, Any]:
@@ -128,13 +144,16 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
         arrivals = w.arrival_times(len(indices), rate)
         finished: dict[int, Any] = {}
         ids: dict[str, int] = {}
-        start = time.perf_counter()
+        start, start_monotonic = time.perf_counter(), time.monotonic()
         in_step, nxt = 0.0, 0
         while nxt < len(indices) or engine.has_unfinished_requests():
             now = time.perf_counter() - start
             while nxt < len(indices) and arrivals[nxt] <= now:
                 i = indices[nxt]
-                ids[engine.add_request(None, reqs.prompts[i], params[i], stream=False)] = i
+                # Its arrival is its scheduled time, not when this loop got to it (between two
+                # steps, up to a step or a multi-step launch later): TTFT counts that wait.
+                arrival = start_monotonic + arrivals[nxt]
+                ids[engine.add_request(None, reqs.prompts[i], params[i], arrival, stream=False)] = i
                 nxt += 1
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - start)))
@@ -166,11 +185,12 @@ def run_offline(engine: LLMEngine, cfg: OfflineConfig, reqs: Requests) -> dict[s
         )
         latency[f"e2e_{label}"] = _stats([o.metrics.e2e_latency for o in outs])
     n_in = sum(len(reqs.prompts[i]) for i in measured)
-    n_out = sum(reqs.output_lens[i] for i in measured)
+    n_out = sum(len(o.token_ids) for o in finished.values())  # generated, not planned
     steps = max(d["steps"], 1)
     return {
         "num_requests": len(measured),
         "num_sampled_requests": sum(reqs.sampled),  # those carrying --sampling
+        "num_clamped_requests": reqs.clamped,  # cut to fit max_model_len (a warning says so)
         "elapsed_s": elapsed,
         "input_tokens": n_in,
         "output_tokens": n_out,

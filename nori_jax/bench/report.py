@@ -54,6 +54,8 @@ def print_run(cfg: BenchConfig, run: RunResult, out: TextIO) -> None:
         print(f"{'Maximum request concurrency:':<40} {cfg.max_concurrency:<10}", file=out)
     if math.isfinite(run.request_rate):
         print(f"{'Request rate configured (RPS):':<40} {run.request_rate:<10.2f}", file=out)
+    row("Request rate achieved (sent/s):", "achieved_request_rate")
+    row("TTFT growth over the run (last/first):", "ttft_growth")
     row("Benchmark duration (s):", "duration")
     row("Total input tokens:", "total_input_tokens", "")
     row("Total generated tokens:", "total_output_tokens", "")

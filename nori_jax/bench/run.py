@@ -31,6 +31,11 @@ from nori_jax.bench.server_metrics import Snapshot, scrape, window
 from nori_jax.bench.workers import run_workers
 
 _SEED_CONTENT = 3  # the stream of a sweep's fresh prompt tokens
+FAILED_WARN_FRACTION = 0.01  # past this share of failed requests, the percentiles mislead
+# Fewer chunks than this share of the output tokens: the stream batches tokens (the server's
+# detokenizer holds back a partial character or a stop string's prefix now and then, so a
+# little batching is normal).
+CHUNKS_WARN_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,4 +233,20 @@ def _warnings(
         warnings.append(f"{len(warm_errors)} warm-up requests failed, e.g. {warm_errors[0]}")
     if results and not any(r.success for r in results):
         warnings.append("every request failed: check --base-url, --endpoint and --model")
+    failed = sum(not r.success for r in results)
+    if results and failed > FAILED_WARN_FRACTION * len(results) and failed < len(results):
+        warnings.append(
+            f"{failed} of {len(results)} requests failed: the latency figures are over the "
+            "successful ones only, and a server that fails requests quickly looks faster than "
+            "it is"
+        )
+    streamed = [r for r in results if r.success and r.output_tokens > 1]
+    chunks = sum(len(r.itl_s) + 1 for r in streamed)
+    tokens = sum(r.output_tokens for r in streamed)
+    if streamed and chunks < CHUNKS_WARN_FRACTION * tokens:
+        warnings.append(
+            f"the stream's chunks carried {tokens / chunks:.1f} tokens each on average: TTFT, "
+            "ITL and TPOT are timed per chunk, so a token that waited in a chunk counts as "
+            "arriving with it (a request whose tokens came in one chunk has a TPOT of 0)"
+        )
     return warnings

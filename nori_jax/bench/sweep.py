@@ -7,10 +7,20 @@ latencies (TTFT and TPOT). For the step from R_i to R_{i+1}:
 
 is the share of the extra offered load that came out as extra throughput: about 1 while the
 server keeps up, about 0 once it is saturated. The step "climbs" when the P99 TTFT or the P99
-TPOT grows by at least `min_latency_rise`. The knee is R_i for the first i with e_i < min_gain
-and a step that climbs. Both are needed: a short run at a high rate under-delivers throughput
-(its length is dominated by the last requests' latency) while latency stays flat, and latency
-rises a little under batching while throughput still scales.
+TPOT grows by at least `min_latency_rise`. Both are needed: a short run at a high rate
+under-delivers throughput (its length is dominated by the last requests' latency) while latency
+stays flat, and latency rises a little under batching while throughput still scales.
+
+A run "falls behind" when its queue grows over the run: the median TTFT of its last fifth of
+requests is at least `max_ttft_growth` times its first fifth's and `min_ttft_growth_ms` more
+(metrics.ttft_growth), or more than `max_failed_for_knee` of its requests failed (a server that
+refuses load is not absorbing it). The efficiency test alone misses a capacity between two
+rates: with capacity 7 req/s, 4 -> 8 still gains 0.75 of the extra load, and 8 -> 16 none, so 8
+would pass as the knee although the server could not hold it.
+
+The knee is R_i for the first step that falls behind at R_{i+1} (R_i not) or has e_i < min_gain
+and climbs. The server's capacity lies between R_i and R_{i+1}; a sweep that falls behind at its
+first rate has no knee (the capacity is below it).
 
 A sweep is a given list of rates, or a ramp that doubles from `start_rate` until a knee appears,
 more than half of a run's requests fail, or `max_steps` runs. The logic takes a `run_at(rate)`
@@ -43,6 +53,9 @@ class SweepConfig:
     min_gain: float = 0.5
     min_latency_rise: float = 0.2
     max_failed_fraction: float = 0.5  # a server failing most requests has nothing left to ramp
+    max_ttft_growth: float = 2.0  # a run whose TTFT grew this much over it falls behind ...
+    min_ttft_growth_ms: float = 100.0  # ... by at least this much (not a few ms of jitter)
+    max_failed_for_knee: float = 0.01  # a run failing more than this share falls behind
 
     def __post_init__(self) -> None:
         if self.rates is not None:
@@ -60,8 +73,21 @@ class SweepConfig:
             raise ValueError(f"min_latency_rise must be > 0, got {self.min_latency_rise}")
 
 
+def falls_behind(run: RunResult, cfg: SweepConfig = SweepConfig()) -> bool:
+    """Did the server's queue grow over the run, or did it refuse the load (module docstring)?"""
+    m = run.metrics
+    n = m["completed"] + m["failed"]
+    if n and m["failed"] / n > cfg.max_failed_for_knee:
+        return True
+    growth = m.get("ttft_growth", 1.0)  # (runs recorded before the key: no evidence)
+    first_ms = m.get("median_ttft_ms", 0.0) / growth if growth > 0 else 0.0
+    return growth >= cfg.max_ttft_growth and (growth - 1) * first_ms >= cfg.min_ttft_growth_ms
+
+
 def find_knee(runs: Sequence[RunResult], cfg: SweepConfig = SweepConfig()) -> Knee | None:
     pts = sorted(runs, key=lambda r: r.request_rate)
+    if pts and falls_behind(pts[0], cfg):
+        return None  # the capacity is below the first rate
     for a, b in zip(pts[:-1], pts[1:], strict=True):
         ma, mb = a.metrics, b.metrics
         ta, tb = ma["total_token_throughput"], mb["total_token_throughput"]
@@ -71,7 +97,8 @@ def find_knee(runs: Sequence[RunResult], cfg: SweepConfig = SweepConfig()) -> Kn
             eff = 1.0 if tb > 0 else 0.0  # from nothing to something scales fully
         ttft_rise = _rise(ma["p99_ttft_ms"], mb["p99_ttft_ms"])
         tpot_rise = _rise(ma["p99_tpot_ms"], mb["p99_tpot_ms"])
-        if eff < cfg.min_gain and max(ttft_rise, tpot_rise) >= cfg.min_latency_rise:
+        climbs = max(ttft_rise, tpot_rise) >= cfg.min_latency_rise
+        if falls_behind(b, cfg) or (eff < cfg.min_gain and climbs):
             return Knee(a.request_rate, b.request_rate, eff, ttft_rise, tpot_rise)
     return None
 
@@ -94,10 +121,10 @@ def run_sweep(
         if run.interrupted:
             reason = "interrupted (Ctrl-C)"
             break
-        if rates is None and find_knee(runs, cfg) is not None:
-            reason = "knee found"
-            break
         if rates is None and n and run.metrics["failed"] / n > cfg.max_failed_fraction:
             reason = f"more than {cfg.max_failed_fraction:.0%} of requests failed"
+            break
+        if rates is None and find_knee(runs, cfg) is not None:
+            reason = "knee found"
             break
     return runs, find_knee(runs, cfg), reason

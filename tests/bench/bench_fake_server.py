@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "include_usage": True,
     "role_chunk": True,  # chat: an empty assistant-role delta right away, as vLLM sends
     "max_output": None,  # stop after this many tokens whatever max_tokens says
+    "tokens_per_chunk": 1,  # each text chunk carries this many tokens (usage counts them all)
     "tokenizer_dir": None,  # count text prompts with this HF tokenizer (exact usage)
     "model_root": None,  # the `root` of the /v1/models card (vLLM's: the model's path)
     "metrics": None,  # GET /metrics: None: 404; "engine": step series (see above); else this text
@@ -181,7 +182,7 @@ async def _generate(request: Request, chat: bool) -> Any:
             {"prompt_tokens": n_prompt, "ttft_s": times[0] - received, "itl_s": itl}
         )
         if b["include_usage"]:
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out}
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out * b["tokens_per_chunk"]}
             yield event({"choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
 

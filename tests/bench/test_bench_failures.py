@@ -19,6 +19,17 @@ def test_http_errors_are_failed_requests_with_the_status_and_message(server: Fak
     assert {r.error for r in failed} == {"HTTP 503: fake overload"}
     assert {r.http_status for r in failed} == {503}
     assert run.metrics["total_input_tokens"] == 8 * 32  # only successful requests count
+    assert any("4 of 12 requests failed: the latency figures are over the successful" in w
+               for w in run.warnings), run.warnings  # fmt: skip
+
+
+def test_streams_that_batch_tokens_into_chunks_are_flagged(server: FakeServer) -> None:
+    """Timing is per chunk: where chunks carry several tokens, TTFT, ITL and TPOT blur."""
+    server.set(tokens_per_chunk=4)
+    run = run_bench(server, {"num_prompts": 4})
+    assert any("chunks carried 4.0 tokens each" in w for w in run.warnings), run.warnings
+    server.set(tokens_per_chunk=1)
+    assert not any("chunks carried" in w for w in run_bench(server, {"num_prompts": 4}).warnings)
 
 
 def test_broken_streams_fail_with_a_reason(server: FakeServer) -> None:

@@ -49,6 +49,44 @@ def test_latency_climb_with_scaling_throughput_is_not_a_knee() -> None:
     assert find_knee([_run(1, 1000.0, 80.0, 20.0), _run(2, 1990.0, 160.0, 30.0)]) is None
 
 
+def _fluid(rate: float, capacity: float, n: int = 1000) -> RunResult:
+    """A fluid queue: n requests offered at `rate` to a server of `capacity` req/s (100 tokens
+    each, 1 s of service); past capacity the backlog, and with it TTFT, grows over the run."""
+    duration = max(n / rate, n / capacity) + 1.0
+    backlog = n * (1 - capacity / rate) if rate > capacity else 0.0
+    first_ms, last_ms = 100.0, 100.0 + 1e3 * backlog / capacity  # first and last fifth's TTFT
+    metrics = {
+        "completed": n,
+        "failed": 0,
+        "total_token_throughput": n * 100 / duration,
+        "p99_ttft_ms": last_ms,
+        "p99_tpot_ms": 20.0,
+        "median_ttft_ms": (first_ms + last_ms) / 2,
+        "ttft_growth": last_ms / first_ms,
+    }
+    return RunResult(rate, metrics, [], [], {}, [])
+
+
+@pytest.mark.parametrize("capacity", [5.0, 6.0, 7.0, 7.9, 12.0])
+def test_the_knee_is_below_the_capacity_wherever_it_falls_between_rates(capacity) -> None:
+    """With capacity 7, 4 -> 8 still gains 0.75 of the extra load and only 8 -> 16 gains none:
+    the efficiency test alone made 8 the knee, a rate the server could not hold (its queue grew
+    the whole run). The run that falls behind marks it."""
+    knee = find_knee([_fluid(r, capacity) for r in (1, 2, 4, 8, 16, 32)])
+    assert knee is not None and knee.rate < capacity <= knee.next_rate
+
+
+def test_a_server_behind_at_the_first_rate_has_no_knee() -> None:
+    assert find_knee([_fluid(r, 0.5) for r in (1, 2, 4)]) is None
+
+
+def test_failing_requests_is_falling_behind() -> None:
+    """A server that refuses a share of the load (429, 503) keeps its survivors' P99 flat."""
+    runs = [_run(1, 1000.0, 80.0, 20.0), _run(2, 2000.0, 80.0, 20.0, failed=5)]
+    knee = find_knee(runs)
+    assert knee is not None and knee.rate == 1
+
+
 def test_auto_ramp_doubles_until_the_knee() -> None:
     rates: list[float] = []
 

@@ -68,6 +68,20 @@ def test_metric_definitions_follow_vllm() -> None:
     assert m["max_output_tokens_per_s"] == pytest.approx(6.0)  # all six tokens in second 0
 
 
+def test_the_rate_achieved_and_the_ttft_growth_of_a_run() -> None:
+    """Ten requests sent 0.5 s apart (2 req/s achieved, whatever was configured); the last fifth
+    waited 4x longer for its first token than the first fifth: a queue that grew."""
+    ttfts = [0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    results = [_ok(i, t, [0.01], 2, sent=0.5 * i) for i, t in enumerate(ttfts)]
+    m = compute_metrics(results, [1] * 10, 5.0, (99.0,), {})
+    assert m["achieved_request_rate"] == pytest.approx(2.0)
+    assert m["ttft_growth"] == pytest.approx(4.0)
+    steady = compute_metrics(
+        [_ok(i, 0.1, [0.01], 2, sent=i) for i in range(10)], [1] * 10, 10.0, (99.0,), {}
+    )
+    assert steady["ttft_growth"] == pytest.approx(1.0)
+
+
 def test_empty_metrics_report_zero_not_nan() -> None:
     m = compute_metrics([RequestResult(0, 0.0, error="x")], [5], 1.0, (99.0,), {})
     assert m["mean_ttft_ms"] == 0.0 and m["p99_itl_ms"] == 0.0 and m["request_goodput"] is None
