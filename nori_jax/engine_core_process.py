@@ -325,6 +325,7 @@ def _serve(
     parent = os.getppid()
     sent_s = 0.0  # the last iteration's send, reported with this one's step
     controls: list[Control] = []  # waiting for the step still on the device
+    dropped = 0  # input frames that did not decode
     while True:
         busy = core.has_unfinished() or core.has_in_flight
         accepted: list[list[str]] = [[] for _ in range(n)]
@@ -338,9 +339,25 @@ def _serve(
         if events:
             while True:
                 try:
-                    msg = decode(inputs.recv(zmq.NOBLOCK))
+                    frame = inputs.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                try:
+                    msg = decode(frame)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    # A frame no client of this protocol sends (a bug, a stray peer): dropped
+                    # alone, as a request that does not decode is refused alone (_add); it must
+                    # not take the engine, and every request in it, down. (Logged at the first
+                    # and every 1,000th: a stream of them must not flood the log either.)
+                    dropped += 1
+                    if dropped == 1 or dropped % 1000 == 0:
+                        logger.warning(
+                            "dropped a message of %d bytes that does not decode (%d so far): %s",
+                            len(frame),
+                            dropped,
+                            e,
+                        )
+                    continue
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, AddRequests):
