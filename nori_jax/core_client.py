@@ -133,6 +133,11 @@ class _CoreProcess:
     def wait_ready(self, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
         return _wait_ready(self, timeout_s, cancelled)
 
+    def kill(self) -> None:
+        """SIGKILL (a stopped or hung process too); its death is then seen as any other."""
+        if self.alive:
+            self.proc.kill()
+
     def close(self) -> None:
         """Kill the process if it still runs, close the sockets, remove their files."""
         if self.alive:
@@ -278,8 +283,13 @@ class EngineCoreClient(StreamingClient):
         on_request_done: Callable[[str], None] | None = None,
         extra_clients: list[tuple[str, str]] = (),
         shared_core: tuple[str, str, int] | None = None,
+        hang_timeout_s: float | None = None,
     ):
         self.config = config
+        if hang_timeout_s is not None and not hang_timeout_s > 0:
+            raise ValueError(f"hang_timeout_s={hang_timeout_s} must be > 0 or None")
+        self.hang_timeout_s = hang_timeout_s
+        self._heard = time.monotonic()  # the core's last message (or a busy spell's start)
         self.replica = replica
         self._on_done = on_request_done
         self.startup_timeout_s = startup_timeout_s
@@ -471,6 +481,8 @@ class EngineCoreClient(StreamingClient):
                 raise EngineStoppedError(self._refusal())
             if rid in self._streams:
                 raise ValueError(f"request_id={rid!r} is already in use")
+            if not self._streams:  # a busy spell starts: the core's silence counts from here
+                self._heard = time.monotonic()
             self._streams[rid] = out_stream
             self._acks[rid] = ack
             self._processor.add(rid, text, token_ids, params, tuple(request.eos_token_ids), stream)
@@ -564,7 +576,14 @@ class EngineCoreClient(StreamingClient):
                         return None
                     if not core.alive:
                         return core.exit_description()
+                    if (quiet := self._hung_for()) is not None:
+                        core.kill()
+                        return (
+                            f"the engine core sent nothing for {quiet:.0f} s with requests in "
+                            "flight: taken for hung and killed"
+                        )
                     continue
+                self._heard = time.monotonic()
                 msg = _decode_message(core.from_core.recv())
                 if isinstance(msg, Failed):
                     return f"the engine core died: {msg.reason}"
@@ -577,6 +596,22 @@ class EngineCoreClient(StreamingClient):
         except BaseException as e:  # noqa: BLE001 - a broken reader must fail every request
             logger.exception("engine core reader failed")
             return f"the client's reader failed: {type(e).__name__}: {e}"
+
+    def _hung_for(self) -> float | None:
+        """Seconds of the core's silence, where they make it hung. A busy core sends every
+        client a message each step (milliseconds); one that sends nothing for `hang_timeout_s`
+        while this client has requests in flight is hung (a device that never returns, a
+        deadlock): the client that started it kills it, which fails those requests and restarts
+        it, instead of every request waiting for ever behind a /health that says 200. Not while
+        a weight operation (which may load a checkpoint for minutes) is under way."""
+        if self.hang_timeout_s is None or not self.owns_core:
+            return None
+        quiet = time.monotonic() - self._heard
+        if quiet <= self.hang_timeout_s:
+            return None
+        with self._lock:
+            busy = bool(self._streams) and not any(t.startswith("ctl-") for t in self._acks)
+        return quiet if busy else None
 
     def _handle(self, msg: StepMessage) -> None:
         for rid in msg.accepted:

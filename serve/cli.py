@@ -99,6 +99,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a request's headers must arrive within this (the connection is closed)",
     )
     g.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=ServerSettings.engine_hang_timeout_s,
+        metavar="SECONDS",
+        help="an engine core that sends nothing for this long while requests are in flight is "
+        "taken for hung: killed (its requests fail with a JSON error) and restarted; 0: never",
+    )
+    g.add_argument(
         "--api-server-count",
         type=int,
         default=1,
@@ -178,10 +186,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_logprob_entries=args.max_logprob_entries,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
+        engine_hang_timeout_s=args.engine_hang_timeout or None,  # 0: never
         enable_weight_control=args.enable_weight_control,
         api_server=0 if count > 1 else None,
     )
     sock = bind(args.host, args.port, reuse_port=count > 1)
+    hang_timeout_s = settings.engine_hang_timeout_s
     companions = None
     # A multi-host engine runs in this process: JAX's distributed runtime is joined once per
     # process, and this one joined it to choose the backend's config.
@@ -193,7 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     elif config.mesh.data > 1:
         from nori_jax.dp_client import DataParallelClient
 
-        engine = DataParallelClient(config)  # one engine-core process per replica
+        engine = DataParallelClient(config, hang_timeout_s=hang_timeout_s)  # a core per replica
         logger.info("engine cores running in processes %s", engine.pids)
     else:
         from nori_jax.core_client import EngineCoreClient
@@ -214,7 +224,7 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         extra = companions.client_addresses if companions is not None else []
         # Starts the engine-core process; returns when it is ready.
-        engine = EngineCoreClient(config, extra_clients=extra)
+        engine = EngineCoreClient(config, extra_clients=extra, hang_timeout_s=hang_timeout_s)
         logger.info("engine core running in process %d", engine.pid)
     if companions is not None:
         companions.start()

@@ -407,3 +407,49 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
     assert "nori:engine_restarts_total 1.0" in metrics
     recovery = server.engine.get_metrics()["nori:engine_recovery_seconds"]
     assert recovery == server.engine.last_recovery_s > 0
+
+
+def test_a_hung_engine_core_is_killed_and_restarted(server: Server, monkeypatch) -> None:
+    """A core that sends nothing while requests are in flight (here stopped with SIGSTOP; on a
+    GPU, a device that never returns) is taken for hung after `hang_timeout_s`: killed, its
+    requests fail with a JSON error instead of waiting for ever, /health says why, and a new
+    core serves."""
+    engine: EngineCoreClient = server.engine
+    monkeypatch.setattr(engine, "hang_timeout_s", 2.0)
+    body = {"prompt": "stuck", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    first = threading.Event()
+
+    def streamed() -> None:
+        with client(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    job = threading.Thread(target=streamed)
+    job.start()
+    assert first.wait(30)
+    hung = engine.pid
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        job.join(30)
+        assert not job.is_alive(), "the stream waited on a hung core"
+    finally:
+        try:
+            os.kill(hung, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed, as it should be
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: ") :])["error"]
+    assert error["code"] == "engine_dead" and "taken for hung" in error["message"]
+    health = httpx.get(f"{server.url}/health")  # (the new core takes seconds to start)
+    assert health.status_code == 503 and "hung" in health.json()["reason"]
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine core was not restarted"
+        time.sleep(0.1)
+    assert engine.pid != hung
+    with client(server) as c:
+        r = c.post("/generate", json={"prompt": [5, 6], **GREEDY})
+        assert r.status_code == 200
