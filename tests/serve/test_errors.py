@@ -372,29 +372,39 @@ def test_text_that_is_not_unicode_is_refused(c: httpx.Client, path, raw, param) 
     assert c.post(path, json=body).status_code == 200
 
 
+def _chat_prompt_error(render, **kwargs) -> ApiError:
+    """The ApiError chat_prompt raises for one user message and `kwargs` as chat_template_kwargs,
+    over a template that returns `render(kwargs)` (and a tokenizer that must not be reached)."""
+
+    class Template:
+        chat_template = "{{ ... }}"
+        longest_token_bytes = 16
+
+        def apply_chat_template(self, messages, add_generation_prompt, **template_kwargs):
+            return render(template_kwargs)
+
+        def encode(self, text, add_special_tokens=False):
+            raise AssertionError("the tokenizer must not see it")
+
+    ctx = SimpleNamespace(tokenizer=Template(), max_model_len=64)
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=kwargs
+    )
+    with pytest.raises(ApiError) as e:
+        chat_prompt(ctx, req)
+    return e.value
+
+
 def test_a_template_value_nested_too_deeply_to_render_is_refused() -> None:
     """A template that renders a chat_template_kwargs value with tojson (as templates with
     tools do) recurses once per level: a value nested deeper than Python's recursion limit (yet
     within the JSON parser's) is the request's fault, a 400, not a 500."""
-
-    class Template:
-        chat_template = "{{ tools | tojson }}"
-        longest_token_bytes = 16
-
-        def apply_chat_template(self, messages, add_generation_prompt, **kwargs):
-            return json.dumps(kwargs["tools"])
-
     deep: list = []
     for _ in range(5000):
         deep = [deep]
-    ctx = SimpleNamespace(tokenizer=Template(), max_model_len=64)
-    req = ChatCompletionRequest(
-        messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tools": deep}
-    )
-    with pytest.raises(ApiError) as e:
-        chat_prompt(ctx, req)
-    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
-    assert "nested too deeply" in e.value.message
+    err = _chat_prompt_error(lambda kw: json.dumps(kw["tools"]), tools=deep)
+    assert err.status == 400 and err.param == "chat_template_kwargs"
+    assert "nested too deeply" in err.message
 
 
 @pytest.mark.parametrize(
@@ -413,25 +423,9 @@ def test_a_body_the_json_parser_refuses_says_why(c: httpx.Client, raw: bytes, wh
 def test_a_rendered_chat_prompt_that_is_not_unicode_is_refused() -> None:
     """A template may put a chat_template_kwargs value (which no field type checks) into the
     prompt: the rendered text is checked before it reaches the tokenizer."""
-
-    class Template:  # renders one kwarg into the prompt; never tokenizes
-        chat_template = "{{ extra }}"
-        longest_token_bytes = 16
-
-        def apply_chat_template(self, messages, add_generation_prompt, **kwargs):
-            return "<s>" + kwargs["extra"]
-
-        def encode(self, text, add_special_tokens=False):
-            raise AssertionError("the tokenizer must not see it")
-
-    ctx = SimpleNamespace(tokenizer=Template(), max_model_len=64)
-    req = ChatCompletionRequest(
-        messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"extra": "\ud800"}
-    )
-    with pytest.raises(ApiError) as e:
-        chat_prompt(ctx, req)
-    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
-    assert "lone surrogate '\\ud800' at character 3" in e.value.message
+    err = _chat_prompt_error(lambda kw: "<s>" + kw["extra"], extra="\ud800")
+    assert err.status == 400 and err.param == "chat_template_kwargs"
+    assert "lone surrogate '\\ud800' at character 3" in err.message
 
 
 @pytest.mark.parametrize(
