@@ -32,7 +32,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -72,6 +71,7 @@ from nori_jax.engine_core_process import (
 from nori_jax.metrics import EngineMetrics
 from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import ParameterError, SamplingParams
+from nori_jax.socket_dirs import socket_dir
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weight_control import EngineAsleepError, EngineBusyError
 
@@ -296,7 +296,7 @@ class EngineCoreClient(StreamingClient):
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
         self._level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         # The sockets' directory: only the client that starts the core binds its sockets there.
-        self._dir = tempfile.mkdtemp(prefix="nori-core-") if shared_core is None else None
+        self._dir = socket_dir("core") if shared_core is None else None
         self._zmq = zmq.Context()
         self._generation = 0
         self._extra_clients = list(extra_clients)

@@ -209,8 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from nori_jax.core_client import EngineCoreClient
 
         if count > 1:
-            import tempfile
-
+            from nori_jax.socket_dirs import socket_dir
             from serve.api_servers import ApiServers
 
             companions = ApiServers(
@@ -218,7 +217,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 config,
                 dataclasses.replace(settings, api_server=None),  # each one sets its own index
                 sock.getsockname()[:2],  # the port, if it was 0, as the kernel chose it
-                tempfile.mkdtemp(prefix="nori-api-"),
+                socket_dir("api"),
                 args.log_level,
                 not args.no_access_log,
             )
