@@ -541,6 +541,12 @@ class EngineCoreClient(StreamingClient):
         self.metrics.observe_weight_op(op, asleep, new_weights)  # the core keeps no metrics
         return asleep
 
+    def release_client(self, index: int) -> None:
+        """API server `index` is gone for good (not restarted): the core ends the requests it
+        still runs for it, as it does for a restarted one's predecessor (ClientReset)."""
+        if self.owns_core and index != self.client_index:
+            self._send(ClientReset(index))
+
     def _send(self, msg) -> None:
         self._send_bytes(self._encode(msg))
 

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from nori_jax.child_process import die_with_parent
 from nori_jax.engine_config import EngineConfig
@@ -91,6 +92,9 @@ class ApiServers:
         self.num_restarts = 0
         self._restarts: dict[int, list[float]] = {}  # restart times by API server index
         self._watcher: threading.Thread | None = None
+        # Called with an index given up on: its requests still in the engine core end there
+        # (serve/cli.py: EngineCoreClient.release_client), since no successor's hello will.
+        self.on_given_up: Callable[[int], None] | None = None
 
     @property
     def client_addresses(self) -> list[tuple[str, str]]:
@@ -148,6 +152,8 @@ class ApiServers:
                     )
                     with self._lock:
                         del self._procs[i]
+                    if self.on_given_up is not None:
+                        self.on_given_up(i)
                     continue
                 logger.error(
                     "API server %d (process %d) exited with %s; restarting it",

@@ -304,6 +304,8 @@ def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
         )
 
     monkeypatch.setattr(servers, "_spawn", spawn)
+    released: list[int] = []
+    servers.on_given_up = released.append  # its requests in the core end there
     servers.start()
     deadline = time.monotonic() + 10
     while servers._procs and time.monotonic() < deadline:
@@ -311,3 +313,4 @@ def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
     servers.terminate()
     assert spawned == [1] * (1 + api_servers.MAX_RESTARTS)
     assert servers.num_restarts == api_servers.MAX_RESTARTS and not servers._procs
+    assert released == [1]
