@@ -4,6 +4,7 @@ YAML presets and the command-line flags (`engine_args.py` derives a flag from ea
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,8 @@ def check_types(config: Any, prefix: str = "") -> None:
     of its declared simple type: `int`, `float`, `bool`, `str`, each optionally `| None`. So
     `page_size="16"`, `max_num_seqs=8.5` or `async_scheduling="no"` fail here, by name, not deep
     inside the engine (or, for a truthy string, not at all). Numpy scalars become the Python
-    numbers they hold first. Fields of other types (nested configs) are their own checks'."""
+    numbers they hold first, and a path object (`pathlib.Path`) its path where a string goes.
+    Fields of other types (nested configs) are their own checks'."""
     for field in dataclasses.fields(config):
         parts = [p.strip() for p in str(field.type).split("|")]
         kinds = [p for p in parts if p != "None"]
@@ -52,6 +54,9 @@ def check_types(config: Any, prefix: str = "") -> None:
         value = getattr(config, field.name)
         if isinstance(value, np.generic):
             value = value.item()
+            object.__setattr__(config, field.name, value)
+        elif "str" in kinds and isinstance(value, os.PathLike):  # a pathlib.Path: its path
+            value = os.fspath(value)
             object.__setattr__(config, field.name, value)
         if value is None and "None" in parts:
             continue

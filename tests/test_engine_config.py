@@ -5,6 +5,7 @@ except where the backend is asked."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,6 +58,11 @@ def test_flat_and_nested_keys_build_the_same_config():
 def test_bad_values_name_the_key(values, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_dict(values)
+
+
+def test_a_path_object_is_taken_as_its_path():
+    config = EngineConfig.from_dict({"model": Path("/models/x.gguf"), "tokenizer": Path("tok")})
+    assert config.model == "/models/x.gguf" and config.tokenizer == "tok"
 
 
 def test_numpy_scalars_become_python_numbers():
