@@ -113,12 +113,13 @@ def run_batch_command(args: argparse.Namespace) -> int:
         job.output.close()
         print(job.summary(Totals(), 0.0, 0).format())
         return 0
-    from nori_jax.engine import LLMEngine
-
-    engine = LLMEngine(config)
-    # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: what finished is committed first.
+    # SIGTERM (a scheduler's stop) ends the job as Ctrl-C does: what finished is committed first
+    # (and during the start-up's minutes of loading and compiling, nothing is lost).
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        from nori_jax.engine import LLMEngine
+
+        engine = LLMEngine(config)
         summary = job.run(engine)
     except KeyboardInterrupt:
         print(

@@ -18,6 +18,7 @@ from nori_jax.async_engine import request_failed
 from nori_jax.core.outputs import RequestOutput
 from nori_jax.engine_client import EngineClient
 from nori_jax.jsonl_source import JsonlLine
+from nori_jax.prompts import lone_surrogate
 from nori_jax.sampling_params import ParameterError, SamplingParams
 from serve.batch.format import BatchLine, line_error_record, response_record
 from serve.chat import ChatCompletion
@@ -97,10 +98,16 @@ def read_line(ctx: ServeContext, line: JsonlLine) -> Prepared | Refused:
         obj = json.loads(line.data)
     except ValueError as e:  # not UTF-8 or not JSON
         return Refused(None, line_error_record(None, "invalid_json", f"{where}: {e}"))
+    except RecursionError:  # nested deeper than the parser's recursion (a refusal, not a crash)
+        message = f"{where}: the JSON is nested too deeply to parse"
+        return Refused(None, line_error_record(None, "invalid_json", message))
     if not isinstance(obj, dict):
         message = f"{where}: a request must be a JSON object, got {type(obj).__name__}"
         return Refused(None, line_error_record(None, "invalid_batch_line", message))
-    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+    custom_id = obj.get("custom_id")
+    # (one the output cannot hold, a lone surrogate, is not echoed: the line number says which)
+    if not isinstance(custom_id, str) or lone_surrogate(custom_id) is not None:
+        custom_id = None
     try:
         envelope = BatchLine.model_validate(obj)
     except pydantic.ValidationError as e:

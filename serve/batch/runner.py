@@ -139,7 +139,9 @@ class BatchJob:
 
     @classmethod
     def open(cls, input_path: str, output_path: str, options: BatchOptions) -> BatchJob:
-        if os.path.realpath(input_path) == os.path.realpath(output_path):
+        if os.path.realpath(input_path) == os.path.realpath(output_path) or _same_file(
+            input_path, output_path
+        ):  # (a hard link is the same file under another path)
             raise ValueError(f"the output {output_path!r} is the input itself")
         source = _open_source(input_path, options.max_line_bytes)
         identity = {
@@ -149,9 +151,14 @@ class BatchJob:
             "shard_index": options.shard_index,
             "num_shards": options.num_shards,
         }
-        output = BatchOutput(
-            output_path, identity, options.flush_lines, options.flush_seconds, options.overwrite
-        )
+        try:
+            output = BatchOutput(
+                output_path, identity, options.flush_lines, options.flush_seconds, options.overwrite
+            )
+        except OSError as e:  # a missing directory, a path that is no writable file
+            raise ValueError(
+                f"cannot write the output {output_path!r}: {e.strerror or e}"
+            ) from None
         return cls(source, output, options)
 
     @property
@@ -278,3 +285,10 @@ def run_batch(
 ) -> BatchSummary:
     """Run (or resume) the job of `options`' shard of `input_path` into `output_path`."""
     return BatchJob.open(input_path, output_path, options).run(engine)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False

@@ -185,6 +185,42 @@ def test_malformed_lines_get_error_lines_and_the_job_goes_on(llm: LLM, tmp_path:
     assert summary.run.requests == len(rows) and summary.run.failed == len(rows) - 4
 
 
+def test_lines_that_broke_the_job_are_refused_alone(llm: LLM, tmp_path: Path) -> None:
+    """A line nested deeper than the JSON parser's recursion, and one whose custom_id the output
+    cannot hold (a lone surrogate), stopped the job and every rerun at that line: now each gets
+    its error line, and its neighbours their answers."""
+    good = {"prompt": "ok", "max_tokens": 2}
+    rows = [
+        line("a", good),
+        "[" * 100_000 + "]" * 100_000,
+        '{"custom_id": "s\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}',
+        line("b", good),
+    ]
+    out = tmp_path / "out.jsonl"
+    run_batch(llm.engine, str(write_jsonl(tmp_path / "in.jsonl", rows)), str(out), options())
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    errors = {
+        (r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[0])
+        for r in records
+        if r["error"] is not None
+    }
+    assert errors == {(None, "invalid_json", "line 2"), (None, "invalid_batch_line", "line 3")}
+    answered = {r["custom_id"] for r in records if r["error"] is None}
+    assert answered == {"a", "b"}
+
+
+def test_an_output_that_cannot_be_written_or_is_the_input_is_refused(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [line("a", {"prompt": "ok"})])
+    (tmp_path / "link.jsonl").hardlink_to(src)  # the input under another name
+    for output, match in (
+        (tmp_path / "link.jsonl", "is the input itself"),
+        (tmp_path / "no-such-dir" / "out.jsonl", "cannot write the output"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            run_batch(None, str(src), str(output), options(overwrite=True))
+    assert json.loads(src.read_text())["custom_id"] == "a"  # the input untouched
+
+
 def test_two_shards_cover_the_file_once_with_bounded_read_ahead(llm: LLM, tmp_path: Path) -> None:
     rows = [line(f"r{i}", {"prompt": [1 + i % 50, 7], "max_tokens": 2}) for i in range(61)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
