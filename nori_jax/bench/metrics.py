@@ -15,8 +15,9 @@ Two keys of our own say whether the run measured a server that kept up:
 - `achieved_request_rate`: requests sent per second over the sending window (the offered rate
   the server actually saw; below the configured one when the client fell behind);
 - `ttft_growth`: the median TTFT of the last fifth of the requests (by send time) over the first
-  fifth's. About 1 when the queue is steady; a server that cannot keep up with the offered rate
-  queues more and more, and its TTFT grows over the run (sweep.py's knee uses it).
+  fifth's (`ttft_growth_ms`: the one minus the other). About 1 when the queue is steady; a server
+  that cannot keep up with the offered rate queues more and more, and its TTFT grows over the run
+  (sweep.py's knee uses it).
 
 Client health, the evidence that the client is not the bottleneck: send lag (requests leaving
 after their scheduled time, checked at finite rates), event-loop lag (a busy loop reads chunks
@@ -81,7 +82,7 @@ def compute_metrics(
         "max_concurrent_requests": _peak_concurrency(ok),
         "output_lens": output_lens,
         "achieved_request_rate": _achieved_rate(results),
-        "ttft_growth": _ttft_growth(ok),
+        **_ttft_growth(ok),
     }
     values = {
         "ttft": [r.ttft_s for r in ok],
@@ -107,16 +108,20 @@ def _achieved_rate(results: Sequence[RequestResult]) -> float:
     return (len(sent) - 1) / (sent[-1] - sent[0])
 
 
-def _ttft_growth(ok: Sequence[RequestResult]) -> float:
-    """Median TTFT of the last fifth of the requests by send time over the first fifth's (1.0
-    with fewer than 10 requests, or a first fifth of zero TTFT)."""
+def _ttft_growth(ok: Sequence[RequestResult]) -> dict[str, float]:
+    """`ttft_growth`: the median TTFT of the last fifth of the requests by send time over the
+    first fifth's, and `ttft_growth_ms`: the one minus the other (1.0 and 0.0 with fewer than 10
+    requests; the ratio 1.0 when the first fifth's is 0)."""
     by_send = sorted((r for r in ok if math.isfinite(r.sent_s)), key=lambda r: r.sent_s)
     fifth = len(by_send) // 5
     if fifth < 2:
-        return 1.0
+        return {"ttft_growth": 1.0, "ttft_growth_ms": 0.0}
     first = float(np.median([r.ttft_s for r in by_send[:fifth]]))
     last = float(np.median([r.ttft_s for r in by_send[-fifth:]]))
-    return last / first if first > 0 else 1.0
+    return {
+        "ttft_growth": last / first if first > 0 else 1.0,
+        "ttft_growth_ms": (last - first) * 1e3,
+    }
 
 
 def _is_good(r: RequestResult, slos_ms: Mapping[str, float]) -> bool:

@@ -13,10 +13,10 @@ stays flat, and latency rises a little under batching while throughput still sca
 
 A run "falls behind" when its queue grows over the run: the median TTFT of its last fifth of
 requests is at least `max_ttft_growth` times its first fifth's and `min_ttft_growth_ms` more
-(metrics.ttft_growth), or more than `max_failed_for_knee` of its requests failed (a server that
-refuses load is not absorbing it). The efficiency test alone misses a capacity between two
-rates: with capacity 7 req/s, 4 -> 8 still gains 0.75 of the extra load, and 8 -> 16 none, so 8
-would pass as the knee although the server could not hold it.
+(metrics: ttft_growth, ttft_growth_ms), or more than `max_failed_for_knee` of its requests
+failed (a server that refuses load is not absorbing it). The efficiency test alone misses a
+capacity between two rates: with capacity 7 req/s, 4 -> 8 still gains 0.75 of the extra load,
+and 8 -> 16 none, so 8 would pass as the knee although the server could not hold it.
 
 The knee is R_i for the first step that falls behind at R_{i+1} (R_i not) or has e_i < min_gain
 and climbs. The server's capacity lies between R_i and R_{i+1}; a sweep that falls behind at its
@@ -79,9 +79,9 @@ def falls_behind(run: RunResult, cfg: SweepConfig = SweepConfig()) -> bool:
     n = m["completed"] + m["failed"]
     if n and m["failed"] / n > cfg.max_failed_for_knee:
         return True
-    growth = m.get("ttft_growth", 1.0)  # (runs recorded before the key: no evidence)
-    first_ms = m.get("median_ttft_ms", 0.0) / growth if growth > 0 else 0.0
-    return growth >= cfg.max_ttft_growth and (growth - 1) * first_ms >= cfg.min_ttft_growth_ms
+    # (runs recorded before these keys: no evidence either way)
+    growth, rise_ms = m.get("ttft_growth", 1.0), m.get("ttft_growth_ms", 0.0)
+    return growth >= cfg.max_ttft_growth and rise_ms >= cfg.min_ttft_growth_ms
 
 
 def find_knee(runs: Sequence[RunResult], cfg: SweepConfig = SweepConfig()) -> Knee | None:

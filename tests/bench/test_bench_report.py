@@ -75,7 +75,7 @@ def test_the_rate_achieved_and_the_ttft_growth_of_a_run() -> None:
     results = [_ok(i, t, [0.01], 2, sent=0.5 * i) for i, t in enumerate(ttfts)]
     m = compute_metrics(results, [1] * 10, 5.0, (99.0,), {})
     assert m["achieved_request_rate"] == pytest.approx(2.0)
-    assert m["ttft_growth"] == pytest.approx(4.0)
+    assert m["ttft_growth"] == pytest.approx(4.0) and m["ttft_growth_ms"] == pytest.approx(300.0)
     steady = compute_metrics(
         [_ok(i, 0.1, [0.01], 2, sent=i) for i in range(10)], [1] * 10, 10.0, (99.0,), {}
     )
