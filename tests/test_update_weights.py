@@ -19,6 +19,7 @@ from engine_fixtures import small_llm
 from safetensors.numpy import save_file
 
 from nori_jax import LLM, SamplingParams
+from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.weights import export
 from nori_jax.weights.safetensors_dir import iter_safetensors
 from nori_jax.weights.update import check_like
@@ -142,7 +143,10 @@ def test_weights_that_wrote_nan_leave_no_trace_once_replaced(llm, checkpoints, e
     llm.update_weights(good | {q: np.full_like(good[q], np.nan)})
     llm.generate(PROMPTS * 2, PARAMS[0])  # every page these touch now holds NaN
     addresses = [p.unsafe_buffer_pointer() for p in llm.engine.runner.kv_pages]
-    llm.update_weights(good)
+    counter = CompileCounter()
+    with counter.counting():
+        llm.update_weights(good)
+    assert counter.count == 0  # the pass over the pool was compiled at start-up
     assert [p.unsafe_buffer_pointer() for p in llm.engine.runner.kv_pages] == addresses
     assert _tokens(llm) == expected["a"]
     assert llm.engine.num_recompiles == 0

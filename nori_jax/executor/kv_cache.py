@@ -7,8 +7,6 @@ page costs every device the same 1/tp of its bytes either way.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -82,19 +80,17 @@ def allocate_kv_pages(
     return [zeros() for _ in range(cfg.num_layers)]
 
 
-def without_non_finite(pages: list[jax.Array]) -> list[jax.Array]:
-    """`pages` with every NaN and inf set to 0, in place (donated; an elementwise program, so
-    XLA writes its output into its input and the pool neither moves nor needs a second copy).
+def finite_program(pages) -> jax.stages.Compiled:
+    """The program that sets every NaN and inf of the KV pages to 0, in place (donated; an
+    elementwise program, so XLA writes its output into its input and the pool neither moves nor
+    needs a second copy), compiled ahead for `pages` (arrays or their abstract values), so that
+    nothing compiles when it first runs (runner.replace_weights).
 
     Why: a masked position of a page (past a sequence's end, in a page's tail another request
     wrote) weighs exactly 0 in the attention, which cancels any finite value there, but 0 x NaN
     is NaN: weights that wrote NaN or inf into the pool (a trainer's diverged step) would spoil
     requests long after they were replaced."""
-    return _finite_program(pages[0].sharding)(pages)
 
-
-@functools.cache
-def _finite_program(sharding):
     def finite(pages):
         # (tested in float32: an fp8 page's values convert exactly, and no backend is asked
         # for an is-finite of fp8 itself)
@@ -102,4 +98,5 @@ def _finite_program(sharding):
             jnp.where(jnp.isfinite(p.astype(jnp.float32)), p, jnp.zeros((), p.dtype)) for p in pages
         ]
 
-    return jax.jit(finite, donate_argnums=0, out_shardings=sharding)
+    sharding = pages[0].sharding
+    return jax.jit(finite, donate_argnums=0, out_shardings=sharding).lower(pages).compile()

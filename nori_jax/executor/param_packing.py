@@ -153,8 +153,14 @@ class PackedParams:
 def _stack(leaves: list[jax.Array], key: tuple) -> jax.Array:
     """The leaves as rows of one array on their own sharding, the new axis whole."""
     _, _, mesh, spec = key
-    sharding = NamedSharding(mesh, PartitionSpec(None, *spec))
-    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
+    return _stacker(NamedSharding(mesh, PartitionSpec(None, *spec)))(*leaves)
+
+
+@functools.cache
+def _stacker(sharding: NamedSharding):
+    # One jit per sharding, kept: a fresh lambda each call was a cache miss, so every
+    # update_weights (which packs the state again) lowered and compiled the stacks anew.
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
 
 
 @functools.cache

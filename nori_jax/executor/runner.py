@@ -51,7 +51,7 @@ from nori_jax.core.step_layout import TOKEN_FIELDS, TOP_LOGPROBS, StepLayout
 from nori_jax.core.step_plan import StepPlan
 from nori_jax.executor import program_options
 from nori_jax.executor.direct_call import DirectCall
-from nori_jax.executor.kv_cache import allocate_kv_pages, kv_sharding, without_non_finite
+from nori_jax.executor.kv_cache import allocate_kv_pages, finite_program, kv_sharding
 from nori_jax.executor.mesh import replicated
 from nori_jax.executor.param_packing import PackedParams
 from nori_jax.executor.placement import ReplicatedPut, put
@@ -391,6 +391,7 @@ class ModelRunner:
         as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_abs = [as_abstract(x) for x in self._params]
         kv_abs = [as_abstract(x) for x in self.kv_pages]
+        self._finite_pages = finite_program(kv_abs)  # replace_weights' pass over the pool
         s, i32 = self.layout.max_num_seqs, jnp.int32
         prev_abs = self._abstract((2, s), i32)
         step_abs = self._abstract((self.layout.size,), i32)
@@ -578,14 +579,14 @@ class ModelRunner:
         host), each placed as the array it replaces and swapped in at once; the caller makes
         sure no launch is in flight. The launch's own references go first, so each old array
         is freed as its successor lands. The KV pages lose any NaN or inf the old weights wrote
-        (kv_cache.without_non_finite), which masked positions would otherwise carry over."""
+        (kv_cache.finite_program), which masked positions would otherwise carry over."""
         self._unpack_state()
         try:
             replace_weights(self.model, prepared)
         finally:  # after a failure too: the launch takes whatever the state now holds
             if not self._asleep:  # (asleep: wake_up packs them, and allocates fresh pages)
                 self._pack_state()
-                self.kv_pages = without_non_finite(self.kv_pages)
+                self.kv_pages = self._finite_pages(self.kv_pages)
 
     def launch(self, plan: StepPlan) -> LaunchedSamples:
         """Enqueue the step and return a handle to its samples without waiting (`fetch` reads
