@@ -27,7 +27,7 @@ from nori_jax.core.scheduler import Scheduler
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.core.step_shapes import StepShapes
 from nori_jax.engine_config import EngineConfig
-from nori_jax.executor import compilation_cache, distributed, xla_flags
+from nori_jax.executor import compilation_cache, distributed, gpu_client, xla_flags
 from nori_jax.executor.compile_counter import CompileCounter
 from nori_jax.executor.kv_cache import num_pages_for_memory
 from nori_jax.executor.kv_calibration import calibration_token_ids, measure_kv_scales
@@ -160,6 +160,17 @@ def replica_mesh(mesh: MeshConfig, replica: int, own_devices: bool = False) -> M
     return make_mesh(mesh, replica, devices)
 
 
+def tfrt_measured(config: EngineConfig, own_devices: bool) -> bool:
+    """Whether the engine is of the kind measured under XLA's TFRT GPU client (gpu_client "auto"
+    takes it only then): one device driven by this process (one replica of tensor parallelism 1,
+    or one replica's own process), bf16 or float32 weights and pages."""
+    if config.distributed.enabled or config.mesh.model > 1:
+        return False
+    if config.quantization is not None or config.kv_cache_dtype != "auto":
+        return False
+    return own_devices or config.mesh.num_replicas == 1
+
+
 def build_engine(
     config: EngineConfig,
     replica: int = 0,
@@ -176,6 +187,7 @@ def build_engine(
     between them (disaggregated.py), which builds each replica here with its `role` ("prefill":
     its scheduler hands each request off after its first token)."""
     xla_flags.apply(config.command_buffer_update)  # before any JAX call: XLA reads it once
+    client = gpu_client.apply(config.gpu_client, measured=tfrt_measured(config, own_devices))
     multihost = config.distributed
     if multihost.enabled and config.mesh.num_replicas > 1:
         raise ValueError(
@@ -292,7 +304,7 @@ def build_engine(
     )
     logger.info(
         "engine%s ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
-        "of %d tokens in %s, buckets %s, attention=%s",
+        "of %d tokens in %s, buckets %s, attention=%s%s",
         f" replica {replica} of {config.mesh.data}" if config.mesh.data > 1 else "",
         time.perf_counter() - started,
         model.source,
@@ -305,6 +317,7 @@ def build_engine(
         jnp.dtype(kv_dtype).name,
         scheduler.buckets,
         attention_backend,
+        f", gpu client {client}" if mesh.devices.flat[0].platform == "gpu" else "",
     )
     return EngineParts(config, core, model, runner, scfg, scfg.max_model_len, load_seconds)
 

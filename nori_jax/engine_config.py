@@ -20,6 +20,7 @@ import yaml
 from nori_jax.config_field import check_types, option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.distributed_config import DistributedConfig
+from nori_jax.executor.gpu_client import GPU_CLIENTS
 from nori_jax.executor.xla_flags import COMMAND_BUFFER_UPDATES
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.quantization.scheme import QUANTIZATION_MODES
@@ -111,6 +112,16 @@ class EngineConfig:
         "skip_temp unless XLA_FLAGS names a mode or JAX started before the engine",
         choices=COMMAND_BUFFER_UPDATES,
     )
+    gpu_client: str = option(
+        "auto",
+        help="GPU: which of XLA's runtimes runs the engine; tfrt: XLA's TFRT GPU client, whose "
+        "launch costs less host time (a 16-sequence decode step's launch 0.54 against 1.51 ms on "
+        "an H100; docs/benchmarks.md); auto: tfrt for an engine on one GPU with bf16/float32 "
+        "weights and pages, the default client elsewhere (not yet measured with tfrt: several "
+        "GPUs, quantized weights, fp8 pages), unless XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT is "
+        "set or JAX started before the engine",
+        choices=GPU_CLIENTS,
+    )
     stack_weights: bool = option(
         False,
         help="pass the weight matrices to the forward pass stacked by kind, each layer's row "
@@ -151,6 +162,7 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("command_buffer_update", COMMAND_BUFFER_UPDATES),
+            ("gpu_client", GPU_CLIENTS),
             ("quantized_matmul", QUANTIZED_MATMULS),
         ):
             if getattr(self, name) not in allowed:

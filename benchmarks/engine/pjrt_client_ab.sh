@@ -24,7 +24,8 @@ mkdir -p "$OUT"
 here=$(dirname "$0")
 with_client() {  # with_client tfrt|default COMMAND...
   local var=XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT
-  if [ "$1" = tfrt ]; then shift; env "$var=1" "$@"; else shift; env -u "$var" "$@"; fi
+  # =0, not unset: the engine's gpu_client "auto" takes TFRT on one GPU where the variable is unset
+  if [ "$1" = tfrt ]; then shift; env "$var=1" "$@"; else shift; env "$var=0" "$@"; fi
 }
 for client in default tfrt; do
   echo "=== greedy tokens, $client client ($(date +%T))"
