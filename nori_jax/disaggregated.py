@@ -74,4 +74,5 @@ def build_disaggregated(config: EngineConfig) -> EngineParts:
         first.scheduler_config,
         first.max_model_len,
         load_seconds,
+        first.gpu_client,
     )

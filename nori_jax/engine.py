@@ -118,6 +118,7 @@ class EngineParts:
     scheduler_config: SchedulerConfig
     max_model_len: int
     load_seconds: float
+    gpu_client: str = "none"  # XLA's GPU runtime the engine runs on (tfrt, default; none: no GPU)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -125,7 +126,8 @@ class EngineParts:
 
     @property
     def config_info(self) -> dict[str, str]:
-        """What runs (dtype, weights, KV pages), for the log and nori:model_config_info."""
+        """What runs (dtype, weights, KV pages, the GPU runtime), for the log and
+        nori:model_config_info."""
         scales = "none"
         if self.runner.kv_scales is not None:
             scales = "calibrated"
@@ -134,6 +136,7 @@ class EngineParts:
         return self.model.model_config_info | {
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_scales": scales,
+            "gpu_client": self.gpu_client,
         }
 
     @property
@@ -208,6 +211,8 @@ def build_engine(
     cache_dir = compilation_cache.enable(config.compilation_cache_dir)
     logger.info("XLA compilation cache: %s", cache_dir)
     mesh = replica_mesh(config.mesh, replica, own_devices)
+    if mesh.devices.flat[0].platform != "gpu":
+        client = "none"  # the variable reaches only the CUDA plugin
     if multihost.enabled and config.mesh.num_devices != jax.device_count():
         raise ValueError(
             f"mesh {config.mesh.describe()} on {multihost.num_processes} processes: a multi-host "
@@ -317,9 +322,9 @@ def build_engine(
         jnp.dtype(kv_dtype).name,
         scheduler.buckets,
         attention_backend,
-        f", gpu client {client}" if mesh.devices.flat[0].platform == "gpu" else "",
+        f", gpu client {client}" if client != "none" else "",
     )
-    return EngineParts(config, core, model, runner, scfg, scfg.max_model_len, load_seconds)
+    return EngineParts(config, core, model, runner, scfg, scfg.max_model_len, load_seconds, client)
 
 
 class LLMEngine:

@@ -198,10 +198,10 @@ class EngineMetrics:
             registry=r,
         )
         # nori:model_config_info{dtype=...,quantization=...,weights=...,quantized_matmul=...,
-        # kv_cache_dtype=...} 1
+        # kv_cache_dtype=...,kv_scales=...,gpu_client=...} 1
         self.model_config = Info(
             "nori:model_config",
-            "Compute dtype, how the weights are stored, the KV pages' dtype.",
+            "Compute dtype, how the weights are stored, the KV pages' dtype, XLA's GPU client.",
             registry=r,
         )
 

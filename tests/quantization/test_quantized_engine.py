@@ -247,6 +247,7 @@ def test_metrics_and_log_name_the_weights(lookup, engines, caplog):
         "quantized_matmul": "xla",
         "kv_cache_dtype": "float32",
         "kv_scales": "none",
+        "gpu_client": "none",  # no GPU: XLA's GPU runtimes do not apply
     }
     assert engines[None].get_metrics()["nori:model_config_info"]["quantization"] == "none"
     # fp8's calls of few tokens are weight-only by default (quantized_matmul="auto")

@@ -272,7 +272,12 @@ def test_streams_through_the_openai_client(server: Server) -> None:
     assert shapes and sum(float(line.split()[-1]) for line in shapes) >= 10
     assert any('kind="decode"' in line for line in shapes)
     info = next(line for line in metrics.splitlines() if line.startswith("nori:model_config_info"))
-    for label in ('dtype="float32"', 'kv_cache_dtype="float32"', 'quantization="none"'):
+    for label in (
+        'dtype="float32"',
+        'kv_cache_dtype="float32"',
+        'quantization="none"',
+        'gpu_client="none"',  # a CPU engine
+    ):
         assert label in info  # from the core
 
 
