@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nori_jax.socket_dirs import socket_root
+
 MEASURED_API_SERVERS = (1, 4, 8)  # API server counts: one, the suites' four, eight
 _STAGE_TIMES = (0.001, 0.01, 0.8, 0.011, 0.81)  # queue, prefill, decode, TTFT, E2E: any floats
 
@@ -68,7 +70,7 @@ def measure(
         raise ValueError(f"api_servers={api_servers} must be >= 1")
     ctx = zmq.Context()
     medians = []
-    with tempfile.TemporaryDirectory(prefix="nori-core-io-") as d:
+    with tempfile.TemporaryDirectory(prefix="nori-core-io-", dir=socket_root()) as d:
         addrs = [f"ipc://{d}/out{i}" for i in range(api_servers)]
         sinks = []
         for addr in addrs:  # bound and never read: ZeroMQ's own threads take the messages in
