@@ -375,6 +375,10 @@ class EngineCoreClient(StreamingClient):
 
     @property
     def dead_reason(self) -> str | None:
+        """Why the engine does not serve, or None (serving, or only draining). A core process
+        that ended says so at once, before the reader thread has taken in its death."""
+        if self._down is None and not self._core.alive:
+            return "the engine core process exited"
         return self._down
 
     @property
@@ -542,8 +546,8 @@ class EngineCoreClient(StreamingClient):
         return asleep
 
     def release_client(self, index: int) -> None:
-        """API server `index` is gone for good (not restarted): the core ends the requests it
-        still runs for it, as it does for a restarted one's predecessor (ClientReset)."""
+        """API server `index`'s process exited: the core ends the requests it still runs for
+        it (ClientReset), as the hello of a restarted one would, only sooner."""
         if self.owns_core and index != self.client_index:
             self._send(ClientReset(index))
 

@@ -92,9 +92,11 @@ class ApiServers:
         self.num_restarts = 0
         self._restarts: dict[int, list[float]] = {}  # restart times by API server index
         self._watcher: threading.Thread | None = None
-        # Called with an index given up on: its requests still in the engine core end there
-        # (serve/cli.py: EngineCoreClient.release_client), since no successor's hello will.
-        self.on_given_up: Callable[[int], None] | None = None
+        # Called with the index of an API server whose process exited: its requests still in
+        # the engine core end there at once (serve/cli.py: EngineCoreClient.release_client),
+        # not at its successor's hello, seconds later (nor never, for one given up on); until
+        # then they held the engine's rows and queue with no one to read them.
+        self.on_exit: Callable[[int], None] | None = None
 
     @property
     def client_addresses(self) -> list[tuple[str, str]]:
@@ -138,6 +140,8 @@ class ApiServers:
             for i, p in exited:
                 if self._stopping:
                     return
+                if self.on_exit is not None:
+                    self.on_exit(i)
                 now = time.monotonic()
                 recent = [t for t in self._restarts.get(i, []) if now - t < RESTART_WINDOW_S]
                 if len(recent) >= MAX_RESTARTS:  # a crash loop: the others serve on without it
@@ -152,8 +156,6 @@ class ApiServers:
                     )
                     with self._lock:
                         del self._procs[i]
-                    if self.on_given_up is not None:
-                        self.on_given_up(i)
                     continue
                 logger.error(
                     "API server %d (process %d) exited with %s; restarting it",

@@ -226,7 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = EngineCoreClient(config, extra_clients=extra, hang_timeout_s=hang_timeout_s)
         logger.info("engine core running in process %d", engine.pid)
     if companions is not None:
-        companions.on_given_up = engine.release_client
+        companions.on_exit = engine.release_client
         companions.start()
         logger.info("API servers 1-%d running in processes %s", count - 1, companions.pids)
     try:

@@ -284,7 +284,8 @@ def test_nothing_outlives_a_killed_server(tmp_path) -> None:
 
 def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
     """One that dies again and again is restarted MAX_RESTARTS times, then left down (the others
-    serve on), as the engine core is."""
+    serve on), as the engine core is. Each exit releases its requests in the core at once, before
+    any restart (they held the engine until the successor's hello, seconds later)."""
     from types import SimpleNamespace
 
     from nori_jax.engine_config import EngineConfig
@@ -296,16 +297,23 @@ def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
         2, EngineConfig(), ServerSettings(model_name="m"), ("127.0.0.1", 1), "/tmp", "info", False
     )
     spawned = []
+    events: list[str] = []
 
     def spawn(index: int) -> None:  # a process that has already exited
         spawned.append(index)
+        events.append(f"spawn {index}")
         servers._procs[index] = SimpleNamespace(
             pid=1000 + len(spawned), returncode=1, poll=lambda: 1
         )
 
     monkeypatch.setattr(servers, "_spawn", spawn)
     released: list[int] = []
-    servers.on_given_up = released.append  # its requests in the core end there
+
+    def release(index: int) -> None:  # EngineCoreClient.release_client: a ClientReset
+        released.append(index)
+        events.append(f"release {index}")
+
+    servers.on_exit = release
     servers.start()
     deadline = time.monotonic() + 10
     while servers._procs and time.monotonic() < deadline:
@@ -313,4 +321,4 @@ def test_an_api_server_in_a_crash_loop_is_given_up(monkeypatch) -> None:
     servers.terminate()
     assert spawned == [1] * (1 + api_servers.MAX_RESTARTS)
     assert servers.num_restarts == api_servers.MAX_RESTARTS and not servers._procs
-    assert released == [1]
+    assert events == ["spawn 1", "release 1"] * (1 + api_servers.MAX_RESTARTS)

@@ -381,6 +381,11 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
         time.sleep(0.005)
     killed = server.engine.pid
     os.kill(killed, signal.SIGKILL)
+    os.waitid(os.P_PID, killed, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped by its client
+    # At once, before the client's reader has taken the death in: 503 with the cause (it said
+    # "shutting down" in that window)
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "exited" in health.json()["reason"], health.text
     for t in jobs:
         t.join(30)
         assert not t.is_alive()
