@@ -99,6 +99,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a request's headers must arrive within this (the connection is closed)",
     )
     g.add_argument(
+        "--write-timeout",
+        type=float,
+        default=ServerSettings.write_timeout_s,
+        metavar="SECONDS",
+        help="a connection whose client reads nothing of its response for this long is dropped "
+        "and its request aborted (what the engine made for it is freed); 0: never",
+    )
+    g.add_argument(
         "--engine-hang-timeout",
         type=float,
         default=ServerSettings.engine_hang_timeout_s,
@@ -186,6 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_logprob_entries=args.max_logprob_entries,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
+        write_timeout_s=args.write_timeout or None,  # 0: never
         engine_hang_timeout_s=args.engine_hang_timeout or None,  # 0: never
         enable_weight_control=args.enable_weight_control,
         api_server=0 if count > 1 else None,
@@ -251,14 +260,14 @@ def serve_http(
     import uvicorn
 
     from serve.api import create_app
-    from serve.server import Server, header_timeout_protocol
+    from serve.server import Server, guarded_protocol
 
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
         log_level=log_level.lower(),
         access_log=access_log,
-        http=header_timeout_protocol(settings.header_timeout_s),
+        http=guarded_protocol(settings.header_timeout_s, settings.write_timeout_s),
         # After the drain (server.py) every response has its last bytes: a few seconds to write.
         timeout_graceful_shutdown=5,
     )

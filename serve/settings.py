@@ -20,6 +20,9 @@ class ServerSettings:
     max_logprob_entries: int = 2**18
     body_timeout_s: float = 30.0  # a request body must arrive within this (408)
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (closed)
+    # A connection whose writes stay paused this long (its client reads nothing) is dropped and
+    # its request aborted (serve/server.py); None: never
+    write_timeout_s: float | None = 60.0
     # An engine core silent this long with requests in flight is hung: killed and restarted
     # (EngineCoreClient.hang_timeout_s); None: never
     engine_hang_timeout_s: float | None = 60.0
@@ -42,6 +45,8 @@ class ServerSettings:
             raise ValueError(f"max_logprob_entries={self.max_logprob_entries} must be >= 1")
         if self.engine_hang_timeout_s is not None and not self.engine_hang_timeout_s > 0:
             raise ValueError(f"engine_hang_timeout_s={self.engine_hang_timeout_s} must be > 0")
+        if self.write_timeout_s is not None and not self.write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s={self.write_timeout_s} must be > 0")
         for name in ("body_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

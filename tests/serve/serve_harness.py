@@ -23,7 +23,7 @@ from nori_jax.engine_client import EngineClient
 from nori_jax.engine_config import EngineConfig
 from serve.api import create_app
 from serve.server import Server as DrainingServer
-from serve.server import header_timeout_protocol
+from serve.server import guarded_protocol
 from serve.settings import ServerSettings
 
 MODEL_NAME = "tiny"
@@ -86,7 +86,9 @@ def running_server(
         app,
         log_level="warning",
         timeout_graceful_shutdown=30,
-        http=header_timeout_protocol(server_settings.header_timeout_s),
+        http=guarded_protocol(
+            server_settings.header_timeout_s, server_settings.write_timeout_s
+        ),
     )
     server = DrainingServer(config, engine, server_settings.drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
