@@ -10,6 +10,7 @@ the drain did not.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
 from nori_jax.heap_freeze import heap_frozen
-from serve import chat, completions, generate, tokenize, weights
+from serve import chat, completions, generate, metrics_relay, tokenize, weights
 from serve.context import ServeContext, get_context
 from serve.errors import install_error_handlers
 from serve.guards import RequestGuard
@@ -43,9 +44,19 @@ async def health(request: Request) -> Response:
 
 @open_routes.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """The engine's own registry: the numbers `LLM.get_metrics()` returns."""
-    registry = get_context(request).engine.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    """The engine's own registry: the numbers `LLM.get_metrics()` returns. API servers 1.. answer
+    with API server 0's (serve/metrics_relay.py), their own only if it does not answer."""
+    ctx = get_context(request)
+    if ctx.settings.metrics_from is not None:
+        body = await asyncio.to_thread(metrics_relay.fetch, ctx.settings.metrics_from)
+        if body is not None:
+            headers = {"x-nori-metrics-source": "api-server-0"}
+            return Response(body, media_type=CONTENT_TYPE_LATEST, headers=headers)
+        headers = {"x-nori-metrics-source": "local"}
+    else:
+        headers = {}
+    body = generate_latest(ctx.engine.metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST, headers=headers)
 
 
 models_router = APIRouter()

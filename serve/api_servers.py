@@ -16,8 +16,9 @@ keep connections open). API server 0 owns the engine core as
 with one server: it starts it, restarts it when it dies and stops it last. The others attach to it
 (`EngineCoreClient(shared_core=...)`): each binds its own socket pair, which the core connects to,
 and each request's tokens come back to the API server that sent it. Every API server gets every
-step's finishes and stats, so /metrics and /health answer for the whole engine whichever process a
-scrape reaches (`api_server` in /health's body says which one did).
+step's finishes and stats, so /health answers for the whole engine whichever process a probe
+reaches (`api_server` in /health's body says which one did), and /metrics is API server 0's
+whichever process answers (serve/metrics_relay.py: a restarted one's own counters start at 0).
 
 API server 0 restarts another that exits (it ends what the dead one had in flight in the core),
 up to 5 times in 10 minutes each, and ends with it: on SIGTERM it passes the signal on, waits
@@ -40,6 +41,7 @@ from collections.abc import Callable
 
 from nori_jax.child_process import die_with_parent
 from nori_jax.engine_config import EngineConfig
+from serve.metrics_relay import metrics_address
 from serve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class ApiServers:
     ):
         if count < 2:
             raise ValueError(f"api_server_count={count}: ApiServers runs servers 1 and up")
-        self.count, self.config, self.settings = count, config, settings
+        self.count, self.config = count, config
+        self.settings = dataclasses.replace(settings, metrics_from=metrics_address(directory))
         self._address, self._dir = address, directory
         self._level, self._access_log = log_level, access_log
         self._procs: dict[int, subprocess.Popen] = {}
@@ -97,6 +100,11 @@ class ApiServers:
         # not at its successor's hello, seconds later (nor never, for one given up on); until
         # then they held the engine's rows and queue with no one to read them.
         self.on_exit: Callable[[int], None] | None = None
+
+    @property
+    def metrics_address(self) -> str:
+        """Where API server 0 publishes /metrics for the others (serve/metrics_relay.py)."""
+        return metrics_address(self._dir)
 
     @property
     def client_addresses(self) -> list[tuple[str, str]]:

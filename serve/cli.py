@@ -234,7 +234,11 @@ def run_serve(args: argparse.Namespace) -> int:
         # Starts the engine-core process; returns when it is ready.
         engine = EngineCoreClient(config, extra_clients=extra, hang_timeout_s=hang_timeout_s)
         logger.info("engine core running in process %d", engine.pid)
+    publisher = None
     if companions is not None:
+        from serve.metrics_relay import MetricsPublisher
+
+        publisher = MetricsPublisher(engine.metrics.registry, companions.metrics_address)
         companions.on_exit = engine.release_client
         companions.start()
         logger.info("API servers 1-%d running in processes %s", count - 1, companions.pids)
@@ -243,6 +247,8 @@ def run_serve(args: argparse.Namespace) -> int:
             engine, settings, sock, args.log_level, not args.no_access_log, companions
         )
     finally:
+        if publisher is not None:
+            publisher.close()
         if companions is not None:
             companions.kill()
 

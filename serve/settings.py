@@ -27,6 +27,8 @@ class ServerSettings:
     # (EngineCoreClient.hang_timeout_s); None: never
     engine_hang_timeout_s: float | None = 60.0
     api_server: int | None = None  # which of several API server processes this is (None: one)
+    # API servers 1..: where API server 0 publishes /metrics (serve/metrics_relay.py); None: here
+    metrics_from: str | None = None
     # /update_weights, /sleep, /wake_up, /is_sleeping (serve/weights.py): off unless asked
     enable_weight_control: bool = False
 

@@ -2,7 +2,8 @@
 core (serve/api_servers.py), run as a user runs it.
 
 Connections spread over both and every request gets its own tokens back; each API server's
-/metrics is the whole engine's; a killed API server is restarted while the other serves on; the
+/metrics is the whole engine's (API server 0's, also after the other restarted); a killed API
+server is restarted while the other serves on; the
 engine core's death fails the requests in flight on both and both serve again once it restarted;
 SIGTERM stops every process and leaves no temporary directory behind. A weight operation sent to
 either API server is answered to that one, and sleeps or wakes the one engine for both.
@@ -163,6 +164,20 @@ def test_a_killed_api_server_is_restarted_while_the_other_serves(served) -> None
     _wait_both_healthy(url, proc, log, 120)
     assert _child(proc.pid, "serve.api_servers") != old
     assert "API server 1 (process" in log.read_text()
+    # The restarted one's own counters start at 0; it answers /metrics with API server 0's, so a
+    # scraper on the port sees one series, not two that jump back and forth.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(lambda _: _generate(url)[0], range(16))) == {"0", "1"}
+    time.sleep(0.5)  # the last step's stats reach both servers
+    after = _metrics_by_server(url)
+    assert after["0"] == after["1"] and after["0"]
+    sources = set()
+    for _ in range(40):
+        r = httpx.get(f"{url}/metrics", timeout=10)
+        sources.add((r.headers["x-nori-api-server"], r.headers.get("x-nori-metrics-source")))
+        if len(sources) == 2:
+            break
+    assert sources == {("0", None), ("1", "api-server-0")}
 
 
 def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> None:
