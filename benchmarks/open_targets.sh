@@ -14,6 +14,10 @@
 #              (first_copy_probe.py: the fixed 2-2.6 us behind cuDNN on 512-token chunks)
 #   client     issue 19 item 2: the launch with XLA's TFRT GPU client against the default one
 #              (pjrt_client_ab.sh, one round)
+#   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
+#              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
+#              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
+#              the default client)
 # Needs the wheels the GPU image lacks on PYTHONPATH (../shared/tools/device-wheels.sh).
 set -u
 OUT=${OUT:-/tmp/open_targets}
@@ -55,6 +59,32 @@ for part in $PARTS; do
       echo "rc $?"; quiet < "$OUT/floor.log" | tail -20 ;;
     client)
       OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
+    tfrt)
+      for c in auto default; do
+        echo "--- served, gpu client $c ($(date +%T))"
+        MODEL=smollm2-135m RATES=128,256 N=1000 OUT="$OUT/serve_$c" \
+          EXTRA="--max-num-seqs 1024 --max-num-batched-tokens 8192 --api-server-count 4 --gpu-client $c" \
+          timeout ${T_SERVE:-200} bash "$here/engine/serve_sweep.sh" > "$OUT/serve_$c.txt" 2>&1
+        echo "rc $?"; grep -E "healthy|Knee|req/s:" "$OUT/serve_$c.txt" | head -6
+        grep -h "gpu client" "$OUT/serve_$c/serve.log" | grep -o "gpu client [a-z]*" | head -1
+        pkill -f "nori_jax.cli --log-level INFO serve"; sleep 3
+      done
+      for c in tfrt default; do  # auto keeps fp8 engines on the default client: ask for tfrt
+        timeout ${T_FP8:-240} python3 "$here/engine/greedy_tokens.py" --config h200-throughput \
+          --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --gpu-client $c \
+          --num-prompts 32 --max-tokens 16 --out "$OUT/greedy_fp8_$c.json" > "$OUT/fp8_$c.log" 2>&1
+        echo "--- fp8 greedy, gpu client $c: rc $?"
+      done
+      python3 - "$OUT" <<'PY'
+import json, os, sys
+a, b = (f"{sys.argv[1]}/greedy_fp8_{c}.json" for c in ("tfrt", "default"))
+if os.path.exists(a) and os.path.exists(b):
+    x, y = json.load(open(a)), json.load(open(b))
+    print(f"fp8 greedy tokens: {sum(p == q for p, q in zip(x, y))} of {len(x)} identical")
+else:
+    print("fp8 greedy tokens: not compared (a run did not finish)")
+PY
+      ;;
     *) echo "unknown part: $part" ;;
   esac
 done
