@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nori_jax.engine_client import EngineClient
 from nori_jax.heap_freeze import heap_frozen
-from serve import chat, completions, generate, metrics_relay, tokenize, weights
+from serve import chat, completions, generate, heartbeat, metrics_relay, tokenize, weights
 from serve.context import ServeContext, get_context
 from serve.errors import install_error_handlers
 from serve.guards import RequestGuard
@@ -84,9 +84,16 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             engine.start()
         # The start-up heap (FastAPI's routes, the tokenizer; the model with an in-process
         # engine) stays out of full collections while the server runs: heap_freeze.py.
-        with heap_frozen(collect=True):
-            yield
-            await engine.shutdown(settings.drain_timeout_s)
+        beating = None
+        if settings.heartbeat_path is not None:  # API servers 1..: API server 0 watches it
+            beating = asyncio.create_task(heartbeat.beat(settings.heartbeat_path))
+        try:
+            with heap_frozen(collect=True):
+                yield
+                await engine.shutdown(settings.drain_timeout_s)
+        finally:
+            if beating is not None:
+                beating.cancel()
 
     app = FastAPI(title="Nori-JAX", lifespan=lifespan)
     app.state.ctx = ctx

@@ -21,15 +21,18 @@ reaches (`api_server` in /health's body says which one did), and /metrics is API
 whichever process answers (serve/metrics_relay.py: a restarted one's own counters start at 0).
 
 API server 0 restarts another that exits (it ends what the dead one had in flight in the core),
-up to 5 times in 10 minutes each, and ends with it: on SIGTERM it passes the signal on, waits
+or that stopped running its event loop (no heartbeat for `--api-server-hang-timeout` seconds:
+serve/heartbeat.py; it is killed first), up to 5 times in 10 minutes each, and ends with it: on SIGTERM it passes the signal on, waits
 while the others drain, then drains and stops the core. The others exit when API server 0 does
 (Linux's parent-death signal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -41,6 +44,7 @@ from collections.abc import Callable
 
 from nori_jax.child_process import die_with_parent
 from nori_jax.engine_config import EngineConfig
+from serve import heartbeat
 from serve.metrics_relay import metrics_address
 from serve.settings import ServerSettings
 
@@ -87,6 +91,7 @@ class ApiServers:
             raise ValueError(f"api_server_count={count}: ApiServers runs servers 1 and up")
         self.count, self.config = count, config
         self.settings = dataclasses.replace(settings, metrics_from=metrics_address(directory))
+        self.hang_timeout_s = settings.api_server_hang_timeout_s
         self._address, self._dir = address, directory
         self._level, self._access_log = log_level, access_log
         self._procs: dict[int, subprocess.Popen] = {}
@@ -123,11 +128,17 @@ class ApiServers:
         self._watcher = threading.Thread(target=self._watch, name="nori-api-servers", daemon=True)
         self._watcher.start()
 
+    def _heartbeat_path(self, index: int) -> str:
+        return os.path.join(self._dir, f"api-{index}.alive")
+
     def _spawn(self, index: int) -> None:
+        beat = self._heartbeat_path(index)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(beat)  # its predecessor's: the new one is judged from its own first beat
         spec = WorkerSpec(
             index,
             self.config,
-            self.settings,
+            dataclasses.replace(self.settings, heartbeat_path=beat),
             *addresses(self._dir, index),
             *self._address,
             self._level,
@@ -140,9 +151,30 @@ class ApiServers:
             self._procs[index] = proc
         logger.info("API server %d running in process %d", index, proc.pid)
 
+    def _kill_the_silent(self) -> None:
+        """Kill an API server whose heartbeat stopped (serve/heartbeat.py): stopped or stuck, it
+        still gets new connections on the port, which would wait for it for ever. Its exit is
+        then handled as any other (its requests released, a restart)."""
+        if self.hang_timeout_s is None:
+            return
+        with self._lock:
+            running = [(i, p) for i, p in self._procs.items() if p.poll() is None]
+        for i, p in running:
+            age = heartbeat.age_s(self._heartbeat_path(i))
+            if age is not None and age > self.hang_timeout_s:
+                logger.error(
+                    "API server %d (process %d) has not run its event loop for %.0f s (stopped "
+                    "or stuck): killing it",
+                    i,
+                    p.pid,
+                    age,
+                )
+                p.kill()
+
     def _watch(self) -> None:
         while not self._stopping:
             time.sleep(0.2)
+            self._kill_the_silent()
             with self._lock:
                 exited = [(i, p) for i, p in self._procs.items() if p.poll() is not None]
             for i, p in exited:

@@ -107,6 +107,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "and its request aborted (what the engine made for it is freed); 0: never",
     )
     g.add_argument(
+        "--api-server-hang-timeout",
+        type=float,
+        default=ServerSettings.api_server_hang_timeout_s,
+        metavar="SECONDS",
+        help="with --api-server-count: another API server whose event loop has not run for this "
+        "long (stopped, stuck) is killed and restarted; 0: never",
+    )
+    g.add_argument(
         "--engine-hang-timeout",
         type=float,
         default=ServerSettings.engine_hang_timeout_s,
@@ -196,6 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         write_timeout_s=args.write_timeout or None,  # 0: never
         engine_hang_timeout_s=args.engine_hang_timeout or None,  # 0: never
+        api_server_hang_timeout_s=args.api_server_hang_timeout or None,  # 0: never
         enable_weight_control=args.enable_weight_control,
         api_server=0 if count > 1 else None,
     )

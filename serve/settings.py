@@ -29,6 +29,11 @@ class ServerSettings:
     api_server: int | None = None  # which of several API server processes this is (None: one)
     # API servers 1..: where API server 0 publishes /metrics (serve/metrics_relay.py); None: here
     metrics_from: str | None = None
+    # API servers 1..: a file whose time this process's event loop sets every HEARTBEAT_S, so
+    # that API server 0 can tell a stopped or stuck one (serve/api_servers.py); None: none
+    heartbeat_path: str | None = None
+    # API server 0: another one whose heartbeat is this old is killed and restarted; None: never
+    api_server_hang_timeout_s: float | None = 30.0
     # /update_weights, /sleep, /wake_up, /is_sleeping (serve/weights.py): off unless asked
     enable_weight_control: bool = False
 
@@ -47,6 +52,10 @@ class ServerSettings:
             raise ValueError(f"max_logprob_entries={self.max_logprob_entries} must be >= 1")
         if self.engine_hang_timeout_s is not None and not self.engine_hang_timeout_s > 0:
             raise ValueError(f"engine_hang_timeout_s={self.engine_hang_timeout_s} must be > 0")
+        if self.api_server_hang_timeout_s is not None and not self.api_server_hang_timeout_s > 0:
+            raise ValueError(
+                f"api_server_hang_timeout_s={self.api_server_hang_timeout_s} must be > 0"
+            )
         if self.write_timeout_s is not None and not self.write_timeout_s > 0:
             raise ValueError(f"write_timeout_s={self.write_timeout_s} must be > 0")
         for name in ("body_timeout_s", "header_timeout_s"):

@@ -12,6 +12,7 @@ either API server is answered to that one, and sleeps or wakes the one engine fo
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 PROMPT = [5, 6, 7, 8]
+HANG_TIMEOUT_S = 5  # an API server without a heartbeat this long is killed and restarted
 GREEDY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -82,6 +84,7 @@ def _start(tmp: Path) -> tuple[str, subprocess.Popen, Path]:
     exe = shutil.which("nori-jax") or str(Path(sys.executable).with_name("nori-jax"))
     cmd = [exe, "serve", "--config", "tiny-cpu", "--port", str(port), "--api-server-count", "2"]
     cmd += ["--max-num-waiting", "64", "--no-access-log", "--enable-weight-control"]
+    cmd += ["--api-server-hang-timeout", str(HANG_TIMEOUT_S)]
     log = tmp / "server.log"
     (tmp / "tmp").mkdir()  # its temporary files (the sockets' directories) go here
     env = os.environ | {"TMPDIR": str(tmp / "tmp")}
@@ -178,6 +181,37 @@ def test_a_killed_api_server_is_restarted_while_the_other_serves(served) -> None
         if len(sources) == 2:
             break
     assert sources == {("0", None), ("1", "api-server-0")}
+
+
+def test_a_stopped_api_server_is_killed_and_restarted(served) -> None:
+    """SIGSTOP: the process lives but runs nothing, and the kernel still hands it connections on
+    the shared port, which would wait for it for ever. Its heartbeat stops, so API server 0 kills
+    it after the hang timeout and starts another; API server 0 serves throughout."""
+    url, proc, log = served
+    stopped = _child(proc.pid, "serve.api_servers")
+    os.kill(stopped, signal.SIGSTOP)
+    started = time.monotonic()
+    served_meanwhile = set()
+    try:
+        while _state(stopped) not in ("gone", "Z"):
+            assert time.monotonic() - started < HANG_TIMEOUT_S + 30, log.read_text()[-3000:]
+            try:  # a connection the kernel hands the stopped server waits, then is reset
+                r = httpx.get(f"{url}/health", timeout=1.0)
+                served_meanwhile.add((r.headers["x-nori-api-server"], r.status_code))
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone: killed, as it should be
+            os.kill(stopped, signal.SIGCONT)
+    assert time.monotonic() - started >= HANG_TIMEOUT_S - 1.5  # not before its timeout
+    assert ("0", 200) in served_meanwhile
+    _wait_both_healthy(url, proc, log, 120)
+    assert _child(proc.pid, "serve.api_servers") != stopped
+    assert "has not run its event loop" in log.read_text()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _generate(url), range(8)))
+    assert {tuple(t) for _, t in results} == {tuple(results[0][1])}
 
 
 def test_engine_core_death_fails_requests_on_both_and_both_recover(served) -> None:
