@@ -43,8 +43,7 @@ def socket_root() -> str:
         return root
     if _fits(FALLBACK_ROOT) and os.access(FALLBACK_ROOT, os.W_OK | os.X_OK):
         logger.info(
-            "ipc sockets in %s: the temporary directory %s is too long for socket paths "
-            "(%d bytes)",
+            "ipc sockets in %s: the temporary directory %s is too long for socket paths (%d bytes)",
             FALLBACK_ROOT,
             root,
             IPC_PATH_MAX,

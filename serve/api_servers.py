@@ -22,9 +22,9 @@ whichever process answers (serve/metrics_relay.py: a restarted one's own counter
 
 API server 0 restarts another that exits (it ends what the dead one had in flight in the core),
 or that stopped running its event loop (no heartbeat for `--api-server-hang-timeout` seconds:
-serve/heartbeat.py; it is killed first), up to 5 times in 10 minutes each, and ends with it: on SIGTERM it passes the signal on, waits
-while the others drain, then drains and stops the core. The others exit when API server 0 does
-(Linux's parent-death signal).
+serve/heartbeat.py; it is killed first), up to 5 times in 10 minutes each, and ends with it: on
+SIGTERM it passes the signal on, waits while the others drain, then drains and stops the core.
+The others exit when API server 0 does (Linux's parent-death signal).
 """
 
 from __future__ import annotations

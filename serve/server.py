@@ -195,7 +195,7 @@ def guarded_protocol(
             self._write_timer = None
             logger.warning(
                 "dropped a connection from %s: it read nothing of its response for %g s",
-                "%s:%d" % self.client if self.client else "a client",
+                f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
                 write_timeout_s,
             )
             self.transport.abort()  # connection_lost follows: the request sees the disconnect

@@ -86,9 +86,7 @@ def running_server(
         app,
         log_level="warning",
         timeout_graceful_shutdown=30,
-        http=guarded_protocol(
-            server_settings.header_timeout_s, server_settings.write_timeout_s
-        ),
+        http=guarded_protocol(server_settings.header_timeout_s, server_settings.write_timeout_s),
     )
     server = DrainingServer(config, engine, server_settings.drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
