@@ -123,3 +123,22 @@ def test_bad_workload_flags_exit_2_before_loading_a_model(capsys):
         assert main([*base, *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and bad[-2].strip("-").split("-")[0] in err
+
+
+def test_a_shared_prefix_that_fills_the_context_is_refused_naming_flag_and_limit():
+    cfg = _offline_config("--num-prompts", "4", "--shared-prefix-len", "256")
+    with pytest.raises(
+        ValueError, match=r"--shared-prefix-len 256 .* max_model_len=256: it must be at most 254"
+    ):
+        draw_requests(cfg, 50_000, 256)
+    assert (
+        draw_requests(cfg, 50_000, 258).prompts[0][:256]
+        == draw_requests(cfg, 50_000, 258).prompts[1][:256]
+    )
+
+
+def test_a_burstiness_without_a_schedule_is_refused_before_loading_a_model(capsys):
+    """Gaps of shape 1e-4 underflow to 0: the schedule would be NaN and the loop would spin."""
+    base = ["bench", "offline", "--model", "tiny-llama", "--load-format", "dummy"]
+    assert main([*base, "--burstiness", "1e-4", "--num-prompts", "5", "--request-rate", "2"]) == 2
+    assert "burstiness 0.0001 is too small" in capsys.readouterr().err

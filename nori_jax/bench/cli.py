@@ -8,9 +8,9 @@ nori_jax.bench serve ...` runs it alone. Its HTTP client, progress bars and plot
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 BENCH_EXTRA = ("aiohttp", "tqdm", "matplotlib")
 INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
+SWEEP_START_RATE = 1.0
 
 
 def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -99,7 +100,9 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--sweep", help="R1,R2,... or auto (doubling) (default: one run at --request-rate)"
     )
-    g.add_argument("--sweep-start-rate", type=float, default=1.0, help="first rate of auto")
+    g.add_argument(
+        "--sweep-start-rate", type=float, default=SWEEP_START_RATE, help="first rate of auto"
+    )
     g.add_argument("--sweep-max-steps", type=int, default=10, help="most runs of auto")
     g.add_argument(
         "--sweep-prompts",
@@ -174,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SweepConfig
     )
     if not args.sweep:
         return cfg, None
+    _refuse_flags_a_sweep_ignores(args)
     return cfg, SweepConfig(
         rates=None if args.sweep == "auto" else _floats(args.sweep, "--sweep (R1,R2,... or auto)"),
         start_rate=args.sweep_start_rate,
@@ -181,6 +185,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, SweepConfig
         min_gain=args.knee_min_gain,
         min_latency_rise=args.knee_min_latency_rise,
     )
+
+
+def _refuse_flags_a_sweep_ignores(args: argparse.Namespace) -> None:
+    """A flag that would have no effect is a mistake to say, not one to ignore silently."""
+    if args.request_rate != math.inf:
+        raise ValueError("--request-rate is not used by --sweep, which sets the rates itself")
+    if args.sweep != "auto" and args.sweep_start_rate != SWEEP_START_RATE:
+        raise ValueError("--sweep-start-rate is used by --sweep auto only, not a list of rates")
 
 
 def _split(text: str, sep: str, usage: str) -> tuple[str, str]:
@@ -219,7 +231,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     from nori_jax.bench import report
     from nori_jax.bench.run import RunResult, fresh_prompts, prepare_workload, run_once
-    from nori_jax.bench.sweep import run_sweep
+    from nori_jax.bench.sweep import knee_dict, knee_line, run_sweep
 
     try:
         cfg, sweep = config_from_args(args)
@@ -255,14 +267,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
         runs, knee, stop_reason = run_sweep(sweep, run_at)
         print(report.sweep_table(runs))
-        if knee is None:
-            print(f"Knee: not found within the tested rates ({stop_reason})")
-        else:
-            print(
-                f"Knee: {knee.rate:g} req/s (throughput efficiency {knee.efficiency:.2f} and "
-                f"P99 TTFT {knee.ttft_rise:+.0%} / TPOT {knee.tpot_rise:+.0%} at "
-                f"{knee.next_rate:g} req/s)"
-            )
+        print(knee_line(runs, knee, stop_reason))
         json_path = args.result_json and Path(args.result_json)
         plot_path = args.plot or (json_path.with_suffix(".png") if json_path else "bench_sweep.png")
         plot_sweep(runs, knee, plot_path, f"{workload.model} {cfg.endpoint}")
@@ -272,7 +277,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
                 json_path,
                 {
                     "knee_request_rate": knee.rate if knee else None,
-                    "knee": dataclasses.asdict(knee) if knee else None,
+                    "knee": knee_dict(knee),
                     "stop_reason": stop_reason,
                     "request_rates": [r.request_rate for r in runs],
                     "runs": [report.result_dict(cfg, workload, r) for r in runs],

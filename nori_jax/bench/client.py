@@ -26,6 +26,8 @@ import aiohttp
 
 _LOOP_PROBE_S = 0.005  # event-loop lag probe period
 NOT_SENT = "interrupted before it was sent"
+_HEAD_BYTES = 256  # of a body kept to quote when it is no event stream
+_SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 
 
 def request_body(
@@ -49,7 +51,8 @@ def request_body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    return json.dumps(body | options, separators=(",", ":")).encode()
+    # allow_nan=False: NaN is no JSON, and a server would refuse (or misread) every request
+    return json.dumps(body | options, separators=(",", ":"), allow_nan=False).encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,11 @@ class RequestResult:
     latency_s: float = 0.0  # E2E: send to the last token (to the failure for failed requests)
     itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between text chunks
     output_tokens: int = 0
-    output_tokens_from_usage: bool = False
+    # "usage" (the server's count), "tokenizer" (the generated text tokenized, run.py) or
+    # "chunks" (text chunks counted: a server sending several tokens a chunk is undercounted)
+    output_tokens_source: str = "chunks"
+    usage_invalid: bool = False  # the server sent a usage count that is no int >= 0
+    usage_below_chunks: bool = False  # its count was below the text chunks it sent
     server_prompt_tokens: int | None = None
     finish_reason: str | None = None
     generated_text: str = ""
@@ -83,7 +90,7 @@ class ShardSpec:
     url: str
     headers: dict[str, str]
     chat: bool
-    timeout_s: float
+    timeout_s: float | None  # None: no timeout
     concurrency: int | None  # this process's share of --max-concurrency
     requests: list[WireRequest]
     warmup: list[WireRequest]
@@ -115,7 +122,10 @@ async def run_shard(
 
         async def one(req: WireRequest, result: RequestResult, t0: float, count: bool) -> None:
             async with slots or contextlib.nullcontext():
-                await _send(session, spec, req.body, t0, result)
+                try:
+                    await _send(session, spec, req.body, t0, result)
+                except Exception as e:  # a client bug fails this request, never its TaskGroup
+                    result.success, result.error = False, f"client error {type(e).__name__}: {e}"
             if count:
                 progress(1)
 
@@ -180,14 +190,14 @@ async def _send(
                 if resp.status != 200:
                     stream.fail(error_from_body(resp.status, await resp.read()))
                 else:
+                    stream.content_type = resp.headers.get("Content-Type", "")
                     async for data in resp.content.iter_any():
                         if stream.feed(data, time.perf_counter()):
                             break
         stream.finish()
     except TimeoutError:
-        stream.fail(
-            f"timeout after {spec.timeout_s:g} s ({len(stream.times)} text chunks received)"
-        )
+        after = "" if spec.timeout_s is None else f" after {spec.timeout_s:g} s"
+        stream.fail(f"timeout{after} ({len(stream.times)} text chunks received)")
     except asyncio.CancelledError:
         stream.fail("interrupted before it finished")
         raise
@@ -206,32 +216,45 @@ class SseStream:
 
     def __init__(self, chat: bool, sent: float) -> None:
         self.chat, self.sent = chat, sent
-        self.buf = b""
+        # Bytes of an unfinished line, in the pieces they came in: one event of megabytes comes
+        # in many reads, and re-joining the whole buffer on each would be quadratic.
+        self.pending: list[bytes] = []
+        self.content_type = ""  # of a 200 response (set by _send)
+        self.head = b""  # the body's first bytes: quoted when it is no event stream at all
+        self.saw_data = False  # any `data:` line
+        self.saw_sse = False  # any line shaped like an SSE field or comment
         self.times: list[float] = []  # perf_counter of each text chunk
         self.text: list[str] = []
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.usage_invalid = False
         self.finish_reason: str | None = None
         self.done = False
         self.error: str | None = None
 
     def feed(self, data: bytes, now: float) -> bool:
-        """Consume SSE bytes that arrived at `now`; True once the stream has failed. After [DONE]
-        the rest is read and ignored, so the connection goes back to the pool."""
-        lines = (self.buf + data).split(b"\n")
-        self.buf = lines.pop()
+        """Consume SSE bytes that arrived at `now`; True once the stream is over: failed, or
+        [DONE] seen (a server may keep the connection open after it: reading on would wait)."""
+        if len(self.head) < _HEAD_BYTES:
+            self.head += data[: _HEAD_BYTES - len(self.head)]
+        if b"\n" not in data:  # only the newest piece can end the pending line
+            self.pending.append(data)
+            return False
+        lines = b"".join([*self.pending, data]).split(b"\n")
+        self.pending = [lines.pop()]
         for line in lines:
-            if self.done:
-                break
             self._line(line, now)
-            if self.error is not None:
+            if self.error is not None or self.done:
                 return True
         return False
 
     def finish(self) -> None:
-        if self.buf.strip() and not self.done and self.error is None:
-            self._line(self.buf, time.perf_counter())  # a last event without its newline
-        if self.error is None and not self.done and self.finish_reason is None:
+        rest = b"".join(self.pending)
+        if rest.strip() and not self.done and self.error is None:
+            self._line(rest, time.perf_counter())  # a last event without its newline
+        if self.error is None and not self.saw_data and self._not_sse():
+            self.fail(self._not_an_event_stream())
+        elif self.error is None and not self.done and self.finish_reason is None:
             self.fail(f"stream closed before the end ({len(self.times)} text chunks received)")
         elif self.error is None and not self.times:
             # Tokens whose text is empty (special tokens the server skips) end up here too: the
@@ -243,10 +266,28 @@ class SseStream:
         if self.error is None:
             self.error = reason
 
+    def _not_sse(self) -> bool:
+        """Another content-type, or a body none of whose lines is an SSE field."""
+        if self.content_type and "text/event-stream" not in self.content_type:
+            return True
+        return bool(self.head.strip()) and not self.saw_sse
+
+    def _not_an_event_stream(self) -> str:
+        """A 200 answer without a single `data:` line: a server that ignored `stream: true`, or a
+        proxy's page. Its content-type and first bytes say which."""
+        start = self.head[:200].decode(errors="replace")
+        return (
+            f"the response is not an event stream (content-type {self.content_type or 'none'!r}"
+            f", body starts {start!r})"
+        )
+
     def _line(self, line: bytes, now: float) -> None:
         line = line.strip()
+        if line.startswith(_SSE_FIELDS):
+            self.saw_sse = True
         if not line.startswith(b"data:"):
             return  # blank separators, ": ping" comments, event:/id: fields
+        self.saw_data = True
         payload = line[5:].strip()
         if payload == b"[DONE]":
             self.done = True
@@ -262,24 +303,49 @@ class SseStream:
             self.fail(f"server error in stream: {_error_message(obj)}")
             return
         choices = obj.get("choices")
-        if choices and isinstance(choices[0], dict):
-            choice = choices[0]
-            if self.chat:  # reasoning models stream their thinking first: output tokens too
-                delta = choice.get("delta") or {}
-                text = (
-                    delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-                )
+        if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+            if not self._choice(choices[0], now):
+                self.fail(f"malformed stream event: {payload[:200]!r}")
+                return
+        usage = obj.get("usage")
+        if usage is not None:
+            self._usage(usage)
+
+    def _choice(self, choice: dict[str, Any], now: float) -> bool:
+        """Record a choice's text and finish reason; False when their types are wrong."""
+        if self.chat:  # reasoning models stream their thinking first: output tokens too
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                return False
+            text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+        else:
+            text = choice.get("text")
+        finish = choice.get("finish_reason")
+        if not isinstance(text, str | None) or not isinstance(finish, str | None):
+            return False
+        if text:
+            self.times.append(now)
+            self.text.append(text)
+        self.finish_reason = finish or self.finish_reason
+        return True
+
+    def _usage(self, usage: Any) -> None:
+        """Counts only when they are ints >= 0: a server's lie must not crash the metrics nor
+        turn into negative token counts (a rejected count is absent, and counted in a warning)."""
+        if not isinstance(usage, dict):
+            self.usage_invalid = True
+            return
+        for key, attr in (
+            ("completion_tokens", "usage_tokens"),
+            ("prompt_tokens", "prompt_tokens"),
+        ):
+            value = usage.get(key)
+            if value is None:
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                setattr(self, attr, value)
             else:
-                text = choice.get("text")
-            if text:
-                self.times.append(now)
-                self.text.append(text)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        usage = obj.get("usage") or {}
-        if usage.get("completion_tokens") is not None:
-            self.usage_tokens = usage["completion_tokens"]
-        if usage.get("prompt_tokens") is not None:
-            self.prompt_tokens = usage["prompt_tokens"]
+                self.usage_invalid = True
 
     def fill(self, r: RequestResult, now: float) -> None:
         r.success = self.error is None
@@ -292,8 +358,15 @@ class SseStream:
             r.itl_s = [b - a for a, b in zip(self.times[:-1], self.times[1:], strict=True)]
         # E2E ends at the last token (as vllm bench serve measures it); a failure ends at failing
         r.latency_s = (self.times[-1] if r.success else now) - self.sent
-        r.output_tokens_from_usage = self.usage_tokens is not None
-        r.output_tokens = self.usage_tokens if self.usage_tokens is not None else len(self.times)
+        r.usage_invalid = self.usage_invalid
+        chunks = len(self.times)
+        # Each text chunk holds at least one token: a usage count below them is wrong, and
+        # taking it would drop TPOT samples (a request "of one token" has none).
+        r.usage_below_chunks = self.usage_tokens is not None and self.usage_tokens < chunks
+        if self.usage_tokens is not None and not r.usage_below_chunks:
+            r.output_tokens, r.output_tokens_source = self.usage_tokens, "usage"
+        else:
+            r.output_tokens, r.output_tokens_source = chunks, "chunks"
 
 
 def error_from_body(status: int, body: bytes) -> str:

@@ -40,6 +40,8 @@ LOOP_LAG_WARN_MS = 10.0
 LOOP_LAG_WARN_ITL_FRACTION = 0.25
 LOOP_LAG_FLOOR_MS = 1.0  # below this, scheduler jitter of a healthy loop would raise alarms
 CPU_UTIL_WARN = 0.9
+# Requests leaving slower than this share of the planned rate: the configured load was not offered
+ACHIEVED_RATE_WARN_FRACTION = 0.9
 
 
 def percentile_word(p: float) -> str:
@@ -102,10 +104,43 @@ def compute_metrics(
 
 def _achieved_rate(results: Sequence[RequestResult]) -> float:
     """Requests sent per second between the first send and the last (0 for fewer than 2)."""
-    sent = sorted(r.sent_s for r in results if math.isfinite(r.sent_s))
+    return _sending_rate([r.sent_s for r in results])
+
+
+def _sending_rate(times: Sequence[float]) -> float:
+    """Events per second between the first of `times` and the last (0 for fewer than 2)."""
+    sent = sorted(t for t in times if math.isfinite(t))
     if len(sent) < 2 or sent[-1] <= sent[0]:
         return 0.0
     return (len(sent) - 1) / (sent[-1] - sent[0])
+
+
+def rate_warnings(
+    results: Sequence[RequestResult], rate: float, max_concurrency: int | None
+) -> list[str]:
+    """A warning when requests left at under 0.9x the rate the schedule planned: the server then
+    saw a lighter load than the configured one. With --max-concurrency, the usual cause is
+    requests queueing in the client for a free slot, which the P99 queue time shows."""
+    if not math.isfinite(rate):
+        return []
+    planned = _sending_rate([r.scheduled_s for r in results])
+    achieved = _achieved_rate(results)
+    if planned <= 0 or achieved >= ACHIEVED_RATE_WARN_FRACTION * planned:
+        return []
+    message = (
+        f"requests left at {achieved:.2f} req/s, below the configured {rate:g} req/s: the server "
+        "saw a lighter load than configured"
+    )
+    queued = np.array([r.sent_s - r.dispatched_s for r in results])
+    queued = queued[np.isfinite(queued)]
+    p99_queue_s = float(np.percentile(queued, 99)) if queued.size else 0.0
+    if max_concurrency is not None and p99_queue_s * 1e3 > SEND_LAG_WARN_MS:
+        message += (
+            f"; they queued in the client for one of the --max-concurrency {max_concurrency} "
+            f"slots (P99 queue time {p99_queue_s:.2f} s): lower the rate or raise "
+            "--max-concurrency"
+        )
+    return [message]
 
 
 def _ttft_growth(ok: Sequence[RequestResult]) -> dict[str, float]:

@@ -102,6 +102,12 @@ def draw_requests(cfg: OfflineConfig, vocab_size: int, max_model_len: int) -> Re
     """Token-id prompts of exactly the drawn lengths, from `bench serve`'s streams in its order:
     one seed gives the lengths `bench serve --seed` sends; only the token ids differ."""
     w = cfg.workload
+    room = max_model_len - 2  # after the shared prefix: a prompt token and an output token
+    if cfg.shared_prefix_len > room:
+        raise ValueError(
+            f"--shared-prefix-len {cfg.shared_prefix_len} leaves no room in the engine's "
+            f"max_model_len={max_model_len}: it must be at most {room}"
+        )
     data_rng, warm_rng = w.streams()
     w_in, w_out = w.lengths(w.warmup_requests, warm_rng)
     m_in, m_out = w.lengths(w.num_prompts, data_rng)
@@ -292,7 +298,12 @@ def _run(args: argparse.Namespace) -> int:
     engine = make_engine(engine_config_from_args(args))
     startup_s = time.perf_counter() - start
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 1000
-    result = run_offline(engine, cfg, draw_requests(cfg, vocab, engine.max_model_len))
+    try:  # (max_model_len is known only now: the engine resolves it from the model)
+        reqs = draw_requests(cfg, vocab, engine.max_model_len)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = run_offline(engine, cfg, reqs)
     result["startup_s"] = startup_s
     print(format_result(result))
     if args.result_json:

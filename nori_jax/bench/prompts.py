@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -254,24 +255,20 @@ def _jsonl_requests(
     first_index: int,
 ) -> list[BenchRequest]:
     """One request per line, {"prompt": str | [int], "output_len": int?}; cycled if short."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError(f"no requests in {str(path)!r}")
+    lines = _jsonl_lines(path)
     requests = []
     for i in range(num):
-        lineno = i % len(lines) + 1
+        lineno, text = lines[i % len(lines)]
         where = f"{path}:{lineno}"
         try:
-            row = json.loads(lines[lineno - 1])
+            row = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e})") from None
         prompt = row.get("prompt") if isinstance(row, dict) else None
         ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not ids:
             raise ValueError(f"{where}: needs a non-empty 'prompt' (text or token ids)")
-        out = int(row.get("output_len", row.get("max_tokens", default_output_len)))
-        if out < 1:
-            raise ValueError(f"{where}: output_len must be >= 1, got {out}")
+        out = _output_len(row, default_output_len, where)
         if isinstance(prompt, list):  # (a chat request refuses it when its body is built)
             count, exact = len(prompt), True
         elif prompts is not None:
@@ -282,3 +279,30 @@ def _jsonl_requests(
             count, exact = len(prompt.split()) + 1, False  # the server's usage corrects it
         requests.append(BenchRequest(first_index + i, prompt, count, exact, out))
     return requests
+
+
+def _jsonl_lines(path: Path) -> list[tuple[int, str]]:
+    """The file's non-blank lines with their line numbers (errors name them)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"--dataset-path {str(path)!r}: {reason}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"no requests in {str(path)!r}")
+    return lines
+
+
+def _output_len(row: dict[str, Any], default: int, where: str) -> int:
+    """A line's output length: an integer >= 1 (a float only when it is a whole number; 3.9 is
+    refused rather than cut to 3)."""
+    field = next((f for f in ("output_len", "max_tokens") if f in row), None)
+    if field is None:
+        return default
+    value = row[field]
+    whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    if (isinstance(value, int) and not isinstance(value, bool)) or whole:
+        if value >= 1:
+            return int(value)
+    raise ValueError(f"{where}: {field} must be an integer >= 1, got {json.dumps(value)}")

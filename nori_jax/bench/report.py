@@ -178,7 +178,7 @@ def write_csv(path: str | Path, w: Workload, runs: Sequence[RunResult]) -> None:
                     _ms(r.sent_s - r.dispatched_s), n_in,
                     "" if r.server_prompt_tokens is None else r.server_prompt_tokens,
                     req.output_len, r.output_tokens,
-                    "usage" if r.output_tokens_from_usage else "chunks", chunks,
+                    r.output_tokens_source, chunks,
                     _ms(r.ttft_s) if r.success else "", "" if tpot is None else _ms(tpot),
                     _ms(sum(r.itl_s) / len(r.itl_s)) if r.itl_s else "",
                     _ms(max(r.itl_s)) if r.itl_s else "", _ms(r.latency_s),

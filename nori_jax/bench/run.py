@@ -19,7 +19,7 @@ import numpy as np
 
 from nori_jax.bench.client import RequestResult, ShardOutcome, ShardSpec, WireRequest, request_body
 from nori_jax.bench.config import BenchConfig
-from nori_jax.bench.metrics import client_health, compute_metrics
+from nori_jax.bench.metrics import client_health, compute_metrics, rate_warnings
 from nori_jax.bench.prompts import (
     BenchRequest,
     TokenizerPrompts,
@@ -167,6 +167,8 @@ def run_once(
     after = scrape(cfg.base_url, cfg.headers) if isinstance(start, Snapshot) else start
     server = window(start, after)
     results = sorted((r for o in outcomes for r in o.results), key=lambda r: r.index)
+    if w.prompts is not None:
+        count_output_by_tokenizer(w.prompts, results)
     input_lens = [
         res.server_prompt_tokens
         if not req.exact and res.server_prompt_tokens is not None
@@ -178,8 +180,28 @@ def run_once(
     m = cfg.metric_percentiles
     metrics = compute_metrics(results, input_lens, duration, m, cfg.goodput_slos_ms)
     health, warnings = client_health(outcomes, math.isfinite(rate), metrics["median_itl_ms"])
+    warnings += rate_warnings(results, rate, cfg.max_concurrency)
     warnings += _warnings(cfg, w, results, outcomes)
     return RunResult(rate, metrics, results, input_lens, health, warnings, interrupted, server)
+
+
+def count_output_by_tokenizer(prompts: TokenizerPrompts, results: list[RequestResult]) -> None:
+    """Output tokens of successful requests the server sent no usage for: their generated text
+    tokenized (as vLLM's benchmark counts them). Counting text chunks instead undercounts a
+    server that packs several tokens into a chunk."""
+    todo = [
+        r
+        for r in results
+        if r.success and r.output_tokens_source == "chunks" and not r.usage_below_chunks
+    ]
+    if not todo:
+        return
+    encoded = prompts.tokenizer.backend.encode_batch(
+        [r.generated_text for r in todo], add_special_tokens=False
+    )
+    for r, e in zip(todo, encoded, strict=True):
+        # never below the chunks: each text chunk holds at least one token
+        r.output_tokens, r.output_tokens_source = max(len(e.ids), r.output_tokens), "tokenizer"
 
 
 def _shards(cfg: BenchConfig, wires: list[WireRequest], warm: list[WireRequest]) -> list[ShardSpec]:
@@ -192,7 +214,7 @@ def _shards(cfg: BenchConfig, wires: list[WireRequest], warm: list[WireRequest])
             url=cfg.url,
             headers=headers,
             chat=cfg.chat,
-            timeout_s=cfg.request_timeout_s,
+            timeout_s=cfg.request_timeout_s if math.isfinite(cfg.request_timeout_s) else None,
             concurrency=None if cap is None else cap // num + (1 if i < cap % num else 0),
             requests=wires[i::num],
             warmup=warm[i::num],
@@ -240,6 +262,7 @@ def _warnings(
             "successful ones only, and a server that fails requests quickly looks faster than "
             "it is"
         )
+    warnings += _usage_warnings(results)
     streamed = [r for r in results if r.success and r.output_tokens > 1]
     chunks = sum(len(r.itl_s) + 1 for r in streamed)
     tokens = sum(r.output_tokens for r in streamed)
@@ -248,5 +271,37 @@ def _warnings(
             f"the stream's chunks carried {tokens / chunks:.1f} tokens each on average: TTFT, "
             "ITL and TPOT are timed per chunk, so a token that waited in a chunk counts as "
             "arriving with it (a request whose tokens came in one chunk has a TPOT of 0)"
+        )
+    return warnings
+
+
+def _usage_warnings(results: list[RequestResult]) -> list[str]:
+    """Output token counts the server's usage did not give, and why."""
+    ok = [r for r in results if r.success]
+    warnings = []
+    invalid = sum(r.usage_invalid for r in ok)
+    if invalid:
+        warnings.append(
+            f"{invalid} requests had a usage block whose counts are not integers >= 0: ignored, "
+            "as if the server had sent no usage"
+        )
+    below = sum(r.usage_below_chunks for r in ok)
+    if below:
+        warnings.append(
+            f"the server's usage is lower than the chunks it sent for {below} requests (each "
+            "text chunk holds at least one token): their output tokens are the chunk counts"
+        )
+    tokenized = sum(r.output_tokens_source == "tokenizer" for r in ok)
+    if tokenized:
+        warnings.append(
+            f"the server sent no usage for {tokenized} requests: their output tokens were "
+            "counted by tokenizing the generated text"
+        )
+    chunked = sum(r.output_tokens_source == "chunks" and not r.usage_below_chunks for r in ok)
+    if chunked:
+        warnings.append(
+            f"the output tokens of {chunked} requests are counted text chunks (no usage from the "
+            "server, no tokenizer to count their text: pass --tokenizer), which undercounts a "
+            "server that sends several tokens per chunk"
         )
     return warnings

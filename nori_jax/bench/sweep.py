@@ -23,8 +23,9 @@ and climbs. The server's capacity lies between R_i and R_{i+1}; a sweep that fal
 first rate has no knee (the capacity is below it).
 
 A sweep is a given list of rates, or a ramp that doubles from `start_rate` until a knee appears,
-more than half of a run's requests fail, or `max_steps` runs. The logic takes a `run_at(rate)`
-function, so it is tested on synthetic curves without a server.
+the first rate falls behind (FIRST_RATE_BEHIND: the capacity is below it, and doubling only
+overloads the server more), more than half of a run's requests fail, or `max_steps` runs. The
+logic takes a `run_at(rate)` function, so it is tested on synthetic curves without a server.
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def _rise(a: float, b: float) -> float:
     return b / a - 1 if a > 0 else (math.inf if b > 0 else 0.0)
 
 
+# The stop reason of a sweep whose first (lowest) rate already falls behind: no knee, because
+# the capacity is below every tested rate (not above them, as after a sweep that never found one)
+FIRST_RATE_BEHIND = "the first rate already falls behind"
+
+
 def run_sweep(
     cfg: SweepConfig, run_at: Callable[[float], RunResult]
 ) -> tuple[list[RunResult], Knee | None, str]:
@@ -124,7 +130,39 @@ def run_sweep(
         if rates is None and n and run.metrics["failed"] / n > cfg.max_failed_fraction:
             reason = f"more than {cfg.max_failed_fraction:.0%} of requests failed"
             break
+        if step == 0 and falls_behind(run, cfg):
+            reason = FIRST_RATE_BEHIND  # doubling on would only overload the server more
+            if rates is None:
+                break
         if rates is None and find_knee(runs, cfg) is not None:
             reason = "knee found"
             break
     return runs, find_knee(runs, cfg), reason
+
+
+def knee_line(runs: Sequence[RunResult], knee: Knee | None, stop_reason: str) -> str:
+    """The printed verdict of a sweep."""
+    if knee is not None:
+        return (
+            f"Knee: {knee.rate:g} req/s (throughput efficiency {knee.efficiency:.2f} and "
+            f"P99 TTFT {_percent(knee.ttft_rise)} / TPOT {_percent(knee.tpot_rise)} at "
+            f"{knee.next_rate:g} req/s)"
+        )
+    if stop_reason == FIRST_RATE_BEHIND:
+        first = min(r.request_rate for r in runs)
+        return (
+            f"Knee: none: the first rate already falls behind: capacity is below {first:g} "
+            "req/s; retry with a lower --sweep-start-rate (or lower --sweep rates)"
+        )
+    return f"Knee: not found within the tested rates ({stop_reason})"
+
+
+def knee_dict(knee: Knee | None) -> dict[str, float | None] | None:
+    """The knee for JSON: an infinite rise (from a P99 of 0) is None, since JSON has no inf."""
+    if knee is None:
+        return None
+    return {k: v if math.isfinite(v) else None for k, v in dataclasses.asdict(knee).items()}
+
+
+def _percent(rise: float) -> str:
+    return f"{rise:+.0%}" if math.isfinite(rise) else "up from 0"

@@ -78,9 +78,7 @@ def run_workers(
             elif kind == "result":
                 outcomes[wid] = payload
             elif kind == "error":
-                errors.setdefault(
-                    wid, f"client process crashed: {payload.strip().splitlines()[-1]}"
-                )
+                errors.setdefault(wid, f"client process crashed: {payload}")
             elif wid not in outcomes:  # eof without a result
                 errors.setdefault(wid, f"client process exited with code {_wait(procs[wid])}")
 
@@ -91,7 +89,7 @@ def run_workers(
             for wid, spec in enumerate(specs):
                 if not _write(procs[wid], spec):
                     errors[wid] = f"client process exited at start (code {procs[wid].poll()})"
-            warm = max(_waves(len(s.warmup), s.concurrency) * s.timeout_s for s in specs)
+            warm = max(_wait_bound(len(s.warmup), s) for s in specs)
             deadline = time.monotonic() + _SPAWN_GRACE_S + warm
             receive_until(lambda: len(ready | errors.keys()) == len(specs), deadline)
             if on_ready is not None:
@@ -164,10 +162,20 @@ def _waves(num: int, concurrency: int | None) -> int:
     return math.ceil(num / concurrency) if concurrency and num else min(num, 1)
 
 
+def _wait_bound(num: int, spec: ShardSpec) -> float:
+    """How long `num` requests of this shard can take: waves of its concurrency, each at most
+    the timeout (inf without one). No requests take no time (never 0 x inf, which is NaN)."""
+    if num == 0:
+        return 0.0
+    if spec.timeout_s is None:
+        return math.inf
+    return _waves(num, spec.concurrency) * spec.timeout_s
+
+
 def _bound(spec: ShardSpec) -> float:
     """No request outlives its timeout, so this bounds a shard that is still healthy."""
     last_arrival = max((r.arrival_s for r in spec.requests), default=0.0)
-    return last_arrival + _waves(len(spec.requests), spec.concurrency) * spec.timeout_s + 30.0
+    return last_arrival + _wait_bound(len(spec.requests), spec) + 30.0
 
 
 def _failed_shard(spec: ShardSpec, reason: str) -> ShardOutcome:
@@ -200,17 +208,7 @@ def worker_main() -> None:
                 if not start.done():
                     start.set_result(None)
 
-        def listen() -> None:  # thread: the start instant, then a stop, or EOF (a stop too)
-            while True:
-                try:
-                    msg = pickle.load(inp)
-                except Exception:
-                    msg = STOP
-                loop.call_soon_threadsafe(on_message, msg)
-                if msg == STOP:
-                    return
-
-        threading.Thread(target=listen, daemon=True).start()
+        threading.Thread(target=listen, args=(inp, loop, on_message), daemon=True).start()
 
         async def ready_then_start() -> float | None:
             send("ready")
@@ -220,9 +218,37 @@ def worker_main() -> None:
 
     try:
         send("result", asyncio.run(main(pickle.load(inp))))
-    except BaseException:  # report, then exit: the parent fails this shard's requests
-        send("error", traceback.format_exc(limit=5))
+    except BaseException as e:  # report, then exit: the parent fails this shard's requests
+        traceback.print_exc(limit=5)  # the whole story, on stderr
+        send("error", crash_reason(e))
     os._exit(0)  # not a normal shutdown: the listening thread still holds stdin's lock
+
+
+def listen(
+    inp: IO[bytes], loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None]
+) -> None:
+    """Thread: hands the parent's messages (the start instant, then a stop; EOF is a stop too)
+    to the loop. Ends once the loop is closed: the parent closing stdin after the result is
+    routine, not an error to print."""
+    while True:
+        try:
+            msg = pickle.load(inp)
+        except Exception:
+            msg = STOP
+        try:
+            loop.call_soon_threadsafe(on_message, msg)
+        except RuntimeError:  # "Event loop is closed": the run is over, nobody is listening
+            return
+        if msg == STOP:
+            return
+
+
+def crash_reason(e: BaseException) -> str:
+    """The innermost exception, one line: a TaskGroup wraps the one that mattered in an
+    ExceptionGroup, whose own text (or the last line of its rendering) says nothing."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return " ".join(line.strip() for line in traceback.format_exception_only(e)).strip()
 
 
 if __name__ == "__main__":

@@ -71,17 +71,25 @@ class WorkloadConfig:
             raise ValueError(f"unknown dataset {self.dataset!r}; use one of {DATASETS}")
         if self.num_prompts < 1 or self.warmup_requests < 0:
             raise ValueError(
-                f"need num_prompts >= 1 and warmup_requests >= 0, got {self.num_prompts} and "
+                f"need --num-prompts >= 1 and --warmup-requests >= 0, got {self.num_prompts} and "
                 f"{self.warmup_requests}"
             )
         if self.input_len < 1 or self.output_len < 1:
-            raise ValueError(f"lengths must be >= 1, got {self.input_len=} {self.output_len=}")
+            raise ValueError(
+                f"--input-len and --output-len must be >= 1, got {self.input_len} and "
+                f"{self.output_len}"
+            )
         if self.dataset == "jsonl" and not self.path:
             raise ValueError("the jsonl dataset needs a path (--dataset-path)")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
         if not self.burstiness > 0:
-            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.path is not None and self.dataset != "jsonl":
+            raise ValueError(
+                f"--dataset-path is read only with --dataset jsonl (got --dataset {self.dataset})"
+            )
+        self._arrival_pattern(self.num_prompts)  # refuses a burstiness too small to draw from
 
     def streams(self) -> tuple[np.random.Generator, np.random.Generator]:
         """(requests, warm-up requests) generators: lengths first, then prompt tokens."""
@@ -102,13 +110,26 @@ class WorkloadConfig:
         rate = self.request_rate if rate is None else rate
         if math.isinf(rate):
             return np.zeros(n)
+        return self._arrival_pattern(n) / rate
+
+    def _arrival_pattern(self, n: int) -> np.ndarray:
+        """The arrival times at rate 1, the last one at exactly n. ValueError when the gamma
+        gaps of a tiny burstiness underflow (all 0, or a sum too small to rescale): there is no
+        schedule to send, only NaN."""
         if math.isinf(self.burstiness):
-            gaps = np.full(n, 1.0 / rate)
+            gaps = np.ones(n)
         else:
             rng = np.random.default_rng([self.seed, _STREAM_ARRIVALS])
-            gaps = rng.gamma(self.burstiness, 1.0 / (rate * self.burstiness), size=n)
+            gaps = rng.gamma(self.burstiness, 1.0 / self.burstiness, size=n)
         times = np.cumsum(gaps)
-        return times * ((n / rate) / times[-1])
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            scaled = times * (n / times[-1]) if n else times
+        if n and not (times[-1] > 0 and np.all(np.isfinite(scaled))):
+            raise ValueError(
+                f"burstiness {self.burstiness:g} is too small to build an arrival schedule of "
+                f"{n} requests (its gamma gaps underflow to 0); use a larger --burstiness"
+            )
+        return scaled
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -39,6 +39,10 @@ DEFAULTS: dict[str, Any] = {
     "tokenizer_dir": None,  # count text prompts with this HF tokenizer (exact usage)
     "model_root": None,  # the `root` of the /v1/models card (vLLM's: the model's path)
     "metrics": None,  # GET /metrics: None: 404; "engine": step series (see above); else this text
+    "bad_text_every": 0,  # every k-th request: an extra event whose "text" is a number
+    "completion_tokens": None,  # usage.completion_tokens sent as this (any JSON) instead
+    "open_after_done": False,  # keep the connection open after [DONE]
+    "plain_json": False,  # answer 200 with one JSON body, no event stream
 }
 STEP_S, SCHEDULE_S = 0.004, 0.0005
 CORE_IO_S = 0.00025  # the engine-core process's I/O around each step
@@ -151,6 +155,10 @@ async def _generate(request: Request, chat: bool) -> Any:
     first = received + b["ttft_s"] + b["ttft_per_prompt_token_s"] * n_prompt
     hang = b["hang_every"] and k % b["hang_every"] == 0
     broken = b["break_every"] and k % b["break_every"] == 0
+    bad_text = b["bad_text_every"] and k % b["bad_text_every"] == 0
+    if b["plain_json"]:  # a server that ignores stream: true
+        text = "".join(f" t{i}" for i in range(n_out))
+        return JSONResponse({"choices": [{"index": 0, "text": text, "finish_reason": "length"}]})
 
     def event(obj: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -177,14 +185,20 @@ async def _generate(request: Request, chat: bool) -> Any:
                 state["finished_prompt_tokens"] += n_prompt
             yield event({"object": "chat.completion.chunk" if chat else "text_completion",
                          "choices": [choice(i)]})  # fmt: skip
+            if bad_text and i == 0:
+                yield event({"choices": [{"index": 0, "text": 7, "finish_reason": None}]})
         itl = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
         state["sent"].append(
             {"prompt_tokens": n_prompt, "ttft_s": times[0] - received, "itl_s": itl}
         )
         if b["include_usage"]:
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out * b["tokens_per_chunk"]}
+            if b["completion_tokens"] is not None:
+                usage["completion_tokens"] = b["completion_tokens"]
             yield event({"choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
+        if b["open_after_done"]:
+            await asyncio.sleep(3600)
 
     return StreamingResponse(stream(), media_type="text/event-stream")
 

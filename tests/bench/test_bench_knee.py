@@ -127,3 +127,38 @@ def test_explicit_sweep_runs_every_rate_in_order() -> None:
 def test_bad_sweeps_raise(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SweepConfig(**kw)
+
+
+def test_a_ramp_behind_at_its_first_rate_stops_there_and_says_so() -> None:
+    """Capacity below the first rate is not 'no knee within the rates' (capacity above them)."""
+    from nori_jax.bench.sweep import FIRST_RATE_BEHIND, knee_line
+
+    rates: list[float] = []
+
+    def run_at(rate: float) -> RunResult:
+        rates.append(rate)
+        return _fluid(rate, 0.5)
+
+    runs, knee, reason = run_sweep(SweepConfig(start_rate=1.0), run_at)
+    assert rates == [1] and knee is None and reason == FIRST_RATE_BEHIND
+    line = knee_line(runs, knee, reason)
+    assert "the first rate already falls behind: capacity is below 1 req/s" in line
+    assert "--sweep-start-rate" in line and "not found within" not in line
+    runs, _, reason = run_sweep(SweepConfig(rates=(2.0, 4.0)), lambda r: _fluid(r, 0.5))
+    assert len(runs) == 2 and reason == FIRST_RATE_BEHIND
+    _, _, reason = run_sweep(SweepConfig(rates=(1.0, 2.0)), lambda r: _server(r))
+    assert reason == "all rates run"
+
+
+def test_an_infinite_latency_rise_is_written_as_null(tmp_path) -> None:
+    """A P99 TPOT of 0 at the lower rate (every request in one chunk) rises infinitely."""
+    import json
+
+    from nori_jax.bench import report
+    from nori_jax.bench.sweep import knee_dict, knee_line
+
+    knee = find_knee([_run(4, 1000.0, 100.0, 0.0), _run(8, 1050.0, 100.0, 20.0)])
+    assert knee is not None and knee.tpot_rise == float("inf")
+    report.write_json(tmp_path / "k.json", {"knee": knee_dict(knee)})  # raises nothing
+    assert json.loads((tmp_path / "k.json").read_text())["knee"]["tpot_rise"] is None
+    assert "TPOT up from 0" in knee_line([], knee, "knee found")

@@ -4,6 +4,7 @@ comes from --tokenizer or from what the server's model card names."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,46 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
     w = WorkloadConfig(dataset="jsonl", path=str(path))
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        build_requests(w, None, False, 2, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("null", "null"), ("[3]", "[3]"), ("1e400", "Infinity"), ('"abc"', '"abc"'), ("3.9", "3.9"),
+     ("0", "0"), ("true", "true")],
+)  # fmt: skip
+def test_jsonl_output_len_that_is_no_whole_count_is_refused_naming_line_and_field(
+    tmp_path: Path, value: str, shown: str
+) -> None:
+    path = tmp_path / "lens.jsonl"
+    lines = [
+        '{"prompt": "ok", "output_len": 4}',
+        "",
+        '{"prompt": "hi", "output_len": ' + value + "}",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    w = WorkloadConfig(dataset="jsonl", path=str(path))
+    message = f"lens.jsonl:3: output_len must be an integer >= 1, got {shown}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_requests(w, None, False, 2, np.random.default_rng(0))
+
+
+def test_jsonl_whole_float_output_len_is_taken(tmp_path: Path) -> None:
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"prompt": "hi", "output_len": 3.0}\n{"prompt": "hi", "max_tokens": 5}\n')
+    reqs = build_requests(WorkloadConfig(dataset="jsonl", path=str(path)), None, False, 2, None)
+    assert [r.output_len for r in reqs] == [3, 5]
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
+def test_an_unreadable_dataset_file_is_a_clean_error_naming_it(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "data.jsonl"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe\x00prompt")
+    w = WorkloadConfig(dataset="jsonl", path=str(path))
+    with pytest.raises(ValueError, match=re.escape(f"--dataset-path {str(path)!r}: ")):
         build_requests(w, None, False, 2, np.random.default_rng(0))
 
 

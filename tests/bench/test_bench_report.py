@@ -42,7 +42,7 @@ VLLM_KEYS = {
 def _ok(index: int, ttft: float, itls: list[float], out: int, sent: float = 0.0) -> RequestResult:
     return RequestResult(
         index, 0.0, 0.0, sent, success=True, error="", ttft_s=ttft, latency_s=ttft + sum(itls),
-        itl_s=itls, output_tokens=out, output_tokens_from_usage=True,
+        itl_s=itls, output_tokens=out, output_tokens_source="usage",
     )  # fmt: skip
 
 
@@ -212,6 +212,34 @@ def test_cli_bad_input_exits_2_with_a_message(
     assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--temperature", "nan"], "--temperature must be finite and >= 0, got nan"),
+        (["--temperature", "inf"], "--temperature must be finite and >= 0, got inf"),
+        (["--extra-body", '{"x": NaN}'], "--extra-body holds NaN or Infinity"),
+        (["--goodput", "ttft:-1"], "--goodput ttft: the SLO must be a number of ms >= 0, got -1"),
+        (["--goodput", "ttft:nan"], "--goodput ttft: the SLO must be a number of ms >= 0, got nan"),
+        (["--dataset-path", "p.jsonl"], "--dataset-path is read only with --dataset jsonl"),
+        (["--sweep", "1,2", "--request-rate", "5"], "--request-rate is not used by --sweep"),
+        (
+            ["--sweep", "1,2", "--sweep-start-rate", "4"],
+            "--sweep-start-rate is used by --sweep auto",
+        ),
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+        (["--request-timeout", "nan"], "--request-timeout must be > 0 (or inf), got nan"),
+        (["--burstiness", "1e-4", "--num-prompts", "5"], "burstiness 0.0001 is too small"),
+    ],
+)
+def test_cli_bad_values_are_refused_naming_the_flag_and_value(
+    bad: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--disable-tqdm"]
+    assert cli.main(base + bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+
+
 def test_a_missing_bench_extra_is_named_with_its_install_command(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -296,3 +324,19 @@ def test_server_reported_prompt_counts_replace_estimates(server: FakeServer) -> 
     run = run_bench(server, {"input_len": 50})
     assert run.input_lens == [r.server_prompt_tokens for r in run.results]
     assert any("estimates" in w for w in run.warnings)
+
+
+def test_a_rate_not_achieved_is_flagged_naming_the_client_side_queue() -> None:
+    """10 req/s planned, but one concurrency slot let a request leave only every 1.1 s."""
+    from nori_jax.bench.metrics import rate_warnings
+
+    def result(i: int, queue_s: float) -> RequestResult:
+        return RequestResult(i, 0.1 * i, 0.1 * i, 0.1 * i + queue_s, success=True)
+
+    slow = [result(i, 1.0 * i) for i in range(10)]
+    (warning,) = rate_warnings(slow, 10.0, max_concurrency=1)
+    assert "requests left at 0.91 req/s, below the configured 10 req/s" in warning
+    assert "--max-concurrency 1 slots (P99 queue time 8.91 s)" in warning
+    assert "queued" not in rate_warnings(slow, 10.0, max_concurrency=None)[0]
+    assert rate_warnings([result(i, 0.0) for i in range(10)], 10.0, max_concurrency=1) == []
+    assert rate_warnings(slow, float("inf"), max_concurrency=1) == []

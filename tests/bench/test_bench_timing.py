@@ -68,7 +68,7 @@ def test_latencies_match_injected_delays(server: FakeServer) -> None:
     assert np.median(e2e - e2e_planned) == pytest.approx(0.0, abs=0.01)
     assert m["median_e2el_ms"] == pytest.approx(np.median(e2e) * 1e3)
     # usage gives the token counts; every request ran to its max_tokens
-    assert all(r.output_tokens_from_usage for r in rs)
+    assert all(r.output_tokens_source == "usage" for r in rs)
     assert m["total_output_tokens"] == sum(m["output_lens"]) == sum(r.output_tokens for r in rs)
 
 
@@ -87,7 +87,26 @@ def test_chat_ttft_waits_for_text_not_the_role_chunk(server: FakeServer) -> None
 def test_without_usage_tokens_are_counted_chunks(server: FakeServer) -> None:
     server.set(include_usage=False)
     run = run_bench(server, {"output_len": 9})
-    assert all(r.output_tokens == 9 and not r.output_tokens_from_usage for r in run.results)
+    assert all(r.output_tokens == 9 and r.output_tokens_source == "chunks" for r in run.results)
+    assert any("the output tokens of 20 requests are counted text chunks" in w
+               for w in run.warnings), run.warnings  # fmt: skip
+
+
+def test_without_usage_a_tokenizer_counts_the_generated_text(
+    server: FakeServer, bytelevel_tokenizer: Path
+) -> None:
+    """As vLLM's benchmark does: a chunk may carry several tokens, its text tells how many."""
+    from nori_jax.bench.prompts import load_tokenizer
+
+    server.set(include_usage=False)
+    run = run_bench(server, {"output_len": 9}, tokenizer=str(bytelevel_tokenizer))
+    tok = load_tokenizer(bytelevel_tokenizer)
+    for r in run.results:
+        assert r.output_tokens_source == "tokenizer"
+        assert r.output_tokens == len(tok.encode(r.generated_text, add_special_tokens=False))
+    assert sum(r.output_tokens for r in run.results) > 9 * 20  # " t3" is more than one token
+    assert any("counted by tokenizing the generated text" in w for w in run.warnings)
+    assert not any("counted text chunks" in w for w in run.warnings)
 
 
 def test_warmup_requests_are_sent_but_not_reported(server: FakeServer) -> None:

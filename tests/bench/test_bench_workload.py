@@ -82,3 +82,18 @@ def test_invalid_workloads_raise_naming_the_value(field: str, value: object) -> 
         WorkloadConfig(**{field: value})
     with pytest.raises(ValueError, match="dataset-path"):
         WorkloadConfig(dataset="jsonl")
+
+
+def test_a_burstiness_too_small_for_a_schedule_is_refused_naming_it() -> None:
+    """Gamma gaps of shape 1e-4 underflow to 0: their sum is 0 and the rescaled times NaN."""
+    with pytest.raises(ValueError, match="burstiness 0.0001 is too small"):
+        WorkloadConfig(burstiness=1e-4, num_prompts=10, request_rate=2.0)
+    for burstiness in (1e-3, 1e-2):  # very bursty, but a schedule exists
+        times = WorkloadConfig(burstiness=burstiness, num_prompts=10).arrival_times(10, 2.0)
+        assert np.all(np.isfinite(times)) and np.all(np.diff(times) >= 0)
+        assert times[-1] == pytest.approx(5.0)
+
+
+def test_a_dataset_path_without_the_jsonl_dataset_is_refused() -> None:
+    with pytest.raises(ValueError, match="--dataset-path is read only with --dataset jsonl"):
+        WorkloadConfig(dataset="fixed", path="prompts.jsonl")
