@@ -336,7 +336,7 @@ class EngineCoreClient(StreamingClient):
         self.last_recovery_s: float | None = None
         self._num_restarts = 0
         self._reader: threading.Thread | None = None
-        self._rng = np.random.default_rng(config.seed)
+        self._rng = unseeded_rng(config.seed, replica, self.client_index)
 
     @property
     def owns_core(self) -> bool:
@@ -726,11 +726,14 @@ class EngineCoreClient(StreamingClient):
         with self._lock:
             acks, self._acks = list(self._acks.values()), {}
             streams, self._streams = list(self._streams.values()), {}
+        # Released first: a request the core never accepted may be routed to another replica
+        # once its acceptance fails (dp_client.py), and a release after that would drop the
+        # new replica's claim on it.
+        self._done([s.request_id for s in streams])
         for fut in acks:
             if not fut.done():
                 fut.set_exception(make_error())
         fail_streams(streams, make_error)
-        self._done([s.request_id for s in streams])
 
     def _done(self, request_ids: list[str]) -> None:
         if self._on_done is not None:
@@ -741,6 +744,17 @@ class EngineCoreClient(StreamingClient):
         core = getattr(self, "_core", None)
         if isinstance(core, _CoreProcess) and core.alive:
             core.proc.kill()
+
+
+def unseeded_rng(seed: int, replica: int, client_index: int) -> np.random.Generator:
+    """The generator that draws the seeds of this client's unseeded requests. Each data-parallel
+    replica and each API server has a client of its own, and with one generator seeded alike
+    the k-th unseeded request of each got the same seed: the same prompt then sampled the same
+    tokens on every replica (an `n=2` request split over two replicas answered twice alike). The
+    first client keeps `seed`'s own stream, as the in-process engine's."""
+    if replica == 0 and client_index == 0:
+        return np.random.default_rng(seed)
+    return np.random.default_rng([seed, replica, client_index])
 
 
 def _control_error(msg: ControlDone) -> Exception:

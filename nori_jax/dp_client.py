@@ -28,7 +28,12 @@ import time
 import uuid
 from typing import Any
 
-from nori_jax.async_engine import EngineStoppedError, RequestStream, RequestTimeoutError
+from nori_jax.async_engine import (
+    EngineDeadError,
+    EngineStoppedError,
+    RequestStream,
+    RequestTimeoutError,
+)
 from nori_jax.client_base import StreamingClient, check_timeout
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.core_client import EngineCoreClient
@@ -169,8 +174,9 @@ class DataParallelClient(StreamingClient):
                 return await self.clients[replica].add_request(
                     prompt, params, rid, timeout_s, stream, priority
                 )
-            except EngineStoppedError:
-                # It died (or began shutting down) since `serving` was read: try the others.
+            except (EngineStoppedError, EngineDeadError):
+                # It died (or began shutting down) since `serving` was read, or before it
+                # accepted the request (nothing of it was streamed): try the others.
                 self.router.release(rid)
                 serving.remove(replica)
             except BaseException:

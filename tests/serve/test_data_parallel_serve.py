@@ -88,6 +88,28 @@ def test_both_replicas_serve_the_same_tokens(server: Server) -> None:
     assert server.engine.router.load == [0, 0]
 
 
+def test_unseeded_choices_split_over_the_replicas_sample_apart(server: Server) -> None:
+    """A short prompt's choices are balanced over the replicas (no page to share), and each
+    replica's client drew its unseeded requests' seeds from a generator seeded alike: both
+    choices of an n=2 request came out the same, every time."""
+    with client(server) as c:
+        for _ in range(3):
+            r = c.post(
+                "/v1/completions",
+                json={
+                    "prompt": [5, 6, 7],
+                    "n": 2,
+                    "max_tokens": 16,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                },
+            )
+            assert r.status_code == 200, r.text
+            first, second = (ch["logprobs"]["tokens"] for ch in r.json()["choices"])
+            assert first != second
+
+
 def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
     system = list(range(1, 33))  # two full pages of the tiny preset's page size 16
     with client(server) as c:
@@ -166,6 +188,44 @@ def test_killing_one_replica_fails_only_its_requests(server: Server) -> None:
     assert 'nori:engine_restarts_total{replica="0"} 0.0' in metrics
     assert engine.router.load == [0, 0] and engine.num_in_flight == 0
     assert _generate_all(server, PROMPTS) == _expected_tokens(server)
+
+
+def test_a_request_a_dying_replica_never_accepted_goes_to_another(server: Server) -> None:
+    """Replica 1 stopped (SIGSTOP), then killed while a request routed to it waits for its
+    acceptance: nothing of that request was streamed, so it is served by replica 0 (it failed
+    with a 500 engine_dead while replica 0 served)."""
+    engine: DataParallelClient = server.engine
+    stopped = engine.pids[1]
+    os.kill(stopped, signal.SIGSTOP)
+    results: dict[str, httpx.Response] = {}
+
+    def one(name: str, max_tokens: int) -> None:
+        with client(server) as c:
+            body = {"prompt": [1, 2, 3], **GREEDY, "max_tokens": max_tokens}
+            results[name] = c.post("/generate", json=body)
+
+    def wait_in_flight(replica: int) -> None:
+        deadline = time.monotonic() + 30
+        while engine.clients[replica].num_in_flight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    long = threading.Thread(target=one, args=("long", 200))  # ties go to replica 0
+    short = threading.Thread(target=one, args=("short", GREEDY["max_tokens"]))
+    try:
+        long.start()
+        wait_in_flight(0)
+        short.start()  # by load, to the stopped replica 1: it waits for an acceptance
+        wait_in_flight(1)
+    finally:
+        os.kill(stopped, signal.SIGKILL)
+    for t, name, length in ((long, "long", 200), (short, "short", GREEDY["max_tokens"])):
+        t.join(60)
+        assert not t.is_alive()
+        assert results[name].status_code == 200, results[name].text
+        assert len(results[name].json()["token_ids"]) == length
+    assert engine.wait_healthy(120), engine.dead_reason
+    assert engine.router.load == [0, 0]
 
 
 def test_sleep_and_wake_up_reach_every_replica(server: Server) -> None:
