@@ -238,6 +238,25 @@ def _wait_ready(core, timeout_s: float | None, cancelled: Callable[[], bool]) ->
             raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
 
 
+def _wait_control(core, token: str, timeout_s: float | None, cancelled: Callable[[], bool]) -> None:
+    """Wait for the answer to weight operation `token` on a core that serves nothing yet."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if core.from_core.poll(200):
+            msg = _decode_message(core.from_core.recv())
+            if isinstance(msg, ControlDone) and msg.token == token:
+                if msg.kind != "ok":
+                    raise RuntimeError(f"replaying a weight operation failed: {msg.error}")
+                return
+            continue  # a step message of nobody's requests
+        if not core.alive:
+            raise RuntimeError(f"{core.exit_description()} while replaying a weight operation")
+        if cancelled():
+            raise RuntimeError("cancelled: the client is stopping")
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"a replayed weight operation took over {timeout_s} s")
+
+
 def replica_env(config: EngineConfig, replica: int) -> dict[str, str] | None:
     """The environment of data-parallel replica `replica`'s engine-core process: this one's,
     with CUDA_VISIBLE_DEVICES narrowed to the replica's GPUs (mesh_config.py's device indices,
@@ -337,6 +356,10 @@ class EngineCoreClient(StreamingClient):
         self._num_restarts = 0
         self._reader: threading.Thread | None = None
         self._rng = unseeded_rng(config.seed, replica, self.client_index)
+        # The weights and sleep state the weight operations through this client left the core
+        # in (a checkpoint path, a sleep level): replayed on a core that replaces a dead one.
+        self._weights_path: str | None = None
+        self._sleep_level: int | None = None
 
     @property
     def owns_core(self) -> bool:
@@ -543,6 +566,11 @@ class EngineCoreClient(StreamingClient):
         asleep = await asyncio.wrap_future(done)
         new_weights = op == "update_weights" or (op == "wake_up" and model_path is not None)
         self.metrics.observe_weight_op(op, asleep, new_weights)  # the core keeps no metrics
+        # What a new core must be brought to should this one die (_replay_weight_state)
+        if new_weights and model_path is not None:
+            self._weights_path = model_path
+        if op in ("sleep", "wake_up"):
+            self._sleep_level = level if asleep and op == "sleep" else None
         return asleep
 
     def release_client(self, index: int) -> None:
@@ -676,6 +704,7 @@ class EngineCoreClient(StreamingClient):
         try:
             core = self._spawn()
             core.wait_ready(self.startup_timeout_s, lambda: self._stopping)
+            self._replay_weight_state(core)
         except Exception as e:  # noqa: BLE001
             core.close()
             self._down = f"{reason}; the restart failed: {e}"
@@ -691,6 +720,23 @@ class EngineCoreClient(StreamingClient):
             self._down = None
         self._recovered(died, core.pid)
         return True
+
+    def _replay_weight_state(self, core: _CoreProcess) -> None:
+        """Bring a new core to the weights and sleep state its predecessor was left in: a new
+        process loads the configured checkpoint, so after update_weights a restarted core served
+        the original weights (a data-parallel server then answered with two models, /health 200),
+        and one restarted while the others slept came back awake. Runs before the core serves
+        anything; RuntimeError if it cannot (the restart then fails, as any other)."""
+        ops = []
+        if self._weights_path is not None:
+            ops.append(("update_weights", 1, self._weights_path))
+        if self._sleep_level is not None:
+            ops.append(("sleep", self._sleep_level, None))
+        for op, level, path in ops:
+            token = f"ctl-replay-{uuid.uuid4().hex}"
+            core.to_core.send(self._encode(Control(token, op, self.client_index, level, path)))
+            _wait_control(core, token, self.startup_timeout_s, lambda: self._stopping)
+            logger.info("the new engine core replayed %s%s", op, f" {path}" if path else "")
 
     def _await_restart(self, reason: str, died: float) -> bool:
         """A shared core died: wait for the core that client 0 starts in its place (its Ready

@@ -200,3 +200,45 @@ def test_the_schema_lists_the_routes_and_their_errors(server):
         assert answers["200"]["content"]["application/json"]["schema"] == {
             "$ref": "#/components/schemas/WeightState"
         }
+
+
+@pytest.fixture(scope="module")
+def process_server():
+    """Its own server over an engine-core process: the test below kills that process."""
+    engine = EngineCoreClient(engine_config())
+    with running_server({"enable_weight_control": True}, engine=engine) as s:
+        yield s
+
+
+def _kill_core_and_wait(server) -> None:
+    import os
+    import signal
+
+    engine: EngineCoreClient = server.engine
+    killed = engine.pid
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while engine.pid == killed or not engine.is_healthy:
+        assert time.monotonic() < deadline, engine.dead_reason
+        time.sleep(0.05)
+
+
+def test_a_restarted_core_keeps_the_new_weights_and_the_sleep(process_server, checkpoints):
+    """A new engine-core process loads the configured checkpoint: after update_weights a
+    restarted core served the original weights again, and one restarted asleep came back
+    awake. The client replays both on the new core before it serves."""
+    dirs, tokens = checkpoints
+    with client(process_server) as c:
+        assert c.post("/update_weights", json={"model_path": dirs["b"]}).status_code == 200
+        assert _tokens(c) == tokens["b"]
+        _kill_core_and_wait(process_server)
+        assert _tokens(c) == tokens["b"]
+        assert c.post("/sleep", params={"level": 1}).status_code == 200
+        _kill_core_and_wait(process_server)
+        assert _state(c)
+        assert_error(c.post("/generate", json={"prompt": PROMPTS[0], **GREEDY}), 503)
+        assert c.post("/wake_up").status_code == 200
+        assert _tokens(c) == tokens["b"]
+        _kill_core_and_wait(process_server)  # awake now: it stays awake
+        assert not _state(c)
+        assert _tokens(c) == tokens["b"]
