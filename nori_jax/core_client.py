@@ -681,6 +681,9 @@ class EngineCoreClient(StreamingClient):
     def _die(self, reason: str) -> None:
         self._down = reason
         logger.error("%s", reason)
+        with self._lock:  # accepted ones: those not accepted yet may be served elsewhere
+            failed = sum(rid not in self._acks for rid in self._streams)
+        self.metrics.observe_engine_death(failed)
         self._fail_all(lambda: EngineDeadError(reason))
 
     def _restart(self, reason: str, died: float) -> bool:

@@ -212,6 +212,15 @@ class EngineMetrics:
         if new_weights:
             self.weight_updates.inc()
 
+    def observe_engine_death(self, failed: int) -> None:
+        """The engine core died: its `failed` accepted requests ended with an error, and its
+        batch, queue and pages are gone (the gauges would otherwise keep the dead core's last
+        step until a new one steps, for ever where none is restarted)."""
+        self.success.labels(finished_reason="error").inc(failed)
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0)
+
     def set_model_config(self, info: dict[str, str]) -> None:
         """dtype, quantization and weights (LoadedModel.model_config_info)."""
         self.model_config.info(info)

@@ -351,6 +351,13 @@ def test_a_request_that_cannot_be_sent_is_refused_not_left_waiting(
     assert engine.num_in_flight == 0 and not engine._acks
 
 
+def _metric(server: Server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
 def test_engine_process_death_fails_every_request_in_flight(server: Server) -> None:
     body = {"prompt": "doomed", "max_tokens": 240, "ignore_eos": True}
     results: dict[str, object] = {}
@@ -379,6 +386,7 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
     while server.engine.num_in_flight < len(jobs) or not all(e.is_set() for e in started):
         assert time.monotonic() < deadline
         time.sleep(0.005)
+    errors_before = _metric(server, 'nori:request_success_total{finished_reason="error"}')
     killed = server.engine.pid
     os.kill(killed, signal.SIGKILL)
     os.waitid(os.P_PID, killed, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped by its client
@@ -397,6 +405,12 @@ def test_engine_process_death_fails_every_request_in_flight(server: Server) -> N
         assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "engine_dead"
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "exited" in health.json()["reason"]
+    # The dead core's requests are counted as errors, and its batch is gone from the gauges.
+    assert _metric(server, 'nori:request_success_total{finished_reason="error"}') == (
+        errors_before + len(jobs)
+    )
+    assert _metric(server, "nori:num_requests_running") == 0
+    assert _metric(server, "nori:kv_cache_usage_perc") == 0
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "after", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     assert "retry-after" in r.headers
