@@ -8,6 +8,7 @@ float32). Neither is ever pruned by the engine; `clear` empties them.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 from pathlib import Path
 
@@ -20,13 +21,17 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _caches(args: argparse.Namespace) -> dict[str, Path]:
+def _caches_by_kind(args: argparse.Namespace) -> dict[str, tuple[str, Path]]:
     chosen = {
         "params": ("converted parameters", param_cache_dir()),
         "xla": ("XLA compilation cache", compilation_cache_dir(args.compilation_cache_dir)),
     }
     which = [k for k in chosen if getattr(args, k)] or list(chosen)
-    return {chosen[k][0]: chosen[k][1] for k in which}
+    return {k: chosen[k] for k in which}
+
+
+def _caches(args: argparse.Namespace) -> dict[str, Path]:
+    return dict(_caches_by_kind(args).values())
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -39,14 +44,35 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each cache writes: XLA's entries (`<key>-cache`, and `<key>-atime` where it tracks use)
+# and the converted parameters' checkpoints (a directory named by a 32-digit hex hash).
+_XLA_ENTRY = re.compile(r".+-(cache|atime)")
+_PARAMS_ENTRY = re.compile(r"[0-9a-f]{32}(\..+)?")  # with a writer's temporary suffix
+
+
+def _is_entry(kind: str, entry: Path) -> bool:
+    pattern = _XLA_ENTRY if kind == "xla" else _PARAMS_ENTRY
+    return pattern.fullmatch(entry.name) is not None
+
+
 def run_clear(args: argparse.Namespace) -> int:
-    for what, path in _caches(args).items():
+    """Delete each cache's own entries, and nothing else: a `--compilation-cache-dir` that names
+    another directory (`.`, a home directory) lost all of it to a whole-tree removal before.
+    The directory itself stays (it may be a link to a larger disk)."""
+    for kind, (what, path) in _caches_by_kind(args).items():
         if not path.is_dir():
             print(f"{what}: {path} is already empty")
             continue
-        size = _size(path)
-        shutil.rmtree(path)
-        print(f"{what}: removed {path} ({size / 2**20:,.1f} MiB)")
+        entries = [e for e in path.iterdir() if _is_entry(kind, e)]
+        others = sum(1 for e in path.iterdir() if not _is_entry(kind, e))
+        size = sum(_size(e) for e in entries)
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        kept = f"; kept {others} entries that are not the cache's own" if others else ""
+        print(f"{what}: removed {len(entries)} entries from {path} ({size / 2**20:,.1f} MiB){kept}")
     return 0
 
 
