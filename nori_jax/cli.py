@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handling of its own: no traceback
+        print("interrupted", file=sys.stderr)
+        return 130  # the shell's code for SIGINT
 
 
 if __name__ == "__main__":

@@ -195,3 +195,20 @@ def test_generate_prompt_logprob_lines_and_bound():
     ]
     out.prompt_top_logprobs = [None, [(9, -0.5)], [(9, -0.25)]]
     assert prompt_logprob_lines(Tok(), out).splitlines()[1] == "  'b'\t-1.5000\t| 'c' -0.5000"
+
+
+def test_ctrl_c_in_a_command_without_its_own_handling_ends_without_a_traceback(monkeypatch, capsys):
+    """A KeyboardInterrupt that reaches main (plan sweep, generate mid-run) printed a traceback of
+    30 lines; it ends with "interrupted" and the shell's code for SIGINT."""
+    from nori_jax import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    args = parser.parse_args(["cache", "info"])
+    monkeypatch.setattr(args, "func", interrupted, raising=False)
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: args)
+    assert cli.main(["cache", "info"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
