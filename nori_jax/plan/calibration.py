@@ -298,6 +298,12 @@ def find_calibration(
 ) -> Calibration:
     """The one calibration matching `query`; ValueError when none or several do."""
     found = find_calibrations(query, path, directory)
+    if len(found) > 1 and query.kv_dtype is None:
+        # KV pages unnamed: the engine's default (kv_cache_dtype "auto") keeps them in the
+        # weights' dtype, so that calibration answers where it is the one such
+        in_dtype = [c for c in found if c.key.kv_dtype == c.key.dtype]
+        if len(in_dtype) == 1:
+            found = in_dtype
     if len(found) > 1:
         keys = "; ".join(c.key.describe() for c in found)
         raise ValueError(

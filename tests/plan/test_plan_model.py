@@ -164,3 +164,21 @@ def test_the_shipped_h200_files_are_recorded_and_replay_their_checks(model: str)
     assert not Planner(shipped, PlanSettings(OfflineConfig(w))).warnings
     derived = dataclasses.replace(shipped, derived=True)
     assert "is derived" in Planner(derived, PlanSettings(OfflineConfig(w))).warnings[0]
+
+
+def test_unnamed_kv_pages_pick_the_calibration_in_the_weights_dtype(tmp_path):
+    """Two calibrations of one model, its pages in the weights' dtype and in fp8: without
+    --kv-dtype the engine's default ("auto": the weights' dtype) is the one meant (the docs'
+    first `plan simulate --model smollm2-135m` was refused as ambiguous); named, either."""
+    import dataclasses
+
+    plain = synthetic_calibration()
+    fp8 = dataclasses.replace(plain, key=dataclasses.replace(plain.key, kv_dtype="float8_e4m3fn"))
+    for cal in (plain, fp8):
+        save_calibration(cal, tmp_path / cal.key.filename)
+    found = find_calibration(CalibrationQuery(model="tiny-llama"), directory=tmp_path)
+    assert found.key.kv_dtype == "float32"
+    named = find_calibration(
+        CalibrationQuery(model="tiny-llama", kv_dtype="fp8"), directory=tmp_path
+    )
+    assert named.key.kv_dtype == "float8_e4m3fn"
