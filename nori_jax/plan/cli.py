@@ -740,12 +740,19 @@ def _size_inner(args: argparse.Namespace) -> int:
         at_share = planner.run_at(sizing.rate_per_replica).run.metrics
         rows.append((cal, planner, best, sizing, at_share))
         knee = f"knee {best.knee.rate:.3g} req/s" if best.knee else "no knee on the ramp"
-        limit = "SLOs" if best.limited_by == "slo" else "knee"
-        print(
-            f"  one replica ({planner.gpus} GPU{'s' if planner.gpus > 1 else ''}): capacity "
-            f"{best.rate:.3g} req/s, limited by the {limit} (past it at {best.broken_at:.3g}; "
-            f"{knee}; {best.runs} runs)"
-        )
+        gpus = f"{planner.gpus} GPU{'s' if planner.gpus > 1 else ''}"
+        if best.limited_by == "ramp":
+            print(
+                f"  one replica ({gpus}): capacity at least {best.rate:.3g} req/s (what its "
+                f"last run served; no knee within the ramp's {best.runs} runs: a lower bound, "
+                "so the replicas below are an upper bound; raise --sweep-max-steps)"
+            )
+        else:
+            limit = "SLOs" if best.limited_by == "slo" else "knee"
+            print(
+                f"  one replica ({gpus}): capacity {best.rate:.3g} req/s, limited by the {limit} "
+                f"(past it at {best.broken_at:.3g}; {knee}; {best.runs} runs)"
+            )
     pw = slo.key
     print(" Sizing ".center(100, "="))
     print(

@@ -63,7 +63,7 @@ class Slo:
 class Capacity:
     rate: float  # the largest rate found below the knee and within the SLOs
     run: RunResult  # the run at that rate
-    limited_by: str  # "knee" or "slo"
+    limited_by: str  # "knee", "slo", or "ramp" (no knee on the ramp: `rate` is a lower bound)
     knee: Knee | None  # the ramp's knee (None: no knee within the ramp)
     broken_at: float  # the smallest rate found past the knee or beyond the SLOs
     runs: int  # simulated runs the search took
@@ -108,6 +108,12 @@ def capacity(
             ok, past = (mid, past) if scales(mid) else (ok, mid)
         lo, hi = at(ok), past
     if not slo.violations(lo.metrics):
+        if knee is None:
+            # No knee within the ramp: the replica served at least what its last run achieved
+            # (not what it was offered: a short run offered 1e5 req/s that served 500 was
+            # credited 1e5, and a ramp cut short sized for its low last rate as if a knee).
+            served = min(lo.request_rate, lo.metrics.get("request_throughput", lo.request_rate))
+            return Capacity(served, lo, "ramp", None, hi, n)
         return Capacity(lo.request_rate, lo, "knee", knee, hi, n)
     # The knee misses the SLOs: bisect below it, starting from what the ramp already ran.
     tried = [r for r in runs if r.request_rate < lo.request_rate]

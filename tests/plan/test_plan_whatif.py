@@ -181,6 +181,20 @@ def test_capacity_restarts_a_ramp_that_began_past_the_knee():
     assert 3.0 / 1.05 / 1.05 <= found.rate <= 3.0 / 1.05
 
 
+def test_a_ramp_without_a_knee_credits_what_its_last_run_served_as_a_lower_bound():
+    """No knee within the ramp: the last rate was credited as the capacity, labelled as a knee:
+    a short run offered 4e4 req/s that served 500 sized 4e4 req/s a replica."""
+
+    def run(rate: float) -> RunResult:  # every request at once: tokens follow the offer
+        result = _fake_run(rate, math.inf)
+        result.metrics["request_throughput"] = min(rate, 500.0)
+        return result
+
+    found = capacity(Slo({"ttft": 1e4}), run, SweepConfig(start_rate=1e4, max_steps=3))
+    assert found.limited_by == "ramp" and found.knee is None
+    assert found.rate == 500.0 and found.run.request_rate == 4e4
+
+
 def test_unreachable_slos_are_a_clear_error():
     with pytest.raises(ValueError, match="SLOs are out of reach"):
         capacity(Slo({"tpot": 5.0}), lambda r: _fake_run(r, 10.0), SweepConfig(start_rate=1.0))
