@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from nori_jax.engine_args import add_engine_args, engine_config_from_args
+from nori_jax.prompts import lone_surrogate
 
 # Without a generation config: near-greedy, with a tight nucleus. On the embedded 135M model,
 # four seeds of "What is the capital of France?" answered "The capital of France is Paris." 4/4
@@ -79,6 +80,9 @@ class ChatSession:
             return True
         if text.startswith("/"):
             return self._command(text)
+        if (why := lone_surrogate(line)) is not None:  # undecodable input: the tokenizer's
+            self.say(f"error: the message {why}")  # TypeError ended the session before
+            return True
         self.messages.append({"role": "user", "content": line})
         try:
             reply = self.reply()
@@ -133,7 +137,7 @@ class ChatSession:
         while True:
             try:
                 line = read("> ")
-            except EOFError:
+            except (EOFError, RuntimeError):  # RuntimeError: input() without a stdin (closed)
                 self.say("")
                 return 0
             except KeyboardInterrupt:
@@ -190,6 +194,8 @@ def run_chat(args: argparse.Namespace) -> int:
     from nori_jax.engine import make_engine
     from nori_jax.sampling_params import SamplingParams
 
+    if args.system is not None and (why := lone_surrogate(args.system)) is not None:
+        raise ValueError(f"--system {why}")
     engine = make_engine(engine_config_from_args(args))
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use `nori-jax generate` instead")

@@ -112,6 +112,8 @@ def run_generate(args: argparse.Namespace) -> int:
         from nori_jax.follower import follow
 
         return follow(config)
+    if not args.prompt and sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise ValueError("no --prompt, and no stdin to read one from")
     prompts = args.prompt or [sys.stdin.read()]
     llm = LLM.from_config(config)
     with exit_when_a_follower_is_lost():

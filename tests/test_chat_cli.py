@@ -167,3 +167,20 @@ def test_a_turn_that_does_not_fit_is_reported_and_dropped():
     session, text = _run(TooLong(), ["a very long message"])
     assert "error: prompt has 3000 tokens" in text and "/reset starts over" in text
     assert session.messages == []
+
+
+def test_a_message_that_is_not_unicode_is_refused_and_the_session_goes_on():
+    """Non-UTF-8 bytes on stdin arrive as lone surrogates; the tokenizer's TypeError ended the
+    session (and its conversation) with a traceback."""
+    engine = FakeEngine(words=2)
+    session, text = _run(engine, ["a\udcffb", "fine"])
+    assert "error: the message has a lone surrogate" in text
+    assert engine.tokenizer.prompts == [[{"role": "user", "content": "fine"}]]
+
+
+def test_no_stdin_ends_the_session_as_eof_does():
+    def closed(prompt):
+        raise RuntimeError("input(): lost sys.stdin")
+
+    session = ChatSession(FakeEngine(), params=None, out=io.StringIO())
+    assert session.run(closed) == 0
