@@ -37,7 +37,10 @@ async def health(request: Request) -> Response:
     engine = ctx.engine
     which = {} if ctx.settings.api_server is None else {"api_server": ctx.settings.api_server}
     if engine.is_healthy:
-        return JSONResponse({"status": "ok"} | which)
+        # Serving, but not whole: a data-parallel server with a replica down (restarting, or
+        # given up on) says which and why, where its status alone hid it.
+        degraded = {"degraded": reason} if (reason := engine.dead_reason) else {}
+        return JSONResponse({"status": "ok"} | degraded | which)
     reason = engine.dead_reason or "shutting down"
     return JSONResponse({"status": "unhealthy", "reason": reason} | which, status_code=503)
 

@@ -162,7 +162,8 @@ def test_killing_one_replica_fails_only_its_requests(server: Server) -> None:
     while engine.clients[1].is_healthy:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    health = httpx.get(f"{server.url}/health")  # serving, and saying which replica is down
+    assert health.status_code == 200 and "replica 1" in health.json()["degraded"], health.text
     with client(server) as c:
         r = c.post("/generate", json={"prompt": [1, 2, 3], **GREEDY})
     assert r.status_code == 200 and len(r.json()["token_ids"]) == GREEDY["max_tokens"]
