@@ -175,7 +175,9 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         help="KV transfer bandwidth in GB/s (default: the calibration's measured one)",
     )
     g.add_argument(
-        "--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of one KV transfer"
+        "--kv-transfer-latency-ms",
+        type=float,
+        help="fixed cost of one KV transfer (default: the calibration's; 0 where it has none)",
     )
 
 
@@ -317,16 +319,42 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _bounds(texts: list[str], flag: str) -> dict[str, float]:
-    out = {}
+    out: dict[str, float] = {}
     for text in texts:
         name, sep, value = text.partition(":")
         try:
-            out[name] = float(value)
+            bound = float(value)
         except ValueError:
             sep = ""
         if not sep or not name:
             raise ValueError(f"{flag} wants NAME:MS (e.g. ttft:500), got {text!r}")
+        if name in out:
+            raise ValueError(
+                f"{flag} names {name} more than once ({name}:{out[name]:g} and {text}): give "
+                "each metric one bound"
+            )
+        out[name] = bound
     return out
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """Refuse, before any simulating, an output path that cannot be written as a file."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give a file path")
+    if not p.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {str(p.parent)!r} does not exist")
+
+
+def _has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _plot_path(path: str) -> str:
+    """The file matplotlib's savefig writes for `path`: a name without a suffix gets .png."""
+    return path if Path(path).suffix else path + ".png"
 
 
 def _query(args: argparse.Namespace):
@@ -350,8 +378,6 @@ def _calibrations(args: argparse.Namespace, many: bool = False):
 
 def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = ()):
     from nori_jax.bench.offline import OfflineConfig
-    from nori_jax.plan.calibration import KVTransfer
-    from nori_jax.plan.core_io import CoreIO
     from nori_jax.plan.planner import PlanSettings
     from nori_jax.plan.simulator import Frontend
     from nori_jax.plan.whatif import WhatIf
@@ -378,15 +404,12 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
         if not (sep and p.isdigit() and d.isdigit()):
             raise ValueError(f"--disaggregate wants P:D (e.g. 1:3), got {args.disaggregate!r}")
         disaggregate = (int(p), int(d))
-    transfer = None
-    if args.kv_transfer_gbps is not None:
-        transfer = KVTransfer(
-            args.kv_transfer_gbps * 1e9, args.kv_transfer_latency_ms / 1e3, "given"
-        )
-    core_io = None  # the calibration's
-    if args.core_io_us_per_step is not None or args.core_io_us_per_row is not None:
-        step_us, row_us = args.core_io_us_per_step or 0.0, args.core_io_us_per_row or 0.0
-        core_io = CoreIO(step_us / 1e6, row_us / 1e6)
+    # Each of a pair left unset is the calibration's (the Planner fills it in).
+    gbps = _non_negative(args.kv_transfer_gbps, "--kv-transfer-gbps", positive=True)
+    latency_ms = _non_negative(args.kv_transfer_latency_ms, "--kv-transfer-latency-ms")
+    step_us = _non_negative(args.core_io_us_per_step, "--core-io-us-per-step")
+    row_us = _non_negative(args.core_io_us_per_row, "--core-io-us-per-row")
+    scaled = lambda v, unit: None if v is None else v * unit  # noqa: E731
     percentiles = _floats(args.metric_percentiles, "--metric-percentiles")
     percentiles += tuple(p for p in (99.0, *extra_percentiles) if p not in percentiles)
     return PlanSettings(
@@ -403,10 +426,18 @@ def _settings(args: argparse.Namespace, extra_percentiles: tuple[float, ...] = (
             args.frontend_latency_ms / 1e3,
             args.frontend_ms_per_request / 1e3,
         ),
-        core_io=core_io,
+        core_io_parts=(scaled(step_us, 1e-6), scaled(row_us, 1e-6)),
         disaggregate=disaggregate,
-        kv_transfer=transfer,
+        kv_transfer_parts=(scaled(gbps, 1e9), scaled(latency_ms, 1e-3)),
     )
+
+
+def _non_negative(value: float | None, flag: str, positive: bool = False) -> float | None:
+    if value is None:
+        return None
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{flag} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
+    return value
 
 
 def _bench_config(args: argparse.Namespace, settings):
@@ -581,6 +612,7 @@ def _simulate_inner(args: argparse.Namespace) -> int:
     from nori_jax.bench import report
     from nori_jax.plan.planner import Planner
 
+    _check_output(args.result_json, "--result-json")
     settings = _settings(args)
     planner = Planner(_calibrations(args)[0], settings)
     _header(planner)
@@ -625,14 +657,19 @@ def _sweep_inner(args: argparse.Namespace) -> int:
         rates = tuple(r.request_rate for r in measured)
     else:
         rates = None
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
+    if args.plot and not _has_matplotlib():
         raise ValueError("--plot needs matplotlib (the bench extra): pip install 'nori-jax[bench]'")
+    plot = _plot_path(args.plot) if args.plot else None
+    _check_output(plot, "--plot")
+    _check_output(args.result_json, "--result-json")
     settings = _settings(args)
     planner = Planner(_calibrations(args)[0], settings)
     _header(planner)
     cfg = SweepConfig(
         rates=rates,
-        start_rate=args.sweep_start_rate or _start_rate(planner, rates is None),
+        start_rate=args.sweep_start_rate
+        if args.sweep_start_rate is not None
+        else _start_rate(planner, rates is None),
         max_steps=args.sweep_max_steps,
         min_gain=args.knee_min_gain,
         min_latency_rise=args.knee_min_latency_rise,
@@ -685,12 +722,12 @@ def _sweep_inner(args: argparse.Namespace) -> int:
         if measured is not None:
             from nori_jax.plan.plot import plot_against_measured
 
-            plot_against_measured(runs, knee, measured, measured_knee, args.plot, title)
+            plot_against_measured(runs, knee, measured, measured_knee, plot, title)
         else:
             from nori_jax.bench.plot import plot_sweep
 
-            plot_sweep(runs, knee, args.plot, title)
-        print(f"Plot: {args.plot}")
+            plot_sweep(runs, knee, plot, title)
+        print(f"Plot: {plot}")
     if args.result_json:
         _write_json(
             args.result_json,
@@ -720,6 +757,8 @@ def _size_inner(args: argparse.Namespace) -> int:
     from nori_jax.plan.planner import Planner
     from nori_jax.plan.sizing import Slo, capacity, size
 
+    _check_output(args.result_json, "--result-json")
+    _non_negative(args.gpu_hour_price, "--gpu-hour-price")
     slo = Slo(_bounds(args.slo, "--slo"), args.slo_percentile)
     settings = _settings(args, extra_percentiles=(slo.percentile,))
     rows = []
@@ -727,7 +766,9 @@ def _size_inner(args: argparse.Namespace) -> int:
         planner = Planner(cal, settings)
         _header(planner)
         sweep = SweepConfig(
-            start_rate=args.search_start_rate or _start_rate(planner, True),
+            start_rate=args.search_start_rate
+            if args.search_start_rate is not None
+            else _start_rate(planner, True),
             max_steps=args.sweep_max_steps,
             min_gain=args.knee_min_gain,
             min_latency_rise=args.knee_min_latency_rise,

@@ -33,8 +33,13 @@ class PlanSettings:
     # The core's send path per step: None takes the calibration's for frontend.servers API
     # servers (zero where the file has none).
     core_io: CoreIO | None = None
+    # (step_s, row_s) given over core_io (or the calibration's): None keeps that part.
+    core_io_parts: tuple[float | None, float | None] = (None, None)
     disaggregate: tuple[int, int] | None = None  # (prefill replicas, decode replicas)
     kv_transfer: KVTransfer | None = None  # None: the calibration's measured one
+    # (bytes_per_s, latency_s) given over kv_transfer (or the calibration's): None keeps that
+    # part (a latency with no transfer to take the bandwidth from is an error; none: 0).
+    kv_transfer_parts: tuple[float | None, float | None] = (None, None)
 
     def __post_init__(self) -> None:
         if self.disaggregate is not None and min(self.disaggregate) < 1:
@@ -62,23 +67,38 @@ class Planner:
         scfg = self.engine.scheduler
         self.drawn = draw(settings.shaping, self.engine.vocab_size, scfg.max_model_len)
         self.core_io = settings.core_io
+        step_s, row_s = settings.core_io_parts
         if self.core_io is None:
             servers = settings.frontend.servers
             self.core_io = cal.core_io.get(servers, CoreIO())
-            if cal.core_io and servers not in cal.core_io:
+            if cal.core_io and servers not in cal.core_io and (step_s is None or row_s is None):
                 self.warnings.append(
                     f"{cal.path or 'the calibration'} has the core's send path for "
                     f"{sorted(cal.core_io)} API servers, not {servers}: it is left out "
                     "(--core-io-us-per-step/-row give it)"
                 )
+        self.core_io = CoreIO(
+            self.core_io.step_s if step_s is None else step_s,
+            self.core_io.row_s if row_s is None else row_s,
+        )
         self.transfer = None
         if settings.disaggregate is not None:
-            self.transfer = settings.kv_transfer or cal.kv_transfer
-            if self.transfer is None:
+            base = settings.kv_transfer or cal.kv_transfer
+            bytes_per_s, latency_s = settings.kv_transfer_parts
+            if base is None and bytes_per_s is None:
                 raise ValueError(
                     f"disaggregation needs a KV transfer cost: {cal.path or 'the calibration'} "
                     "has none; pass --kv-transfer-gbps (and --kv-transfer-latency-ms)"
                 )
+            if base is None:
+                base = KVTransfer(bytes_per_s, 0.0, "given")
+            if bytes_per_s is not None or latency_s is not None:
+                base = KVTransfer(
+                    base.bytes_per_s if bytes_per_s is None else bytes_per_s,
+                    base.latency_s if latency_s is None else latency_s,
+                    "given",
+                )
+            self.transfer = base
 
     @property
     def gpus(self) -> int:

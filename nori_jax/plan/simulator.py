@@ -86,9 +86,15 @@ class Frontend:
     request_s: float = 0.0
 
     def __post_init__(self) -> None:
-        costs = (self.step_s, self.token_s, self.latency_s, self.request_s)
-        if not all(c >= 0 for c in costs):
-            raise ValueError(f"frontend costs must be >= 0, got {self}")
+        for name, flag in (
+            ("step_s", "--frontend-ms-per-step"),
+            ("token_s", "--frontend-us-per-token"),
+            ("latency_s", "--frontend-latency-ms"),
+            ("request_s", "--frontend-ms-per-request"),
+        ):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"frontend {name} ({flag}) must be finite and >= 0, got {v}")
         if self.servers < 1:
             raise ValueError(f"frontend servers must be >= 1, got {self.servers}")
 

@@ -175,8 +175,8 @@ def size(
 ) -> Sizing:
     if not (target_rate > 0 and math.isfinite(target_rate)):
         raise ValueError(f"target rate must be finite and > 0, got {target_rate}")
-    if gpu_hour_price is not None and not gpu_hour_price >= 0:
-        raise ValueError(f"GPU-hour price must be >= 0, got {gpu_hour_price}")
+    if gpu_hour_price is not None and not (gpu_hour_price >= 0 and math.isfinite(gpu_hour_price)):
+        raise ValueError(f"GPU-hour price must be finite and >= 0, got {gpu_hour_price}")
     replicas = math.ceil(target_rate / max_rate * (1 - 1e-9))
     gpus = replicas * gpus_per_replica
     if gpu_hour_price is None:

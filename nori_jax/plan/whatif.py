@@ -16,6 +16,10 @@ from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.plan.calibration import Calibration
 from nori_jax.plan.simulator import SimEngine
 
+# The most KV pages simulated: the allocator holds Python state per page (2**24 pages of 16
+# tokens are 268M tokens, far beyond any device's pool).
+MAX_NUM_PAGES = 2**24
+
 
 @dataclasses.dataclass(frozen=True)
 class WhatIf:
@@ -65,7 +69,13 @@ def sim_engine(cal: Calibration, w: WhatIf = WhatIf()) -> tuple[SimEngine, list[
         num_scheduler_steps=pick(w.num_scheduler_steps, defaults.num_scheduler_steps),
         multi_step_max_seqs=pick(w.multi_step_max_seqs, defaults.multi_step_max_seqs),
     )
-    num_pages = w.num_pages or cal.kv_pages(page_size)
+    num_pages = pick(w.num_pages, cal.kv_pages(page_size))
+    if not 2 <= num_pages <= MAX_NUM_PAGES:
+        raise ValueError(
+            f"--num-pages {num_pages} must be >= 2 (page 0 is reserved) and <= {MAX_NUM_PAGES:,} "
+            f"(the simulated allocator keeps state per page; the calibrated pool is "
+            f"{cal.kv_pages(page_size):,} pages of {page_size} tokens)"
+        )
     engine = SimEngine(
         scheduler, num_pages, e.vocab_size, pick(w.async_scheduling, e.async_scheduling)
     )

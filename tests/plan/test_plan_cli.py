@@ -159,3 +159,123 @@ def test_simulated_mean_step_is_the_busy_time_over_the_steps():
     run = RunResult(1.0, {}, results, [], {}, [])
     assert simulated_step_ms(run, 300) == pytest.approx(10.0)
     assert simulated_step_ms(run, 0) is None
+
+
+def test_a_repeated_slo_or_goodput_name_is_refused(cal_file, capsys):
+    size = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
+    assert main([*size, "--slo", "e2el:1", "e2el:1000"]) == 2
+    assert "--slo names e2el more than once" in capsys.readouterr().err
+    sim = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD]
+    assert main([*sim, "--goodput", "ttft:100", "ttft:5"]) == 2
+    assert "--goodput names ttft more than once" in capsys.readouterr().err
+
+
+def test_kv_transfer_latency_alone_keeps_the_calibrated_bandwidth(cal_file, tmp_path, capsys):
+    base = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD, "--disaggregate", "1:1"]
+    out = tmp_path / "sim.json"
+    assert main([*base, "--kv-transfer-latency-ms", "50", "--result-json", str(out)]) == 0
+    ms = json.loads(out.read_text())["simulated"]["mean_kv_transfer_ms"]
+    # 50 ms + 64 tokens x 512 bytes at the calibration's 1 GB/s, not its 1 ms latency
+    assert ms == pytest.approx(50 + 1e3 * 64 * 512 / 1e9, rel=0.05)
+    for bad in ("-1", "nan", "inf"):
+        assert main([*base, "--kv-transfer-latency-ms", bad]) == 2
+        assert "--kv-transfer-latency-ms must be finite and >= 0" in capsys.readouterr().err
+    assert main([*base, "--kv-transfer-gbps", "0"]) == 2
+    assert "--kv-transfer-gbps must be finite and > 0" in capsys.readouterr().err
+
+
+def test_one_core_io_part_given_keeps_the_calibrations_other(tmp_path, capsys):
+    import dataclasses
+
+    from nori_jax.plan.core_io import CoreIO
+
+    cal = dataclasses.replace(synthetic_calibration(), core_io={1: CoreIO(3e-6, 2e-7)})
+    path = str(save_calibration(cal, tmp_path / cal.key.filename))
+    base = ["plan", "simulate", "--calibration", path, *WORKLOAD, "--num-prompts", "4"]
+    assert main([*base, "--core-io-us-per-step", "5"]) == 0
+    assert "5.0 us per step + 0.200 us per token" in capsys.readouterr().out
+    assert main([*base, "--core-io-us-per-row", "0.5"]) == 0
+    assert "3.0 us per step + 0.500 us per token" in capsys.readouterr().out
+    assert main([*base, "--core-io-us-per-row", "nan"]) == 2
+    assert "--core-io-us-per-row must be finite and >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--frontend-latency-ms",
+        "--frontend-us-per-token",
+        "--frontend-ms-per-step",
+        "--frontend-ms-per-request",
+    ],
+)
+def test_infinite_frontend_costs_are_refused_by_name(cal_file, capsys, flag):
+    argv = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD, flag, "inf"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"({flag}) must be finite and >= 0" in err and "Traceback" not in err
+
+
+def test_zero_is_refused_not_read_as_the_default(cal_file, capsys):
+    sim = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD]
+    assert main([*sim, "--num-pages", "0"]) == 2
+    assert "--num-pages 0 must be >= 2" in capsys.readouterr().err
+    sweep = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--sweep-start-rate", "0"]
+    assert main(sweep) == 2
+    assert "start_rate must be finite and > 0, got 0" in capsys.readouterr().err
+    size = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
+    assert main([*size, "--slo", "ttft:100", "--search-start-rate", "0"]) == 2
+    assert "start_rate must be finite and > 0, got 0" in capsys.readouterr().err
+
+
+def test_huge_num_pages_is_a_clear_error(cal_file, capsys):
+    argv = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD, "--num-pages", "99999999999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--num-pages 99999999999 must be >= 2" in err and "<= 16,777,216" in err
+
+
+def test_output_paths_are_checked_before_simulating(cal_file, tmp_path, capsys):
+    sim = ["plan", "simulate", "--calibration", cal_file, *WORKLOAD]
+    assert main([*sim, "--result-json", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "--result-json" in err and "is a directory" in err and "Calibration:" not in out
+    assert main([*sim, "--result-json", str(tmp_path / "missing" / "r.json")]) == 2
+    out, err = capsys.readouterr()
+    assert "does not exist" in err and "Calibration:" not in out
+    sweep = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--sweep", "10,40"]
+    assert main([*sweep, "--result-json", str(tmp_path)]) == 2
+    assert "Calibration:" not in capsys.readouterr().out
+    size = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
+    assert main([*size, "--slo", "ttft:100", "--result-json", str(tmp_path)]) == 2
+    assert "Calibration:" not in capsys.readouterr().out
+
+
+def test_sweep_plot_prints_the_file_it_wrote(cal_file, tmp_path, capsys, monkeypatch):
+    import nori_jax.bench.plot
+    import nori_jax.plan.cli
+
+    written = []
+    monkeypatch.setattr(nori_jax.plan.cli, "_has_matplotlib", lambda: True)
+    monkeypatch.setattr(
+        nori_jax.bench.plot, "plot_sweep", lambda r, k, path, t: written.append(path)
+    )
+    sweep = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--sweep", "10,40"]
+    assert main([*sweep, "--plot", str(tmp_path / "knee")]) == 0
+    assert written == [str(tmp_path / "knee.png")]
+    assert f"Plot: {tmp_path / 'knee.png'}\n" in capsys.readouterr().out
+    assert main([*sweep, "--plot", str(tmp_path)]) == 0  # writes tmp_path.png beside it
+    assert written[-1] == f"{tmp_path}.png" and f"Plot: {tmp_path}.png" in capsys.readouterr().out
+    assert main([*sweep, "--plot", str(tmp_path / "no" / "k.png")]) == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_an_infinite_gpu_hour_price_is_refused(cal_file, capsys):
+    from nori_jax.plan.sizing import size
+
+    with pytest.raises(ValueError, match="GPU-hour price must be finite"):
+        size(10.0, 5.0, 1, (80.0, 16.0), float("inf"))
+    argv = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--target-rate", "10"]
+    assert main([*argv, "--slo", "ttft:100", "--gpu-hour-price", "inf"]) == 2
+    out, err = capsys.readouterr()
+    assert "--gpu-hour-price must be finite and >= 0" in err and "Calibration:" not in out

@@ -279,7 +279,9 @@ def test_a_frontend_latency_shifts_every_token_and_nothing_else():
     m, n = base.run.metrics, late.run.metrics
     assert n["mean_ttft_ms"] == pytest.approx(m["mean_ttft_ms"] + 5.0)
     assert n["mean_tpot_ms"] == pytest.approx(m["mean_tpot_ms"])
-    with pytest.raises(ValueError, match="frontend costs must be >= 0"):
+    with pytest.raises(
+        ValueError, match=r"latency_s \(--frontend-latency-ms\) must be finite and >= 0"
+    ):
         Frontend(latency_s=-1.0)
 
 
@@ -303,7 +305,7 @@ def test_a_requests_own_frontend_cost_delays_its_way_to_the_core_in_its_servers_
         # the last request reached the core only after `waves` request costs on its server
         assert first[-1] >= 0.05 * waves
         assert first[-1] < 0.05 * waves + 0.05  # and then its prefill, well under 50 ms here
-    with pytest.raises(ValueError, match="frontend costs must be >= 0"):
+    with pytest.raises(ValueError, match=r"request_s \(--frontend-ms-per-request\) must be"):
         Frontend(request_s=-1e-3)
 
 
