@@ -220,41 +220,45 @@ class _SharedCore:
             sock.close(linger=0)
 
 
-def _wait_ready(core, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
+def _wait_for(core, take, timeout_s: float | None, cancelled: Callable[[], bool], what: str):
+    """Read a core that serves nothing yet until `take(message)` returns something (what it
+    returns) or raises; RuntimeError if the core dies, the client stops, or `timeout_s` passes.
+    Other messages (a step of a core that died before this one started) are nobody's now."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         if core.from_core.poll(200):
-            msg = _decode_message(core.from_core.recv())
-            if isinstance(msg, Ready):
-                return msg.info
-            if isinstance(msg, Failed):
-                raise RuntimeError(f"the engine core failed to start: {msg.reason}")
-            continue  # a step of a core that died before this one started: nobody's now
+            got = take(_decode_message(core.from_core.recv()))
+            if got is not None:
+                return got
+            continue
         if not core.alive:
-            raise RuntimeError(f"{core.exit_description()} during start-up")
+            raise RuntimeError(f"{core.exit_description()} during {what}")
         if cancelled():
-            raise RuntimeError("start-up cancelled: the client is stopping")
+            raise RuntimeError(f"{what} cancelled: the client is stopping")
         if deadline is not None and time.monotonic() > deadline:
-            raise RuntimeError(f"the engine core was not ready within {timeout_s} s")
+            raise RuntimeError(f"the engine core's {what} took over {timeout_s} s")
+
+
+def _wait_ready(core, timeout_s: float | None, cancelled: Callable[[], bool]) -> EngineInfo:
+    def take(msg) -> EngineInfo | None:
+        if isinstance(msg, Failed):
+            raise RuntimeError(f"the engine core failed to start: {msg.reason}")
+        return msg.info if isinstance(msg, Ready) else None
+
+    return _wait_for(core, take, timeout_s, cancelled, "start-up")
 
 
 def _wait_control(core, token: str, timeout_s: float | None, cancelled: Callable[[], bool]) -> None:
-    """Wait for the answer to weight operation `token` on a core that serves nothing yet."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        if core.from_core.poll(200):
-            msg = _decode_message(core.from_core.recv())
-            if isinstance(msg, ControlDone) and msg.token == token:
-                if msg.kind != "ok":
-                    raise RuntimeError(f"replaying a weight operation failed: {msg.error}")
-                return
-            continue  # a step message of nobody's requests
-        if not core.alive:
-            raise RuntimeError(f"{core.exit_description()} while replaying a weight operation")
-        if cancelled():
-            raise RuntimeError("cancelled: the client is stopping")
-        if deadline is not None and time.monotonic() > deadline:
-            raise RuntimeError(f"a replayed weight operation took over {timeout_s} s")
+    """Wait for the answer to weight operation `token` (replayed on a new core)."""
+
+    def take(msg) -> bool | None:
+        if not (isinstance(msg, ControlDone) and msg.token == token):
+            return None
+        if msg.kind != "ok":
+            raise RuntimeError(f"replaying a weight operation failed: {msg.error}")
+        return True
+
+    _wait_for(core, take, timeout_s, cancelled, "replay of a weight operation")
 
 
 def replica_env(config: EngineConfig, replica: int) -> dict[str, str] | None:
