@@ -64,18 +64,13 @@ class ServeContext:
                 strict=True,
             )
         ]
-        tasks = [asyncio.ensure_future(add) for add in adds]  # each sends, then awaits its ack
-        try:
-            await asyncio.wait(tasks)
-        except BaseException:  # cancelled (the client left): withdraw every choice
-            for task in tasks:
-                task.cancel()  # one still waiting aborts its own request
-            await asyncio.wait(tasks)
-            for task in tasks:
-                if not task.cancelled() and task.exception() is None:
-                    task.result().abort()
-            raise
-        results = [t.exception() or t.result() for t in tasks]
+        if len(adds) == 1:  # most requests: no task of their own (a cancelled add withdraws)
+            try:
+                results = [await adds[0]]
+            except Exception as e:  # noqa: BLE001 - mapped to its HTTP error below
+                results = [e]
+        else:
+            results = await self._add_together(adds)
         streams = [r for r in results if isinstance(r, RequestStream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
@@ -87,6 +82,23 @@ class ServeContext:
         if isinstance(failure, Exception):
             raise api_error_from(failure, self.settings.retry_after_s) from None
         raise failure
+
+    @staticmethod
+    async def _add_together(adds: list) -> list:
+        """Run the adds at once (each sends, then awaits its acceptance): their streams or
+        exceptions, in order. If cancelled (the client left), every choice is withdrawn."""
+        tasks = [asyncio.ensure_future(add) for add in adds]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()  # one still waiting aborts its own request
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    task.result().abort()
+            raise
+        return [t.exception() or t.result() for t in tasks]
 
     async def final_outputs(self, request: Request, choices: Choices) -> list[RequestOutput]:
         """Wait for every choice's whole answer (all aborted if the client leaves); failures
