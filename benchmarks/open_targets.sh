@@ -14,6 +14,9 @@
 #              (first_copy_probe.py: the fixed 2-2.6 us behind cuDNN on 512-token chunks)
 #   client     issue 19 item 2: the launch with XLA's TFRT GPU client against the default one
 #              (pjrt_client_ab.sh, one round)
+#   launch     issue 19 item 2: the launch's host work at 16-1,024 sequences with the device idle
+#              at each launch (--no-async-scheduling, so no wait on the device is in the launch
+#              clock), TFRT against the default client, then TFRT with overlapped steps
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -59,6 +62,15 @@ for part in $PARTS; do
       echo "rc $?"; quiet < "$OUT/floor.log" | tail -20 ;;
     client)
       OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
+    launch)
+      for arm in "tfrt --no-async-scheduling" "default --no-async-scheduling" "tfrt"; do
+        set -- $arm
+        echo "--- step profile, gpu client $arm ($(date +%T))"
+        timeout ${T_LAUNCH:-150} python3 "$here/engine/step_profile.py" --config h200-throughput \
+          --load-format dummy --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+          --num-scheduler-steps 1 --context 1024 --steps 30 --batch 16,64,256,1024 --no-trace \
+          --gpu-client "$@" --json "$OUT/launch_${1}${2:+_idle}.json" 2>&1 | grep "^batch"
+      done ;;
     tfrt)
       for c in auto default; do
         echo "--- served, gpu client $c ($(date +%T))"

@@ -360,8 +360,9 @@ class EngineCoreClient(StreamingClient):
         self._num_restarts = 0
         self._reader: threading.Thread | None = None
         self._rng = unseeded_rng(config.seed, replica, self.client_index)
-        # The weights and sleep state the weight operations through this client left the core
-        # in (a checkpoint path, a sleep level): replayed on a core that replaces a dead one.
+        # The weights and sleep state the weight operations left the core in (a checkpoint
+        # path, a sleep level): replayed on a core that replaces a dead one. Client 0 hears of
+        # the operations every API server sends (engine_core_process.ControlDone).
         self._weights_path: str | None = None
         self._sleep_level: int | None = None
 
@@ -567,15 +568,7 @@ class EngineCoreClient(StreamingClient):
             with self._lock:
                 self._acks.pop(token, None)
             raise EngineStoppedError(f"the engine core is unreachable: {why}")
-        asleep = await asyncio.wrap_future(done)
-        new_weights = op == "update_weights" or (op == "wake_up" and model_path is not None)
-        self.metrics.observe_weight_op(op, asleep, new_weights)  # the core keeps no metrics
-        # What a new core must be brought to should this one die (_replay_weight_state)
-        if new_weights and model_path is not None:
-            self._weights_path = model_path
-        if op in ("sleep", "wake_up"):
-            self._sleep_level = level if asleep and op == "sleep" else None
-        return asleep
+        return await asyncio.wrap_future(done)
 
     def release_client(self, index: int) -> None:
         """API server `index`'s process exited: the core ends the requests it still runs for
@@ -675,12 +668,27 @@ class EngineCoreClient(StreamingClient):
     def _control_done(self, msg: ControlDone) -> None:
         with self._lock:
             done = self._acks.pop(msg.token, None)
+        if msg.kind == "ok" and msg.op not in ("", "is_sleeping"):
+            # This client's own operation, or (client 0) one another API server sent
+            self._note_weight_op(msg)
         if done is None or done.done():
             return
         if msg.kind == "ok":
             done.set_result(msg.is_sleeping)
         else:
             done.set_exception(_control_error(msg))
+
+    def _note_weight_op(self, msg: ControlDone) -> None:
+        """Count a weight operation done on the core (the core keeps no metrics), and keep what
+        a new core must be brought to should this one die (_replay_weight_state)."""
+        new_weights = msg.op == "update_weights" or (
+            msg.op == "wake_up" and msg.model_path is not None
+        )
+        self.metrics.observe_weight_op(msg.op, msg.is_sleeping, new_weights)
+        if new_weights and msg.model_path is not None:
+            self._weights_path = msg.model_path
+        if msg.op in ("sleep", "wake_up"):
+            self._sleep_level = msg.level if msg.is_sleeping and msg.op == "sleep" else None
 
     def _die(self, reason: str) -> None:
         self._down = reason

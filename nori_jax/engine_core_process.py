@@ -103,10 +103,17 @@ class Control(msgspec.Struct, tag=True, array_like=True):
 
 
 class ControlDone(msgspec.Struct, tag=True, array_like=True):
+    """The answer to Control `token`, with the operation it answers. A sleep, wake-up or weight
+    update done for a client other than 0 is also sent to client 0, which restarts the core and
+    exports the metrics: it replays the state on a new core and counts the operation."""
+
     token: str
     is_sleeping: bool
     kind: str = "ok"  # "ok" | "busy" | "asleep" | "invalid" | "failed"
     error: str | None = None
+    op: str = ""
+    level: int = 1
+    model_path: str | None = None
 
 
 class Rejection(msgspec.Struct, array_like=True):
@@ -414,6 +421,8 @@ def _run_controls(core, control: WeightControl | None, controls, clients: _Clien
         done = _control(control, msg)
         client = msg.client if 0 <= msg.client < len(clients.sockets) else 0
         clients.send_to(client, encode(done))
+        if client != 0 and done.kind == "ok" and msg.op != "is_sleeping":
+            clients.send_to(0, encode(done))  # client 0 keeps what a restarted core replays
     return waiting
 
 
@@ -433,7 +442,8 @@ def _control(control: WeightControl | None, msg: Control) -> ControlDone:
     except Exception as e:  # noqa: BLE001 - the client hears it; the loop goes on
         logger.exception("%s failed", msg.op)
         kind, error = "failed", f"{type(e).__name__}: {e}"
-    return ControlDone(msg.token, control is not None and control.asleep, kind, error)
+    asleep = control is not None and control.asleep
+    return ControlDone(msg.token, asleep, kind, error, msg.op, msg.level, msg.model_path)
 
 
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode

@@ -6,7 +6,8 @@ Connections spread over both and every request gets its own tokens back; each AP
 server is restarted while the other serves on; the
 engine core's death fails the requests in flight on both and both serve again once it restarted;
 SIGTERM stops every process and leaves no temporary directory behind. A weight operation sent to
-either API server is answered to that one, and sleeps or wakes the one engine for both.
+either API server is answered to that one, and sleeps or wakes the one engine for both; a core
+restarted after a sleep through API server 1 comes back asleep.
 """
 
 from __future__ import annotations
@@ -289,6 +290,54 @@ def test_weight_control_through_either_api_server(served) -> None:
     assert sorted(r.status_code for r in woken.values()) == [200, 400], woken
     assert sorted(r.status_code for r in _by_server(url, "POST", "/wake_up").values()) == [400, 400]
     assert _generate(url)[1] == before
+
+
+def _client_of(url: str, server: str) -> httpx.Client:
+    """A keep-alive connection the kernel gave to API server `server`."""
+    for _ in range(60):
+        c = httpx.Client(base_url=url, timeout=60)
+        if c.get("/health").headers["x-nori-api-server"] == server:
+            return c
+        c.close()
+    raise AssertionError(f"no connection reached API server {server}")
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_a_sleep_through_api_server_1_survives_a_core_restart(served) -> None:
+    """API server 0 restarts the core and brings the new one to the state the weight operations
+    left (core_client._replay_weight_state), and exports the metrics: it hears of the operations
+    sent through API server 1 too. Before, a core restarted after a sleep through API server 1
+    came back awake, and /metrics said the engine was awake throughout."""
+    url, proc, log = served
+    expected = _generate(url)[1]
+    with contextlib.closing(_client_of(url, "1")) as c:
+        r = c.post("/sleep", params={"level": 1})
+        assert r.status_code == 200 and r.json() == {"is_sleeping": True}, r.text
+    time.sleep(0.3)  # API server 0's reader takes the relayed answer
+    assert _metric(url, "nori:engine_sleeping") == 1
+    core = _child(proc.pid, "engine_core_process")
+    os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while next(
+        (c for c, cmd in _children(proc.pid).items() if "engine_core_process" in cmd), core
+    ) == core or _health_by_server(url) != {"0": 200, "1": 200}:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+    assert "the new engine core replayed sleep" in log.read_text()
+    asleep = _by_server(url, "GET", "/is_sleeping")
+    assert {k: r.json()["is_sleeping"] for k, r in asleep.items()} == {"0": True, "1": True}
+    assert _metric(url, "nori:engine_sleeping") == 1
+    with contextlib.closing(_client_of(url, "1")) as c:
+        assert c.post("/wake_up").status_code == 200
+    time.sleep(0.3)
+    assert _metric(url, "nori:engine_sleeping") == 0
+    assert _generate(url)[1] == expected
 
 
 def test_sigterm_stops_every_process(served) -> None:
