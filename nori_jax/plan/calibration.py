@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from nori_jax.config_field import check_types
 from nori_jax.plan.core_io import CoreIO
 from nori_jax.plan.step_model import HOST_STAGES, LinearModel, StepCosts
 
@@ -57,6 +58,7 @@ class CalibrationKey:
     tp: int = 1  # devices on the mesh axis `model` of one replica
 
     def __post_init__(self) -> None:
+        check_types(self, "key ")  # a file's value is whatever YAML read (dtype: 5, tp: 1.5)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype))
         object.__setattr__(self, "device", device_slug(self.device))
@@ -89,6 +91,8 @@ class CalibratedEngine:
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        # A file's value is whatever YAML read: a string of pages failed deep in the simulator.
+        check_types(self, "engine ")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
@@ -177,45 +181,89 @@ class Calibration:
         try:
             key = CalibrationKey(**d["key"])
             engine = CalibratedEngine(**d["engine"])
-            host = d.get("host_seconds") or {}
+            host = _section(d, "host_seconds")
             costs = StepCosts(
-                device=LinearModel.from_dict(d["device_seconds"], f"{where}: device_seconds"),
+                device=LinearModel.from_dict(d["device_seconds"], "device_seconds"),
                 **{
-                    s: LinearModel.from_dict(host[s], f"{where}: host_seconds.{s}")
+                    s: LinearModel.from_dict(host[s], f"host_seconds.{s}")
                     for s in HOST_STAGES
                     if s in host
                 },
                 launch_wait=float(d.get("launch_wait", 0.0)),
             )
-            kv = d.get("kv_transfer")
+            kv = _section(d, "kv_transfer")
             return cls(
                 key=key,
                 engine=engine,
                 costs=costs,
-                feature_max={k: float(v) for k, v in (d.get("feature_max") or {}).items()},
-                quality=d.get("quality") or {},
+                feature_max={k: float(v) for k, v in _section(d, "feature_max").items()},
+                quality=_section(d, "quality"),
                 source=str(d.get("source", "")),
                 derived=bool(d.get("derived", False)),
                 kv_transfer=KVTransfer(**kv) if kv else None,
                 check=tuple(d.get("check") or ()),
                 path=path,
-                core_io={int(n): CoreIO(**io) for n, io in (d.get("core_io") or {}).items()},
+                core_io={int(n): CoreIO(**io) for n, io in _section(d, "core_io").items()},
             )
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e}") from None
-        except TypeError as e:
+        except (TypeError, ValueError) as e:  # a corrupt value: say which file has it
             raise ValueError(f"{where}: {e}") from None
+
+
+def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """An optional mapping of the file, empty where absent; a list or a number there is corrupt
+    (a list of host_seconds was read as none at all)."""
+    value = d.get(name) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}: expected a mapping, got {value!r:.80}")
+    return value
 
 
 def load_calibration(path: str | Path) -> Calibration:
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(
+            f"calibration file {str(path)!r} is a directory: give a YAML file, or the directory "
+            "as --calibration-dir"
+        )
     if not p.is_file():
         raise ValueError(f"calibration file {str(path)!r} not found")
+    return Calibration.from_dict(read_yaml(p), str(p))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The data of a YAML file; a ValueError naming the file, and the line where there is one,
+    when it cannot be read, is not UTF-8 or not YAML (neither error of its own names the file)."""
+    p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {p}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{p}: not UTF-8 (line {line}: byte {raw[e.start]:#04x}, {e.reason})"
+        ) from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not YAML ({e})") from None
-    return Calibration.from_dict(data, str(p))
+        raise ValueError(f"{p}: not YAML ({_yaml_problem(e)})") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """YAML's complaint on one line, at the line and column it gives (its own text says them of
+    "<unicode string>", over several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context = ""
+    if e.context and e.context_mark:  # the construct it was in, and the line that began it
+        context = f" ({e.context}, line {e.context_mark.line + 1})"
+    return f"{where}: {e.problem}{context}"
 
 
 def save_calibration(cal: Calibration, path: str | Path, header: str = "") -> Path:

@@ -51,17 +51,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_simulate(plan_sub)
     _add_sweep(plan_sub)
     _add_size(plan_sub)
-    for parser in plan_sub.choices.values():
-        _state_unset_defaults(parser)
 
 
-def _state_unset_defaults(parser: argparse.ArgumentParser) -> None:
-    """An unset engine setting means the calibrated engine's (or the scheduler's) value: say so
-    on every help line that does not state its default."""
-    for action in parser._actions:
-        if action.option_strings and action.help and action.default is None:
-            if "default" not in action.help:
-                action.help += " (default: the calibrated engine's)"
+def _scheduler_default(name: str) -> str:
+    """A lever the calibration does not record: unset, the scheduler's default holds."""
+    from nori_jax.core.scheduler_config import SchedulerConfig
+
+    default = next(f.default for f in dataclasses.fields(SchedulerConfig) if f.name == name)
+    return f" (default: the scheduler's, {default:g})"
 
 
 # ---- flags ----------------------------------------------------------------------------------
@@ -79,15 +76,20 @@ def _add_calibration_args(p: argparse.ArgumentParser, many: bool = False) -> Non
     from nori_jax.plan.calibration import CALIBRATION_DIR
 
     g.add_argument("--calibration-dir", default=str(CALIBRATION_DIR), help="where to look")
-    g.add_argument("--model", help="model shape preset the calibration must be of")
-    g.add_argument("--dtype", help="weights' dtype (bfloat16, float32)")
-    g.add_argument("--kv-dtype", help="KV pages' dtype (bfloat16; fp8 where calibrated)")
-    g.add_argument("--device", help="accelerator, e.g. nvidia-h200 or cpu")
+    # Each left unset matches any calibration: it selects, it sets nothing.
+    g.add_argument("--model", help="model shape preset the calibration must be of (default: any)")
+    g.add_argument("--dtype", help="weights' dtype, e.g. bfloat16 or float32 (default: any)")
+    g.add_argument(
+        "--kv-dtype",
+        help="KV pages' dtype: bfloat16, fp8 where calibrated (default: any; of several that "
+        "match, the one in the weights' dtype)",
+    )
+    g.add_argument("--device", help="accelerator, e.g. nvidia-h200 or cpu (default: any)")
     g.add_argument(
         "--tp",
         type=int,
         help="tensor-parallel devices per replica"
-        + (" (default: every calibrated layout)" if many else ""),
+        + (" (default: every calibrated layout)" if many else " (default: any)"),
     )
 
 
@@ -101,29 +103,53 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
 
 def _add_whatif(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what-if (default: the calibrated engine's, else the scheduler's)")
-    g.add_argument("--page-size", type=int, help="KV page size (same KV memory, other pages)")
+    calibrated = " (default: the calibrated engine's)"
+    g.add_argument(
+        "--page-size", type=int, help="KV page size (same KV memory, other pages)" + calibrated
+    )
     g.add_argument("--num-pages", type=int, help="KV pages (default: the calibrated KV memory)")
-    g.add_argument("--kv-headroom", type=float, help="share of pages admission keeps free")
-    g.add_argument("--max-num-seqs", type=int, help="running sequences")
-    g.add_argument("--max-num-batched-tokens", type=int, help="token (chunk) budget per step")
-    g.add_argument("--max-model-len", type=int, help="context limit of a request")
+    g.add_argument(
+        "--kv-headroom",
+        type=float,
+        help="share of pages admission keeps free" + _scheduler_default("kv_headroom"),
+    )
+    g.add_argument("--max-num-seqs", type=int, help="running sequences" + calibrated)
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, help="token (chunk) budget per step" + calibrated
+    )
+    g.add_argument("--max-model-len", type=int, help="context limit of a request" + calibrated)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument(
-        "--long-prefill-threshold", type=int, help="isolate prompts this long (0: no isolation)"
+        "--long-prefill-threshold",
+        type=int,
+        help="isolate prompts this long (0, the default: no isolation)",
     )
     g.add_argument(
-        "--long-prefill-token-share", type=float, help="share of a step's budget for long prompts"
+        "--long-prefill-token-share",
+        type=float,
+        help="share of a step's budget for long prompts"
+        + _scheduler_default("long_prefill_token_share"),
     )
-    g.add_argument("--max-num-long-prefills", type=int, help="long prompts prefilled at once")
-    g.add_argument("--max-num-waiting", type=int, help="queue bound (beyond: 429, failed)")
+    g.add_argument(
+        "--max-num-long-prefills",
+        type=int,
+        help="long prompts prefilled at once" + _scheduler_default("max_num_long_prefills"),
+    )
+    g.add_argument(
+        "--max-num-waiting", type=int, help="queue bound (beyond: 429, failed; default: none)"
+    )
     g.add_argument("--sync-scheduling", action="store_true", help="no host/device overlap")
     g.add_argument(
         "--num-scheduler-steps",
         type=int,
-        help="multi-step decode: decode steps per launch once nothing waits (the engine flag)",
+        help="multi-step decode: decode steps per launch once nothing waits (the engine flag)"
+        + _scheduler_default("num_scheduler_steps"),
     )
     g.add_argument(
-        "--multi-step-max-seqs", type=int, help="the most running sequences of a multi-step launch"
+        "--multi-step-max-seqs",
+        type=int,
+        help="the most running sequences of a multi-step launch"
+        + _scheduler_default("multi_step_max_seqs"),
     )
     g.add_argument(
         "--frontend-us-per-token",
@@ -162,7 +188,9 @@ def _add_whatif(p: argparse.ArgumentParser) -> None:
         "--frontend-servers API servers; 0 where it has none)",
     )
     g.add_argument(
-        "--core-io-us-per-row", type=float, help="and per token the step delivers (likewise)"
+        "--core-io-us-per-row",
+        type=float,
+        help="and per token the step delivers (default: likewise the calibration's)",
     )
     g.add_argument(
         "--disaggregate",
@@ -263,8 +291,13 @@ def _add_sweep(sub: Any) -> None:
         default=0.2,
         help="knee: P99 latency rising by more than this share",
     )
-    g.add_argument("--measured", help="a bench serve sweep JSON to compare with and plot beside")
-    g.add_argument("--plot", help="PNG of the sweep (needs matplotlib: the bench extra)")
+    g.add_argument(
+        "--measured",
+        help="a bench serve sweep JSON to compare with and plot beside (default: none)",
+    )
+    g.add_argument(
+        "--plot", help="PNG of the sweep (needs matplotlib: the bench extra; default: none)"
+    )
     p.set_defaults(func=_sweep)
 
 
@@ -556,8 +589,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         from nori_jax.engine_args import engine_config_from_args
         from nori_jax.plan.calibrate import ProfileGrid, calibrate, mixed_report, write
+        from nori_jax.plan.calibration import read_yaml
         from nori_jax.plan.step_model import MIXED_KV_TERM
 
+        if args.config is not None and Path(args.config).is_file():
+            # The engine's preset reader lets YAML's error out as a traceback, naming no file:
+            # read the file given here first, for an error that names it and the line.
+            read_yaml(args.config)
         config = engine_config_from_args(args)
         grid = ProfileGrid(
             _ints(args.batches, "--batches"),
@@ -758,6 +796,8 @@ def _size_inner(args: argparse.Namespace) -> int:
     from nori_jax.plan.sizing import Slo, capacity, size
 
     _check_output(args.result_json, "--result-json")
+    # Checked with the other flags: size() refuses it too, but only after the capacity search.
+    _non_negative(args.target_rate, "--target-rate", positive=True)
     _non_negative(args.gpu_hour_price, "--gpu-hour-price")
     slo = Slo(_bounds(args.slo, "--slo"), args.slo_percentile)
     settings = _settings(args, extra_percentiles=(slo.percentile,))

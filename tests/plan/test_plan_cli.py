@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from plan_helpers import synthetic_calibration
@@ -279,3 +280,87 @@ def test_an_infinite_gpu_hour_price_is_refused(cal_file, capsys):
     assert main([*argv, "--slo", "ttft:100", "--gpu-hour-price", "inf"]) == 2
     out, err = capsys.readouterr()
     assert "--gpu-hour-price must be finite and >= 0" in err and "Calibration:" not in out
+
+
+def test_a_calibration_directory_is_named_as_one(cal_file, capsys):
+    directory = str(Path(cal_file).parent)
+    assert main(["plan", "simulate", "--calibration", directory, *WORKLOAD]) == 2
+    err = capsys.readouterr().err
+    assert f"calibration file {directory!r} is a directory" in err and "not found" not in err
+
+
+def test_a_calibration_file_not_utf8_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"format: 1\nsource: caf\xe9\n")
+    assert main(["plan", "simulate", "--calibration", str(path), *WORKLOAD]) == 2
+    assert f"{path}: not UTF-8 (line 2: byte 0xe9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ("  tp: 1\n", "  tp: [1\n", "not YAML (line 8, column 7: expected ',' or ']'"),
+        ("  num_pages: 513", "  num_pages: lots", "engine num_pages='lots' must be an integer"),
+        ("  dtype: float32", "  dtype: 5", "key dtype=5 must be a string"),
+        ("feature_max: {}", "feature_max: [1, 2]", "feature_max: expected a mapping"),
+        ("host_seconds:\n", "host_seconds: [1]\nold:\n", "host_seconds: expected a mapping"),
+        ("launch_wait: 0.0", "launch_wait: soon", "could not convert string to float"),
+    ],
+)
+def test_a_corrupt_calibration_value_is_a_clean_error_naming_the_file(
+    cal_file, capsys, old, new, says
+):
+    text = Path(cal_file).read_text()
+    assert old in text
+    Path(cal_file).write_text(text.replace(old, new, 1))
+    assert main(["plan", "simulate", "--calibration", cal_file, *WORKLOAD]) == 2
+    assert f"error: {cal_file}: {says}" in capsys.readouterr().err
+
+
+def test_a_corrupt_engine_config_is_a_clean_error_naming_the_file(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("max_num_seqs: [1\npage_size: 16\n")
+    assert main(["plan", "calibrate", "--config", str(config)]) == 2
+    assert f"error: {config}: not YAML (line 2, column 10: " in capsys.readouterr().err
+
+
+def _help(command: str) -> dict[str, str]:
+    """Each flag's help line of `plan COMMAND`, as --help prints it."""
+    import argparse
+
+    from nori_jax.plan.cli import add_plan_args
+
+    parser = argparse.ArgumentParser()
+    add_plan_args(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    formatter = sub.choices[command]._get_formatter()
+    return {
+        a.option_strings[-1]: formatter._get_help_string(a)
+        for a in sub.choices[command]._actions
+        if a.option_strings
+    }
+
+
+def test_help_says_the_calibrated_engines_default_only_where_it_is():
+    engine = ("--page-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len")
+    for command in ("simulate", "sweep", "size"):
+        for flag, text in _help(command).items():
+            assert ("the calibrated engine's" in text) == (flag in engine), (command, flag, text)
+    simulate = _help("simulate")
+    for flag in ("--model", "--dtype", "--kv-dtype", "--device", "--tp"):
+        assert "(default: any" in simulate[flag]
+    assert "(default: the scheduler's, 0.1)" in simulate["--kv-headroom"]
+    assert "(default: the scheduler's, 1)" in simulate["--num-scheduler-steps"]
+    assert "default: none" in simulate["--max-num-waiting"]
+    assert "default: none" in _help("sweep")["--measured"]
+    size = _help("size")
+    assert "default" not in size["--target-rate"] and "default" not in size["--slo"]
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-1", "0"])
+def test_target_rate_is_checked_before_simulating(cal_file, capsys, rate):
+    argv = ["plan", "size", "--calibration", cal_file, *WORKLOAD, "--slo", "ttft:100"]
+    assert main([*argv, f"--target-rate={rate}"]) == 2
+    out, err = capsys.readouterr()
+    assert f"--target-rate must be finite and > 0, got {float(rate)}" in err
+    assert "Calibration:" not in out
