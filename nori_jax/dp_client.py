@@ -64,7 +64,13 @@ class DataParallelClient(StreamingClient):
                 "replicas"
             )
         self.config = config
-        self.router = ReplicaRouter(n, RouterConfig(page_size=config.scheduler.page_size))
+        self.router = ReplicaRouter(
+            n,
+            RouterConfig(
+                page_size=config.scheduler.page_size,
+                max_imbalance_tokens=config.mesh.prefix_affinity_max_imbalance_tokens,
+            ),
+        )
 
         def start(i: int) -> EngineCoreClient:
             return EngineCoreClient(

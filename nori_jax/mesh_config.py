@@ -11,6 +11,9 @@ Three numbers say it, as vLLM's and SGLang's users know them:
   that only prefill and replicas that only decode, each of `model` devices; a request's KV pages
   move from the first kind to the second after its prefill. Both zero: colocated.
 
+One more field tunes how the front end routes among `data` replicas
+(`prefix_affinity_max_imbalance_tokens`, core/replica_router.py); it places nothing on devices.
+
 Replica i holds devices [i * model, (i + 1) * model); prefill replicas come before decode ones.
 Presets live in configs/mesh/ (`--mesh tp4`, `LLM(mesh="pd-1-1")`).
 """
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 AXES = ("data", "model")
 MESH_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
 Role = Literal["colocated", "prefill", "decode"]
+LAYOUT_FIELDS = ("model", "data", "prefill", "decode")  # the fields that decide the devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,15 @@ class MeshConfig:
         help="disaggregated: replicas that only decode, fed KV pages by the prefill replicas",
         flags=("--decode-replicas",),
     )
+    # Beside `data` because only data-parallel replicas are routed. The router's other settings
+    # (how many pages key its table, the table's size) stay internal: they size its memory.
+    prefix_affinity_max_imbalance_tokens: int = option(
+        4096,
+        help="data parallel: a request goes to the replica that last served its prompt's first "
+        "pages while that replica owes at most this many tokens (prompt + max_tokens of its "
+        "requests in flight) more than the least loaded one, else to the least loaded "
+        "(0: the prefix only breaks ties)",
+    )
 
     def __post_init__(self) -> None:
         check_types(self, prefix="mesh ")
@@ -65,7 +78,7 @@ class MeshConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh {name}={value!r} must be an integer >= 1")
-        for name in ("prefill", "decode"):
+        for name in ("prefill", "decode", "prefix_affinity_max_imbalance_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"mesh {name}={value!r} must be an integer >= 0")
@@ -114,8 +127,9 @@ class MeshConfig:
         return f"{self.data} replica{'s' if self.data > 1 else ''} x tp{self.model}"
 
     def fields_text(self) -> str:
-        """The fields as given: `model=4, data=2`."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """The fields that place replicas on devices, as given: `model=4, data=2, ...` (for
+        errors about devices, where the routing bound would only be noise)."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in LAYOUT_FIELDS)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> MeshConfig:

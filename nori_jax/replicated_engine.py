@@ -46,7 +46,13 @@ class ReplicatedEngine(LLMEngine):
         self.metrics = ReplicaMetrics([EngineMetrics() for _ in range(n)])
         for m, p in zip(self.metrics.replicas, self.replicas, strict=True):
             m.set_model_config(p.config_info)
-        self.router = ReplicaRouter(n, RouterConfig(page_size=first.scheduler_config.page_size))
+        self.router = ReplicaRouter(
+            n,
+            RouterConfig(
+                page_size=first.scheduler_config.page_size,
+                max_imbalance_tokens=config.mesh.prefix_affinity_max_imbalance_tokens,
+            ),
+        )
 
     @property
     def step_times(self) -> StepTimes:

@@ -205,3 +205,41 @@ def test_clear_errors_for_layouts_this_process_cannot_run() -> None:
         LLM.from_config(dp2)  # this test process has one CPU device
     with pytest.raises(ValueError, match="2 or more colocated replicas"):
         DataParallelClient(EngineConfig.from_yaml("tiny-cpu"))
+
+
+@pytest.mark.parametrize("bound, second", [(0, 1), (1_000_000, 0)])
+def test_the_meshs_prefix_affinity_bound_reaches_the_in_process_router(
+    monkeypatch, bound, second
+) -> None:
+    """ReplicatedEngine's router takes the mesh's bound: the cases of the served client's test
+    (tests/serve/test_dp_client_failover.py), over replicas that build nothing."""
+    from types import SimpleNamespace
+
+    from nori_jax import EngineConfig, SamplingParams, replicated_engine
+
+    class Core:
+        def add_request(self, request) -> None:
+            pass
+
+    def build(config, replica, tokenizer=None) -> SimpleNamespace:
+        return SimpleNamespace(
+            core=Core(),
+            model=SimpleNamespace(config=SimpleNamespace(vocab_size=1000)),
+            runner=None,
+            tokenizer=None,
+            max_model_len=128,
+            scheduler_config=config.scheduler,
+            load_seconds=0.0,
+            config_info={},
+            eos_token_ids=[],
+        )
+
+    monkeypatch.setattr(replicated_engine, "build_engine", build)
+    mesh = {"data": 2, "prefix_affinity_max_imbalance_tokens": bound}
+    engine = replicated_engine.ReplicatedEngine(
+        EngineConfig.from_dict({"page_size": 16, "mesh": mesh})
+    )
+    shared = list(range(1, 2 * 16 + 1))  # two full pages
+    params = SamplingParams(max_tokens=4)
+    ids = [engine.add_request(None, shared + [tail], params) for tail in (100, 200)]
+    assert [engine.replica_of(r) for r in ids] == [0, second]

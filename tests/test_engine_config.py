@@ -49,6 +49,23 @@ def test_flat_and_nested_keys_build_the_same_config():
         ({"async_scheduling": "no"}, "async_scheduling='no' must be true or false"),
         ({"max_num_seqs": True}, "max_num_seqs=True must be an integer"),
         ({"mesh": {"model": "2"}}, "mesh model='2' must be an integer"),
+        # the data-parallel router's prefix-affinity bound (docs/mesh.md)
+        (
+            {"mesh": {"prefix_affinity_max_imbalance_tokens": -1}},
+            "mesh prefix_affinity_max_imbalance_tokens=-1 must be an integer >= 0",
+        ),
+        (
+            {"mesh": {"prefix_affinity_max_imbalance_tokens": 4096.0}},
+            "mesh prefix_affinity_max_imbalance_tokens=4096.0 must be an integer",
+        ),
+        (
+            {"mesh": {"prefix_affinity_max_imbalance_tokens": True}},
+            "mesh prefix_affinity_max_imbalance_tokens=True must be an integer",
+        ),
+        (
+            {"mesh": {"prefix_affinity_max_imbalance_tokens": "4096"}},
+            "mesh prefix_affinity_max_imbalance_tokens='4096' must be an integer",
+        ),
         ({"seed": -1}, r"seed=-1 must be in \[0, 2\*\*32\)"),
         ({"seed": 2**70}, "seed=1180591620717411303424 must be in"),
         ({"seed": "abc"}, "seed='abc' must be an integer"),

@@ -72,11 +72,23 @@ def test_cli_mesh_then_field_flags():
     assert "mesh" not in engine_overrides(_args())  # unset: the preset's mesh decides
 
 
+def test_the_prefix_affinity_bound_is_a_mesh_flag_over_a_preset():
+    assert MeshConfig().prefix_affinity_max_imbalance_tokens == 4096
+    argv = ("--mesh", "dp2", "--prefix-affinity-max-imbalance-tokens", "0")
+    assert EngineConfig.from_dict(engine_overrides(_args(*argv))).mesh == MeshConfig(
+        data=2, prefix_affinity_max_imbalance_tokens=0
+    )
+    assert _mesh(mesh={"data": 2, "prefix_affinity_max_imbalance_tokens": 100}) == MeshConfig(
+        data=2, prefix_affinity_max_imbalance_tokens=100
+    )
+
+
 def test_every_engine_command_takes_mesh_and_the_parallel_sizes():
     commands = {" ".join(path): parser for path, parser in walk_parsers(build_parser())}
     for name in ENGINE_COMMANDS:
         flags = {s for a in commands[name]._actions for s in a.option_strings}
         assert {"--mesh", "--tensor-parallel-size", "--data-parallel-size"} <= flags, name
+        assert "--prefix-affinity-max-imbalance-tokens" in flags, name
 
 
 def test_cli_unknown_mesh_is_a_usage_error_naming_it(capsys):

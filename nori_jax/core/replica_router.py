@@ -10,8 +10,10 @@ least load (ties: fewer requests, then the lower index), except that requests sh
 should meet on one replica, whose prefix cache then holds it: the router remembers, for the
 chained hash of each of a prompt's first `max_prefix_pages` full pages, the replica it last sent
 that prefix to, and sends the request whose longest remembered prefix it is to that replica, as
-long as that replica's load exceeds the least loaded one's by at most `max_imbalance_tokens`.
-Past that bound a hot prefix spills to the least loaded replica, which caches it too.
+long as that replica's load exceeds the least loaded one's by at most `max_imbalance_tokens`
+(`MeshConfig.prefix_affinity_max_imbalance_tokens`, `--prefix-affinity-max-imbalance-tokens`).
+Past that bound a hot prefix spills to the least loaded replica, which caches it too. At 0 the
+prefix only breaks ties: its replica gets the request only while its load is the least.
 
 The table is an LRU of `max_entries` prefix hashes, so its memory is bounded whatever the traffic.
 Thread-safe: the served client routes on the event loop and releases from its reader threads.

@@ -9,9 +9,12 @@ import asyncio
 
 import pytest
 
+from nori_jax import dp_client
 from nori_jax.async_engine import EngineStoppedError, RequestTimeoutError
 from nori_jax.core.replica_router import ReplicaRouter, RouterConfig
 from nori_jax.dp_client import DataParallelClient
+from nori_jax.engine_config import EngineConfig
+from nori_jax.metrics import EngineMetrics
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.weight_control import EngineBusyError
 
@@ -145,3 +148,25 @@ def test_a_timeout_that_is_not_positive_is_refused_before_any_wait(timeout_s) ->
     with pytest.raises(ValueError, match=rf"timeout_s={timeout_s} must be > 0"):
         asyncio.run(asyncio.wait_for(add(), 5))
     assert replica.added == []
+
+
+@pytest.mark.parametrize("bound, second", [(0, 1), (1_000_000, 0)])
+def test_the_meshs_prefix_affinity_bound_reaches_the_router(monkeypatch, bound, second) -> None:
+    """At 0, a request whose prefix replica 0 holds goes to the idle replica 1 once 0 is busier;
+    with a large bound it stays where its pages are cached."""
+
+    def core_client(config, replica, on_request_done, **options) -> FakeReplica:
+        r = FakeReplica()
+        r.tokenizer, r.max_model_len, r.metrics = None, 256, EngineMetrics()
+        return r
+
+    monkeypatch.setattr(dp_client, "EngineCoreClient", core_client)
+    mesh = {"data": 2, "prefix_affinity_max_imbalance_tokens": bound}
+    c = DataParallelClient(
+        EngineConfig.from_dict({"load_format": "dummy", "page_size": 16, "mesh": mesh})
+    )
+    assert c.router.config.max_imbalance_tokens == bound
+    shared = list(range(1, 2 * 16 + 1))  # two full pages
+    for rid, tail in (("a", 100), ("b", 200)):
+        asyncio.run(c.add_request(shared + [tail], SamplingParams(max_tokens=4), rid))
+    assert [c.router.owner("a"), c.router.owner("b")] == [0, second]
