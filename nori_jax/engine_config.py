@@ -15,8 +15,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nori_jax.config_field import check_types, option
 from nori_jax.core.scheduler_config import SchedulerConfig
 from nori_jax.distributed_config import DistributedConfig
@@ -24,6 +22,7 @@ from nori_jax.executor.gpu_client import GPU_CLIENTS
 from nori_jax.executor.xla_flags import COMMAND_BUFFER_UPDATES
 from nori_jax.mesh_config import MeshConfig
 from nori_jax.quantization.scheme import QUANTIZATION_MODES
+from nori_jax.yaml_file import read_yaml
 from pallas_kernels.page_constants import KV_CACHE_DTYPES
 
 ENGINE_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "engine"
@@ -235,7 +234,7 @@ def read_preset(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"engine config {str(path)!r} not found (neither a file nor one of {preset_names()})"
         )
-    values = yaml.safe_load(p.read_text()) or {}
+    values = read_yaml(p) or {}
     if not isinstance(values, dict):
         raise ValueError(f"engine config {str(p)!r} must be a mapping of EngineConfig fields")
     return values

@@ -24,9 +24,8 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import yaml
-
 from nori_jax.config_field import check_types, option
+from nori_jax.yaml_file import read_yaml
 from pallas_kernels.page_constants import stored_kv_heads
 
 if TYPE_CHECKING:
@@ -133,7 +132,7 @@ class MeshConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> MeshConfig:
-        values = yaml.safe_load(Path(path).read_text()) or {}
+        values = read_yaml(path) or {}
         if not isinstance(values, dict):
             raise ValueError(f"mesh config {str(path)!r} must be a mapping of MeshConfig fields")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
+from nori_jax.yaml_file import read_yaml
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
@@ -142,4 +142,4 @@ def load_preset(name: str) -> dict[str, Any]:
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown model preset {name!r}; presets: {list_presets()}")
-    return yaml.safe_load(path.read_text())
+    return read_yaml(path)

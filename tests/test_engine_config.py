@@ -146,3 +146,22 @@ def test_every_preset_builds():
 
     for name in preset_names():
         assert dataclasses.is_dataclass(EngineConfig.from_preset(name, {}))
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"max_num_seqs: [1\n", r"not YAML \(line 2, column 1: expected ',' or ']'"),
+        (b"max_num_seqs: 4\n\xe9: 1\n", r"not UTF-8 \(line 2: byte 0xe9"),
+    ],
+)
+def test_a_broken_preset_file_is_an_error_naming_it(tmp_path, content, match):
+    """A preset or mesh file that is not YAML or not UTF-8 is a ValueError naming the file and
+    its line (PyYAML's own error named "<unicode string>", the decoder's no file at all, and the
+    CLIs printed a traceback)."""
+    path = tmp_path / "broken.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"{path}: {match}"):
+        read_preset(path)
+    with pytest.raises(ValueError, match=rf"{path}: {match}"):
+        MeshConfig.from_yaml(path)

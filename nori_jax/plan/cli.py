@@ -589,13 +589,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         from nori_jax.engine_args import engine_config_from_args
         from nori_jax.plan.calibrate import ProfileGrid, calibrate, mixed_report, write
-        from nori_jax.plan.calibration import read_yaml
         from nori_jax.plan.step_model import MIXED_KV_TERM
 
-        if args.config is not None and Path(args.config).is_file():
-            # The engine's preset reader lets YAML's error out as a traceback, naming no file:
-            # read the file given here first, for an error that names it and the line.
-            read_yaml(args.config)
         config = engine_config_from_args(args)
         grid = ProfileGrid(
             _ints(args.batches, "--batches"),
