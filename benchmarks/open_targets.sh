@@ -14,6 +14,8 @@
 #              (first_copy_probe.py: the fixed 2-2.6 us behind cuDNN on 512-token chunks)
 #   client     issue 19 item 2: the launch with XLA's TFRT GPU client against the default one
 #              (pjrt_client_ab.sh, one round)
+#   fp8decode  issue 22: the decode kernel's device time on fp8 pages against bf16 and the copy
+#              rate, at the engine's 64-token pages (the H200 has not run today's kernel)
 #   launch     issue 19 item 2: the launch's host work at 16-1,024 sequences with the device idle
 #              at each launch (--no-async-scheduling, so no wait on the device is in the launch
 #              clock), TFRT against the default client, then TFRT with overlapped steps
@@ -62,6 +64,12 @@ for part in $PARTS; do
       echo "rc $?"; quiet < "$OUT/floor.log" | tail -20 ;;
     client)
       OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
+    fp8decode)
+      timeout ${T_FP8DEC:-300} python3 "$here/kernels/fp8_kv_check.py" --skip-checks --device-times \
+        --page-size 64 --alternations 1 --out "$OUT" $dry --decode-list \
+        "9q/3kv/64,256,1024;9q/3kv/64,1024,1024;9q/3kv/64,256,4096;32q/8kv/128,256,1024;32q/8kv/128,1024,1024" \
+        > "$OUT/fp8decode.log" 2>&1
+      echo "rc $?"; quiet < "$OUT/fp8decode.log" | tail -24 ;;
     launch)
       for arm in "tfrt --no-async-scheduling" "default --no-async-scheduling" "tfrt"; do
         set -- $arm
