@@ -31,7 +31,7 @@ def load_measured_sweep(path: str | Path) -> list[RunResult]:
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read the measured sweep {str(path)!r}: {e}") from None
     runs = data.get("runs", [data]) if isinstance(data, dict) else None
     if not runs or not all(isinstance(r, dict) for r in runs):

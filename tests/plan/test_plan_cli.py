@@ -364,3 +364,11 @@ def test_target_rate_is_checked_before_simulating(cal_file, capsys, rate):
     out, err = capsys.readouterr()
     assert f"--target-rate must be finite and > 0, got {float(rate)}" in err
     assert "Calibration:" not in out
+
+
+def test_a_measured_sweep_not_utf8_is_named(cal_file, tmp_path, capsys):
+    measured = tmp_path / "latin1.json"
+    measured.write_bytes(b'{"runs": "caf\xe9"}')
+    argv = ["plan", "sweep", "--calibration", cal_file, *WORKLOAD, "--measured", str(measured)]
+    assert main(argv) == 2
+    assert f"cannot read the measured sweep '{measured}'" in capsys.readouterr().err
