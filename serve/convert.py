@@ -108,6 +108,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 # apply_chat_template's own arguments: set by the request's fields, never by its kwargs
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt"})
+# Names the renderer's Python signatures take for themselves (Tokenizer.apply_chat_template's and
+# jinja's Template.render's `self`): as a kwarg, a TypeError naming Python internals
+RENDERER_ARGS = frozenset({"self"})
 
 
 def chat_prompt(
@@ -125,6 +128,11 @@ def chat_prompt(
     if taken:
         raise bad_request(
             f"chat_template_kwargs may not set {taken}: the request's own fields do",
+            "chat_template_kwargs",
+        )
+    if reserved := sorted(RENDERER_ARGS & kwargs.keys()):
+        raise bad_request(
+            f"chat_template_kwargs may not set {reserved}: a name the template renderer reserves",
             "chat_template_kwargs",
         )
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -152,24 +153,20 @@ def guarded_protocol(
 
         def _refuse_headers(self) -> None:
             self._disarm()
-            body = json.dumps(
-                {
-                    "error": {
-                        "message": f"the request line and headers pass {max_header_bytes} bytes",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "headers_too_large",
-                    }
-                }
-            ).encode()
+            message = f"the request line and headers pass {max_header_bytes} bytes"
             self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: application/json\r\n"
-                b"content-length: "
-                + str(len(body)).encode()
-                + b"\r\nconnection: close\r\n\r\n"
-                + body
+                _json_error(b"431 Request Header Fields Too Large", message, "headers_too_large")
             )
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to a request its parser refuses (a bad Content-Length, a method
+            # or header that is not HTTP) is a text/plain 400 saying only "Invalid HTTP request
+            # received."; ours is the JSON error, with the parser's reason. uvicorn calls this
+            # from its `except httptools.HttpParserError`, so that error is being handled here.
+            why = sys.exception()
+            message = f"invalid HTTP request: {why}" if why is not None else msg
+            self.transport.write(_json_error(b"400 Bad Request", message, "invalid_http_request"))
             self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -215,3 +212,14 @@ def guarded_protocol(
                 self.transport.close()
 
     return GuardedProtocol
+
+
+def _json_error(status: bytes, message: str, code: str) -> bytes:
+    """A whole HTTP response closing the connection: the OpenAI-style JSON error, written by the
+    protocol itself (before any app sees the request)."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+    )
