@@ -26,7 +26,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from nori_jax.async_engine import (
     EngineDeadError,
@@ -210,8 +210,9 @@ class DataParallelClient(StreamingClient):
         flight on any replica or another operation runs, EngineStoppedError while a replica
         does not serve (dead or restarting). Requests that arrive meanwhile wait for the
         operation's end. A refusal the checks cannot see (requests from another API server
-        process, a failure on the device) is raised after all replicas have answered; the
-        others have then done it, and the log says on how many."""
+        process, a failure on the device) comes after the others have done it: a sleep is then
+        undone on them (they are woken again), and any other operation is raised with an error
+        that names the replicas done and not done (the replicas then differ)."""
         if op != "is_sleeping":
             if self._control_op is not None:
                 raise EngineBusyError(f"{op}: {self._control_op} is running on the replicas")
@@ -219,20 +220,41 @@ class DataParallelClient(StreamingClient):
         try:
             if op != "is_sleeping":
                 self._check_all_can(op)
-            results = await asyncio.gather(
-                *(c.control(op, level, model_path) for c in self.clients), return_exceptions=True
-            )
+            results = await self._on_all(op, level, model_path)
+            failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
+            if failed and len(failed) < len(results) and op != "is_sleeping":
+                await self._partly_done(op, failed)
         finally:
             if op != "is_sleeping":
                 self._control_op = None
-        failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            if len(failed) < len(results):
-                logger.error(
-                    "%s: done on %d of %d replicas", op, len(results) - len(failed), len(results)
-                )
-            raise failed[0]
+            raise next(iter(failed.values()))
         return any(results)
+
+    async def _on_all(self, op: str, level: int = 1, model_path: str | None = None, which=None):
+        clients = self.clients if which is None else [self.clients[i] for i in which]
+        return await asyncio.gather(
+            *(c.control(op, level, model_path) for c in clients), return_exceptions=True
+        )
+
+    async def _partly_done(self, op: str, failed: dict[int, BaseException]) -> NoReturn:
+        """Some replicas did `op`, the others (`failed`: replica -> its error) refused or failed.
+        A sleep is undone where it was done, so the refusal means what it says; otherwise the
+        error says which replicas differ now (the same update_weights again brings the others
+        to it: a replica that has the weights loads them again)."""
+        done = [i for i in range(len(self.clients)) if i not in failed]
+        i, first = next(iter(failed.items()))
+        cause = f"{op} failed on replica(s) {sorted(failed)} (replica {i}: {first})"
+        if op == "sleep":
+            undo = await self._on_all("wake_up", which=done)
+            done = [r for r, awake in zip(done, undo, strict=True) if awake is not False]
+            if not done:
+                logger.warning("%s; the replicas that slept were woken again", cause)
+                raise _like(
+                    first, f"{cause}; the replicas that slept were woken again: none changed"
+                )
+        logger.error("%s; done on replica(s) %s", cause, done)
+        raise _like(first, f"{cause}; done on replica(s) {done}: the replicas now differ")
 
     async def _wait_for_control(self, rid: str, timeout_s: float | None) -> float | None:
         """Wait while a weight operation runs (the request is served by the weights it leaves);
@@ -275,3 +297,13 @@ class DataParallelClient(StreamingClient):
                 return False
             time.sleep(0.05)
         return True
+
+
+def _like(error: BaseException, message: str) -> BaseException:
+    """`error`'s kind with `message` (the server maps the kind to its status), chained to it."""
+    try:
+        out = type(error)(message)
+    except TypeError:  # a kind that takes other arguments
+        out = RuntimeError(message)
+    out.__cause__ = error
+    return out

@@ -170,3 +170,33 @@ def test_the_meshs_prefix_affinity_bound_reaches_the_router(monkeypatch, bound, 
     for rid, tail in (("a", 100), ("b", 200)):
         asyncio.run(c.add_request(shared + [tail], SamplingParams(max_tokens=4), rid))
     assert [c.router.owner("a"), c.router.owner("b")] == [0, second]
+
+
+class RefusingReplica(FakeReplica):
+    """Refuses weight operations with `error` (what another API server's requests, unseen by
+    this client's checks, make a replica answer)."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error = error
+
+    async def control(self, op, level=1, model_path=None) -> bool:
+        self.ops.append(op)
+        raise self.error
+
+
+def test_a_sleep_one_replica_refuses_is_undone_on_the_others() -> None:
+    idle = FakeReplica()
+    busy = RefusingReplica(EngineBusyError("sleep: 3 requests in flight"))
+    c = client_over(idle, busy)
+    with pytest.raises(EngineBusyError, match=r"replica\(s\) \[1\].*woken again: none changed"):
+        asyncio.run(c.control("sleep"))
+    assert idle.ops == ["sleep", "wake_up"] and c._control_op is None
+
+
+def test_an_update_one_replica_refuses_names_the_replicas_that_differ() -> None:
+    idle, busy = FakeReplica(), RefusingReplica(EngineBusyError("3 requests in flight"))
+    c = client_over(busy, idle)
+    with pytest.raises(EngineBusyError, match=r"done on replica\(s\) \[1\]: the replicas now"):
+        asyncio.run(c.control("update_weights", model_path="/ckpt"))
+    assert idle.ops == ["update_weights"] and c._control_op is None
