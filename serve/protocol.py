@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from nori_jax.prompts import lone_surrogate
 from nori_jax.sampling_params import (
@@ -29,7 +29,7 @@ from nori_jax.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 )
-from serve.choices import MAX_N
+from serve.choices import MAX_CHOICES, MAX_N
 
 
 def unicode_text(s: str) -> str:
@@ -46,6 +46,34 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # held the event loop, and so every stream in flight, for seconds (40 s for one 8 MB body).
 FailFast = Field(fail_fast=True)
 TokenIds = Annotated[list[TokenId], FailFast]
+# Lists of objects cost the event loop about 3 us an item to validate (0.9 s for the 250,000
+# messages an 8 MB body holds, every stream of this API server stalled meanwhile), and pydantic
+# checks a list's length only as it validates its items: their counts are checked first. A batch
+# of prompts holds at most MAX_CHOICES (each is at least one choice), and no chat of more
+# messages or content parts than MAX_MESSAGES fits a context of 128k tokens (each carries its
+# template tokens and at least one of its own).
+MAX_MESSAGES = 16384
+
+
+def _batch_size(prompt: Any) -> Any:
+    if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and isinstance(prompt[0], str | list):
+        raise ValueError(f"a batch of {len(prompt)} prompts; at most {MAX_CHOICES}")
+    return prompt
+
+
+def _chat_size(messages: Any) -> Any:
+    if not isinstance(messages, list):
+        return messages
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(messages)} messages; at most {MAX_MESSAGES}")
+    parts = sum(len(c) for m in messages if isinstance(c := _content(m), list))
+    if parts > MAX_MESSAGES:
+        raise ValueError(f"{parts} content parts in all; at most {MAX_MESSAGES}")
+    return messages
+
+
+def _content(message: Any) -> Any:
+    return message.get("content") if isinstance(message, dict) else None
 
 
 def stop_string(s: str) -> str:
@@ -125,7 +153,10 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | TokenIds | Annotated[list[Text], FailFast] | Annotated[list[TokenIds], FailFast]
+    prompt: Annotated[
+        Text | TokenIds | Annotated[list[Text], FailFast] | Annotated[list[TokenIds], FailFast],
+        BeforeValidator(_batch_size),
+    ]
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
@@ -146,8 +177,13 @@ class ChatMessage(_Body):
     name: Text | None = None
 
 
+ChatMessages = Annotated[
+    list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_chat_size)
+]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    messages: ChatMessages
     max_tokens: MaxTokens | None = None  # None: up to the model length
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
@@ -165,7 +201,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, fail_fast=True)
+    messages: ChatMessages | None = None
     add_generation_prompt: bool = True  # messages only
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     chat_template_kwargs: dict[str, Any] | None = None  # messages only
