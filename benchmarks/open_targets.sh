@@ -82,11 +82,13 @@ for part in $PARTS; do
     tfrt)
       for c in auto default; do
         echo "--- served, gpu client $c ($(date +%T))"
-        MODEL=smollm2-135m RATES=128,256 N=1000 OUT="$OUT/serve_$c" \
+        # the sweep's many files stay outside $OUT (the device tool returns a few files a call)
+        MODEL=smollm2-135m RATES=128,256 N=1000 OUT="/tmp/serve_$c" \
           EXTRA="--max-num-seqs 1024 --max-num-batched-tokens 8192 --api-server-count 4 --gpu-client $c" \
           timeout ${T_SERVE:-200} bash "$here/engine/serve_sweep.sh" > "$OUT/serve_$c.txt" 2>&1
         echo "rc $?"; grep -E "healthy|Knee|req/s:" "$OUT/serve_$c.txt" | head -6
-        grep -h "gpu client" "$OUT/serve_$c/serve.log" | grep -o "gpu client [a-z]*" | head -1
+        cp "/tmp/serve_$c/sweep.json" "$OUT/sweep_$c.json" 2>/dev/null
+        grep -h "gpu client" "/tmp/serve_$c/serve.log" | grep -o "gpu client [a-z]*" | head -1
         pkill -f "nori_jax.cli --log-level INFO serve"; sleep 3
       done
       for c in tfrt default; do  # auto keeps fp8 engines on the default client: ask for tfrt

@@ -4,10 +4,11 @@ JAX's CUDA plugin builds one of two PjRt clients when JAX starts its backends: X
 client, or its TFRT GPU client, picked by XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT (JAX passes it to
 the plugin as `use_tfrt_gpu_client`). Both run the same compiled programs; they differ in the
 host's work per launch, which is what a small batch waits on. On an H100 (docs/benchmarks.md,
-"The TFRT GPU client"), alternating in one call: the launch of a 16-sequence decode step 0.54 ms
-under TFRT against 1.51 ms under the default client (a step 1.52 against 2.48 ms), 1.21 against
-2.22 ms at 1,024 sequences, greedy tokens identical, the same KV pool; the device-bound
-2,000-request offline run the same (its launch share 8-9% against 16-17%).
+"The TFRT GPU client"), with the device idle at each launch: 0.28-0.34 ms under TFRT against
+0.70-0.75 ms under the default client at 16 to 1,024 sequences alike (two rounds, one lease);
+with overlapped steps 0.34-0.42 ms; greedy tokens identical, with bf16 and with fp8 weights and
+pages; the device-bound 2,000-request offline run the same (its launch share 8-9% against
+16-17%); served load (four API servers, 1,000 requests at 128 and 256 req/s) without a failure.
 
 "auto", the engine's default, takes TFRT for the engines measured under it: one GPU driven from
 one process, bf16 or float32 weights and KV pages. Engines over several GPUs (tensor or data
