@@ -49,9 +49,10 @@ TokenIds = Annotated[list[TokenId], FailFast]
 # Lists of objects cost the event loop about 3 us an item to validate (0.9 s for the 250,000
 # messages an 8 MB body holds, every stream of this API server stalled meanwhile), and pydantic
 # checks a list's length only as it validates its items: their counts are checked first. A batch
-# of prompts holds at most MAX_CHOICES (each is at least one choice), and no chat of more
-# messages or content parts than MAX_MESSAGES fits a context of 128k tokens (each carries its
-# template tokens and at least one of its own).
+# of prompts holds at most MAX_CHOICES (each is at least one choice, refused past that anyway).
+# MAX_MESSAGES is a new limit, far past any real conversation but not past what a long context
+# could hold (a message is a few template tokens at least): a longer chat is refused even where
+# its tokens would fit, which bounds a body's validation to about 50 ms.
 MAX_MESSAGES = 16384
 
 
