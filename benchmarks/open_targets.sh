@@ -19,6 +19,9 @@
 #   launch     issue 19 item 2: the launch's host work at 16-1,024 sequences with the device idle
 #              at each launch (--no-async-scheduling, so no wait on the device is in the launch
 #              clock), TFRT against the default client, then TFRT with overlapped steps
+#   pil        issue 22 item 3: prefill tiles of one Q box on both compute warpgroups
+#              (prefill_interleave) against the default schedule and cuDNN, chunks of 512-2,048
+#              tokens at 64-token pages, two rounds in one call
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -62,6 +65,29 @@ for part in $PARTS; do
       timeout ${T_FLOOR:-240} python3 "$here/kernels/first_copy_probe.py" --out "$OUT" $dry \
         > "$OUT/floor.log" 2>&1
       echo "rc $?"; quiet < "$OUT/floor.log" | tail -20 ;;
+    pil)
+      for round in 1 2; do
+        timeout ${T_PIL:-280} python3 "$here/kernels/attention_bench.py" --out "$OUT/pil$round" \
+          --phase prefill --page-size 64 --layouts 9q/3kv/64,32q/8kv/64,32q/8kv/128 \
+          --chunks 512,1024,2048 --device-times --cudnn-baseline $dry \
+          --prefill-tunings "defaultxpil,128x4x1xpilxwg2xpw4,64x3x1xpilxwg2xpw4,64x3x1xppxwg2xpw4" \
+          > "$OUT/pil$round.log" 2>&1
+        echo "--- round $round: rc $?"
+        python3 - "$OUT/pil$round.log" <<'PY'
+import json, re, sys
+for line in open(sys.argv[1]):
+    if not line.startswith("{"):
+        continue
+    r = json.loads(line)
+    if r.get("kind") == "prefill":
+        f = dict(re.findall(r"(\w+)=(\w+)", r.get("tuning") or ""))
+        t = f"{f.get('block_kv')}x{f.get('num_stages')} cw{f.get('compute_wgs')}" if f else ""
+        t += " pil" * (f.get("prefill_interleave") == "True") + " pp" * (f.get("pingpong") == "True")
+        k = r.get("kernel_ms")
+        print(f"{r['layout']:>12} {r['chunk']:>5} {r['impl']:>5} kernel {k * 1e3 if k else -1:7.1f} us"
+              f" call {r.get('ms', -1) * 1e3:7.1f} us err {r.get('err', -1):.1e} {t} {r.get('error', '')[:80]}")
+PY
+      done ;;
     client)
       OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
     fp8decode)

@@ -628,6 +628,14 @@ TUNING_FLAGS = {
     # the items of at least K blocks, the others alternating owners
     "il": {"decode_interleave": 1, "decode_wgs": 1},
     **{f"il{k}": {"decode_interleave": k, "decode_wgs": 2} for k in (2, 4, 8, 12, 16)},
+    # prefill tiles of one Q box, both compute warpgroups on every other block (no ping-pong)
+    "pil": {
+        "prefill_interleave": True,
+        "compute_wgs": 2,
+        "pingpong": False,
+        "prefill_kv_splits": 1,
+    },
+    "nopil": {"prefill_interleave": False},
 }
 
 

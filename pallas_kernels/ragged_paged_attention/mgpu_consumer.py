@@ -106,10 +106,11 @@ def _online_softmax(
         s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1) * (to_log2 if row_to_log2 is None else row_to_log2))
     m_ref = m_new  # what exp2 subtracts
-    if masked and st.tuning.prefill_kv_splits > 1:
-        # A part of a split tile may start past a row's position: the row sees no key of the
-        # part so far, m_new is -inf, and -inf - -inf would be NaN. Subtract 0 instead: alpha and
-        # p are 0, and the part's log-sum-exp for the row stays -inf (partial_merge.py).
+    if masked and (st.tuning.prefill_kv_splits > 1 or st.tuning.prefill_interleave):
+        # A part of a split tile, or warpgroup 1's half of an interleaved tile (which starts at
+        # its second block), may start past a row's position: the row sees no key so far,
+        # m_new is -inf, and -inf - -inf would be NaN. Subtract 0 instead: alpha and p are 0,
+        # and the row's log-sum-exp stays -inf (partial_merge.py, consumer.merge).
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
     # fp8 P: exp2 of (score - max + PROBS_LOG2_SCALE), in [0, 2^PROBS_LOG2_SCALE]; the same FMA
@@ -300,6 +301,7 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     # decode items of at least this many blocks are both compute warpgroups' (0: none)
     interleave = st.tuning.decode_interleave
+    prefill_mix = st.tuning.prefill_interleave  # both compute warpgroups on each prefill tile
     turns = make_turns(r.turn, wg)  # prefill tiles only
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
     # [WGS, bk, D]: this warpgroup's dequantized K tile (fp8 pages without fp8_qk)
@@ -341,8 +343,9 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             return acc / lax.broadcast_in_dim(safe, acc.shape, [0])
         return acc * lax.broadcast_in_dim(v_scale / safe, acc.shape, [0])
 
-    # The hand-over of an interleaved decode item (decode_interleave): the non-owner stages its
-    # partial state in the one staging buffer and the owner reads it. Barriers per owner, so that
+    # The hand-over of an interleaved item (decode_interleave, prefill_interleave, whose owner is
+    # warpgroup 0): the non-owner stages its partial state in the one staging buffer and the
+    # owner reads it. Barriers per owner, so that
     # each has one kind of waiter: mix_full[o] only owner o waits on, mix_free[o] (o's releases,
     # and one arrival of o's at the start) only the other. The buffer is free for a hand-over to
     # either: a warpgroup writes it only after it has read the last one handed to it, its items
@@ -451,24 +454,23 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             with jax.named_scope("wait_q"):
                 plgpu.barrier_wait(r.qp_full.at[qs])
             turns.item_start()
-            first_tok = it["tok0"] + wg * tpw
+            box = 0 if prefill_mix else wg  # this warpgroup's Q box of the tile
+            first_tok = it["tok0"] + box * tpw
             start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
             n_tok = jnp.clip(it["seq_end"] - first_tok, 0, tpw)
             pos_offset = it["kv_len"] - it["q_len"] - it["seq_start"]  # position = token + offset
             first_pos = first_tok + pos_offset
             b_end = jnp.where(n_tok > 0, jnp.clip(cdiv(first_pos + n_tok, bk), b0, b1), b0)
+            if prefill_mix:  # both warpgroups on a tile of two blocks or more; else wg 0 alone
+                mixed = b_end - b0 >= 2
+                active = (n_tok > 0) & (mixed | (wg == 0))
+            else:
+                mixed, active = None, n_tok > 0
+            b_stop = jnp.where(active, b_end, b0)  # this warpgroup's blocks end here
 
-            @pl.when(n_tok > 0)
-            def _compute():
-                with jax.named_scope("load_q"):
-                    q, q_scale = load_q(qs, wg)
-                b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
-                row_pos0 = start + pos_offset
-                acc, m, denom = _attend(
-                    st, r, q, p_smem, ones, dq, kvc, b0, b_full, b_end, row_pos0, turns, q_scale
-                )
+            def epilogue(acc, m, denom):
                 with jax.named_scope("store_o"):  # the epilogue, to the stores' end
-                    r.q_smem.at[qs, wg][...] = normalise(acc, denom).astype(r.q_smem.dtype)
+                    r.q_smem.at[qs, box][...] = normalise(acc, denom).astype(r.q_smem.dtype)
                     if r.part_lse is not None:
                         r.part_lse_smem.at[wg][...] = log2_sum_exp(m, denom)
                     plgpu.commit_smem()
@@ -479,21 +481,39 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
                         @pl.when(it["part_count"] > 1)  # the merge weighs this part's rows by it
                         def _store_lse():
-                            row = it["tile"] * st.tuning.compute_wgs + wg
+                            row = it["tile"] * st.tuning.prefill_boxes + box
                             dst = r.part_lse.at[part, it["head"], row]  # [64]
                             plgpu.copy_smem_to_gmem(r.part_lse_smem.at[wg], dst)
 
                     # Token by token ([G, D] each): rows of the Q box before first_tok (a clamped
                     # box) belong to other tiles.
                     def store(k, _):
-                        src = r.q_smem.at[qs, wg, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
+                        src = r.q_smem.at[qs, box, pl.ds((first_tok - start + k) * g, g)]  # [G, D]
                         plgpu.copy_smem_to_gmem(src, out_part.at[first_tok + k, it["head"]])
                         return ()
 
                     lax.fori_loop(0, n_tok, store, ())
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            _skip_blocks(st, r, kvc + (b_end - b0), b1 - b_end, turns)
+            @pl.when(active)
+            def _compute():
+                with jax.named_scope("load_q"):
+                    q, q_scale = load_q(qs, box)
+                b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
+                row_pos0 = start + pos_offset
+                # interleaved: warpgroup h computes blocks b0 + h, b0 + h + 2, ...; -1: all
+                half = jnp.where(mixed, wg, -1) if prefill_mix else None
+                args = (kvc, b0, b_full, b_end, row_pos0, turns, q_scale)
+                acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args, half=half)
+                if not prefill_mix:
+                    epilogue(acc, m, denom)
+                    return
+                pl.when(~mixed)(lambda: epilogue(acc, m, denom))  # (warpgroup 0: only it is here)
+                with jax.named_scope("mix"):  # warpgroup 1 hands its half over, 0 merges
+                    pl.when(mixed & (wg == 1))(lambda: hand_over(0, acc, m, denom))
+                pl.when(mixed & (wg == 0))(lambda: epilogue(*merge(0, acc, m, denom)))
+
+            _skip_blocks(st, r, kvc + (b_stop - b0), b1 - b_stop, turns)
             turns.item_end()
             plgpu.barrier_arrive(r.qp_free.at[qs])
 
@@ -501,8 +521,8 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
     keys = ("head", "tok0", "kv_len", "q_len", "seq_start", "seq_end", "b0", "b1")
     keys += ("part_index", "part_count", "tile")
-    if interleave:  # the first hand-over to this warpgroup finds the staging free
+    if st.tuning.hands_over:  # the first hand-over to this warpgroup finds the staging free
         plgpu.barrier_arrive(r.mix_free.at[wg])
     for_each_item(items, cta, num_ctas, keys, item_body, jnp.int32(0))
-    if interleave:  # observe the other's last release (or its first arrival, if none followed)
+    if st.tuning.hands_over:  # observe the other's last release (or its first arrival, if none)
         plgpu.barrier_wait(r.mix_free.at[1 - wg])

@@ -60,8 +60,8 @@ class Statics:
         return ROWS // self.group
 
     @property
-    def tokens_per_tile(self) -> int:  # a prefill tile: tokens_per_wg per compute warpgroup
-        return self.tuning.compute_wgs * self.tokens_per_wg
+    def tokens_per_tile(self) -> int:  # a prefill tile: tokens_per_wg per Q box
+        return self.tuning.prefill_boxes * self.tokens_per_wg
 
     @property
     def pages_per_block(self) -> int:  # >= 1 when page_size <= block_kv

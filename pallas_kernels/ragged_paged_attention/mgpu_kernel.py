@@ -20,7 +20,9 @@ stages (every waiter must observe every completion of a barrier). With tuning.de
 both compute warpgroups take the decode items of at least that many blocks, every other block
 each, and the owner merges the two partial results. A prefill tile gives each
 compute warpgroup `tokens_per_wg` tokens x `group` heads = up to 64 rows; all share the K/V
-stream and, with tuning.pingpong, take turns on the tensor cores (mgpu_turns.py).
+stream and, with tuning.pingpong, take turns on the tensor cores (mgpu_turns.py). With
+tuning.prefill_interleave a tile is one such box of 64 rows, both compute warpgroups take every
+other block of it, and warpgroup 0 merges and stores.
 
 Rows of a tile that hold no valid (token, head) pair contain garbage: attention is row-independent
 and such rows are never stored. Masked scores are -inf; every valid row sees key 0 in its first

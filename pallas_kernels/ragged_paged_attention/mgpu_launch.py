@@ -67,7 +67,7 @@ def launch(
         jax.ShapeDtypeStruct((k, *q.shape), dtype),
         jax.ShapeDtypeStruct((dec_parts, st.group, d), jnp.float32) if split else None,
         jax.ShapeDtypeStruct((dec_parts, ROWS), jnp.float32) if split else None,
-        jax.ShapeDtypeStruct((k, st.num_kv_heads, max_tiles * wgs, ROWS), jnp.float32)
+        jax.ShapeDtypeStruct((k, st.num_kv_heads, max_tiles * tn.prefill_boxes, ROWS), jnp.float32)
         if k > 1
         else None,
     ]
@@ -109,14 +109,15 @@ def launch(
         if st.kv_fp8 and tn.fp8_qk
         else None,
         # mix_smem, mix_stats: a compute warpgroup's partial O, row max and denominator of an
-        # interleaved decode item, for the item's owner to merge (tuning.decode_interleave)
-        plgpu.SMEM((ROWS, d), jnp.float32) if tn.decode_interleave else None,
-        plgpu.SMEM((2, ROWS), jnp.float32) if tn.decode_interleave else None,
+        # interleaved item, for the item's owner to merge (tuning.hands_over)
+        plgpu.SMEM((ROWS, d), jnp.float32) if tn.hands_over else None,
+        plgpu.SMEM((2, ROWS), jnp.float32) if tn.hands_over else None,
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # k_full
         plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=tn.num_stages),  # v_full
         plgpu.Barrier(num_arrivals=wgs, num_barriers=tn.num_stages),  # kv_free
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # qd_full
-        plgpu.Barrier(num_arrivals=wgs * st.tokens_per_wg, num_barriers=2),  # qp_full
+        # qp_full: one copy per token of each Q box
+        plgpu.Barrier(num_arrivals=st.tokens_per_tile, num_barriers=2),
         # qd_free: the owner's store; with decode_interleave also the other compute warpgroup's
         # arrival once it has seen the slot filled (mgpu_consumer.consumer: it waits on every
         # qd_full completion, so the producer must not fill the slot again before it has)
@@ -124,8 +125,8 @@ def launch(
         plgpu.Barrier(num_arrivals=wgs, num_barriers=2),  # qp_free
         plgpu.Barrier(num_arrivals=2) if tn.pingpong else None,  # turn (mgpu_turns.py)
         # mix_full, mix_free: one each per owner (the hand-over's direction)
-        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.decode_interleave else None,
-        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.decode_interleave else None,
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.hands_over else None,
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if tn.hands_over else None,
     ]
     kernel = plgpu.kernel(
         functools.partial(attention_kernel, st=st),

@@ -140,7 +140,7 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
 
         def _q_prefill(first, every):
             """Tokens first, first + every, ... of each warpgroup's Q rows: one copy each."""
-            for wg in range(st.tuning.compute_wgs):
+            for wg in range(st.tuning.prefill_boxes):
                 # tokens_per_wg tokens from `start` (clamped into [0, T), tile_rows), one copy
                 # of G heads each (a [G, D] slab of q) into rows token * G + g.
                 start = tile_rows(st, it["tok0"] + wg * tpw)

@@ -218,7 +218,7 @@ def ragged_paged_attention_pallas(
         distribution,
         group=g,
         tokens_per_wg=tpw,
-        compute_wgs=tuning.compute_wgs,
+        boxes_per_tile=tuning.prefill_boxes,
     )
     out = out.reshape(t_pad, hq, d)[:num_tokens]
     if tuning.decode_splits > 1:

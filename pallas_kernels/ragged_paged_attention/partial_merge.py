@@ -69,7 +69,7 @@ def combine_splits(
 
 def merge_prefill_parts(
     out: jax.Array,  # [K, T, Hkv, G, D]   per part index: rows of the parts with that index
-    part_lse: jax.Array | None,  # f32[K, Hkv, MT * WGS, 64]  by tile and warpgroup Q box row
+    part_lse: jax.Array | None,  # f32[K, Hkv, MT * boxes, 64]  by tile and Q box row
     tile_tok: jax.Array,  # int32[MT]  first token of each tile, in token order
     tile_parts: jax.Array,  # int32[MT]  parts of each tile (0 past the last tile)
     cu_q_lens: jax.Array,  # int32[S + 1]
@@ -77,7 +77,7 @@ def merge_prefill_parts(
     *,
     group: int,
     tokens_per_wg: int,
-    compute_wgs: int,
+    boxes_per_tile: int,
 ) -> jax.Array:
     """Returns [T, Hkv, G, D]: out[0] with the rows of split tiles merged over their parts."""
     k, num_tokens = out.shape[:2]
@@ -89,11 +89,11 @@ def merge_prefill_parts(
     tile = jnp.searchsorted(tile_tok, t, side="right", method="compare_all") - 1
     tile = jnp.clip(tile, 0, tile_tok.shape[0] - 1).astype(jnp.int32)
     split = prefill & (tile_parts[tile] > 1)  # [T]
-    # Where the kernel held each token: warpgroup wg of its tile, in a Q box that starts at
-    # min(first token, T - tokens_per_wg) (mgpu_items.tile_rows), G rows per token.
+    # Where the kernel held each token: Q box wg of its tile (tuning.prefill_boxes), which
+    # starts at min(first token, T - tokens_per_wg) (mgpu_items.tile_rows), G rows per token.
     wg = (t - tile_tok[tile]) // tokens_per_wg
     box_start = jnp.minimum(tile_tok[tile] + wg * tokens_per_wg, num_tokens - tokens_per_wg)
-    box = jnp.where(split, tile * compute_wgs + wg, 0)  # [T]
+    box = jnp.where(split, tile * boxes_per_tile + wg, 0)  # [T]
     row = jnp.where(split[:, None], (t - box_start)[:, None] * group + jnp.arange(group), 0)
     count = tile_parts[tile][:, None, None]  # [T, 1, 1]
     lses = [  # K x [T, Hkv, G]; -inf for parts the token's tile does not have

@@ -83,6 +83,15 @@ class TuningConfig:
                    Costs Q's precision: a per-row e4m3 Q (reference.quantize_query_rows).
                    default_tuning turns it on for fp8 pages in every bucket (RULES,
                    reads_fp8_query), and api.py's reference path then quantizes Q the same way.
+    prefill_interleave: a prefill tile is one warpgroup's 64 rows (tokens_per_wg tokens), and
+                   both compute warpgroups compute it, every other KV block each, as
+                   decode_interleave does for decode items: warpgroup 1 hands its partial state
+                   to warpgroup 0, which merges, normalises and stores the tile (tiles of one
+                   block are warpgroup 0's alone). A short chunk has few tiles for the SMs and
+                   each tile's chain of blocks is the call's critical path; this halves the
+                   chain and doubles the tiles. Needs compute_wgs=2, no pingpong (the two
+                   warpgroups compute different blocks, so their softmaxes do not meet) and
+                   prefill_kv_splits=1.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster.
     """
@@ -100,6 +109,7 @@ class TuningConfig:
     fp8_convert_early: bool = False
     fp8_qk: bool = False
     decode_interleave: int = 0
+    prefill_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -137,6 +147,27 @@ class TuningConfig:
             raise ValueError(f"{self.decode_interleave=} must be an int >= 0 (a block count)")
         if self.decode_interleave and self.compute_wgs != 2:
             raise ValueError(f"decode_interleave needs compute_wgs=2, not {self.compute_wgs=}")
+        if not isinstance(self.prefill_interleave, bool):
+            raise ValueError(f"{self.prefill_interleave=} must be a bool")
+        if self.prefill_interleave and (
+            self.compute_wgs != 2 or self.pingpong or self.prefill_kv_splits != 1
+        ):
+            raise ValueError(
+                "prefill_interleave needs compute_wgs=2, pingpong=False and prefill_kv_splits=1, "
+                f"not {self.compute_wgs=}, {self.pingpong=}, {self.prefill_kv_splits=}"
+            )
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether one compute warpgroup hands a partial softmax state to the other (the
+        interleaved forms), which takes a staging buffer and its two barrier pairs."""
+        return bool(self.decode_interleave) or self.prefill_interleave
+
+    @property
+    def prefill_boxes(self) -> int:
+        """64-row Q boxes per prefill tile: one per compute warpgroup, or one shared by both
+        (prefill_interleave)."""
+        return 1 if self.prefill_interleave else self.compute_wgs
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default
@@ -144,7 +175,8 @@ class TuningConfig:
         A operands are staged through SMEM, the ones tiles of mma_row_sums, the log-sum-exp
         staging of split prefill tiles, and with fp8 pages each compute warpgroup's 8-bit P
         tile, its dequantized K block (without fp8_qk) or its 8-bit Q tile (with it); with
-        decode_interleave the f32 state one compute warpgroup hands to the other)."""
+        decode_interleave or prefill_interleave the f32 state one compute warpgroup hands to
+        the other)."""
         item = jnp.dtype(dtype).itemsize
         kv_item = jnp.dtype(kv_dtype or dtype).itemsize
         fp8 = kv_item == 1
@@ -161,7 +193,7 @@ class TuningConfig:
             self.compute_wgs * self.block_kv * head_dim * mma_item if fp8 and not self.fp8_qk else 0
         )
         q8 = self.compute_wgs * ROWS * head_dim * kv_item if fp8 and self.fp8_qk else 0
-        mix = ROWS * head_dim * 4 + 2 * ROWS * 4 if self.decode_interleave else 0
+        mix = ROWS * head_dim * 4 + 2 * ROWS * 4 if self.hands_over else 0
         return kv + q + split + qa + pa + ones + lse + dq + q8 + mix
 
     @property

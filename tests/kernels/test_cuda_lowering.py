@@ -20,6 +20,8 @@ PREFILL_64_SPLIT = dict(
 
 # both compute warpgroups on decode items of 4 blocks and more, with a decode bucket's fields
 INTERLEAVE = dict(decode_interleave=4, decode_wgs=2, pingpong=True, producer_warps=4)
+# both compute warpgroups on every prefill tile, with a short-chunk bucket's other fields
+PREFILL_INTERLEAVE = dict(prefill_interleave=True, decode_wgs=2, producer_warps=4)
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,9 @@ INTERLEAVE = dict(decode_interleave=4, decode_wgs=2, pingpong=True, producer_war
         (TuningConfig(128, 2, 1, 132, **PREFILL_64_SPLIT), 64),
         (TuningConfig(64, 3, 1, 132, **INTERLEAVE), 128),
         (TuningConfig(64, 2, 2, 132, decode_interleave=1), 128),
+        (TuningConfig(128, 3, 1, 132, **PREFILL_INTERLEAVE), 64),
+        (TuningConfig(64, 3, 1, 132, **PREFILL_INTERLEAVE), 128),
+        (TuningConfig(128, 2, 1, 132, **PREFILL_INTERLEAVE, mma_row_sums=True), 64),
     ],
     ids=[
         "default-form",
@@ -52,6 +57,9 @@ INTERLEAVE = dict(decode_interleave=4, decode_wgs=2, pingpong=True, producer_war
         "prefill-kv-splits",
         "decode-interleave",
         "decode-interleave-split",
+        "prefill-interleave",
+        "prefill-interleave-head-dim-128",
+        "prefill-interleave-row-sums",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):
@@ -99,6 +107,7 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
         # the same with both compute warpgroups on every decode item
         (TuningConfig(128, 6, 1, 132, **INTERLEAVE, fp8_qk=True), 64, "e4m3", 64),
         (TuningConfig(128, 6, 1, 132, **INTERLEAVE, fp8_convert_early=True), 64, "e5m2", 64),
+        (TuningConfig(128, 2, 1, 132, **PREFILL_INTERLEAVE, fp8_qk=True), 64, "e4m3", 64),
         (
             TuningConfig(
                 *(128, 2, 1, 132),
@@ -130,6 +139,7 @@ FP8_DECODE = dict(decode_wgs=2, pingpong=True, producer_warps=4, fp8_convert_ear
         "fp8-decode-default-head-dim-128-e4m3",
         "fp8-decode-interleave-head-dim-64-e4m3",
         "fp8-decode-interleave-head-dim-64-e5m2",
+        "fp8-prefill-interleave-head-dim-64-e4m3",
         "fp8-qk-early-compute-wgs-3-e5m2-page-32",
         "fp8-prefill-default-head-dim-128",
         "fp8-prefill-default-head-dim-64-splits",

@@ -7,8 +7,9 @@ head (MQA and MHA among them), kv heads, head dim, dtype, step kind (decode, pre
 cap, and the tuning's forms (KV block smaller than, equal to and larger than a page, stages,
 decode splits, decode warpgroups, ping-pong, producer warps, three compute warpgroups, row sums on
 the tensor cores, CTA count, and with fp8 pages Q K^T in fp8 and K converted early; decode items
-interleaved over both compute warpgroups). Every case carries the edge lengths of its kind: 1,
-page boundary -1/0/+1, several KV blocks, an empty chunk, padding sequences and padding tokens.
+and prefill tiles interleaved over both compute warpgroups). Every case carries the edge lengths
+of its kind: 1, page boundary -1/0/+1, several KV blocks, an empty chunk, padding sequences and
+padding tokens.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ TOLERANCE = {
     jnp.dtype(jnp.float32): 2e-5,
 }
 # fp8 pages: P V rounds P to e4m3 (three mantissa bits), and the kernel's running max moves per KV
-# block where the reference's (fp8_probs) moves per page, so their rounding grids differ.
-FP8_PAGES_TOLERANCE = 3e-2
+# block where the reference's (fp8_probs) moves per page, so their rounding grids differ. With 64 q
+# heads per kv head (e4m3 pages, 32-token pages, 64-token blocks, Q K^T in fp8) five seeds gave
+# 0.024-0.033, with every interleaved form off as well as on: 0.03 was a seed's luck.
+FP8_PAGES_TOLERANCE = 4e-2
 
 
 def lengths(kind: str, ps: int, group: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -97,6 +100,8 @@ FACTORS = {
     "fp8_qk": (False, True),
     "fp8_convert_early": (False, True),
     "decode_interleave": (0, 1, 2),
+    # prefill tiles of one Q box, both compute warpgroups on every other block of each
+    "prefill_interleave": (False, True),
 }
 # (parameter, parameter, pair allowed): what the kernel supports, and values that change nothing
 # in a step kind (no decode items in a prefill step, no prefill tiles in a decode step).
@@ -118,6 +123,9 @@ CONSTRAINTS = [
     ("fp8_convert_early", "page_size", lambda early, ps: not early or ps >= 32),
     ("compute_wgs", "decode_interleave", lambda wgs, k: wgs == 2 or k == 0),
     ("kind", "decode_interleave", lambda kind, k: kind != "prefill" or k == 0),
+    ("compute_wgs", "prefill_interleave", lambda wgs, pil: wgs == 2 or not pil),
+    ("pingpong", "prefill_interleave", lambda pp, pil: not (pp and pil)),
+    ("kind", "prefill_interleave", lambda kind, pil: kind != "decode" or not pil),
 ]
 
 
@@ -129,7 +137,7 @@ CASES = pairwise(FACTORS, allowed)
 
 TUNING_FIELDS = ("block_kv", "num_stages", "decode_splits", "num_ctas", "decode_wgs", "pingpong",
                  "producer_warps", "compute_wgs", "mma_row_sums", "fp8_qk", "fp8_convert_early",
-                 "decode_interleave")  # fmt: skip
+                 "decode_interleave", "prefill_interleave")  # fmt: skip
 
 
 def _tuning(case) -> TuningConfig:
@@ -149,6 +157,7 @@ def _case_id(c) -> str:
         "qk" * tn.fp8_qk,
         "early" * tn.fp8_convert_early,
         f"il{tn.decode_interleave}" * bool(tn.decode_interleave),
+        "pil" * tn.prefill_interleave,
         f"ctas{tn.num_ctas}",
     ]
     pages = "" if c["pages"] == "same" else f"-{jnp.dtype(c['pages']).name}"
@@ -215,10 +224,11 @@ def test_kernel_matches_reference(case):
     assert np.all(np.asarray(out[n:]) == 0)
     if case["fp8_qk"]:
         # What quantizing Q costs, against the reference on Q as given: more than the kernel's
-        # own error above, bounded (e5m2 pages' K has two mantissa bits).
+        # own error above, bounded (e5m2 pages' K has two mantissa bits). e4m3 with 64 q heads
+        # per kv head: 0.058-0.113 over five seeds.
         exact = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float32)[:n]
         err = np.abs(np.asarray(out, np.float32)[:n] - exact).max() / np.abs(exact).max()
-        assert err < {jnp.float8_e4m3fn: 0.1, jnp.float8_e5m2: 0.2}[case["pages"]], err
+        assert err < {jnp.float8_e4m3fn: 0.15, jnp.float8_e5m2: 0.2}[case["pages"]], err
 
 
 # Split prefill tiles (prefill_kv_splits): a long chunk after a cached prefix, a chunk from
@@ -394,6 +404,38 @@ def test_interleaved_decode_matches_reference(case):
     ref = ragged_paged_attention_reference(*ref_args, **kw, fp8_probs=pages is not None)
     _check(out, ref, dtype, fp8_pages=pages is not None)
     assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+
+
+# Prefill tiles of one Q box on both compute warpgroups (prefill_interleave): warpgroup 1 starts
+# at a tile's second block, so a tile whose first rows sit in its first block has rows that see
+# no key of warpgroup 1's first block (a -inf row max that must not become NaN before the merge);
+# tiles of one block stay warpgroup 0's. float32 so that the merge is checked to 2e-5, and a
+# chunk after a cached prefix beside decode rows of one to several blocks.
+def test_interleaved_prefill_matches_reference():
+    tuning = TuningConfig(64, 3, 1, 3, prefill_interleave=True, decode_wgs=2)
+    tpw, bk = 64 // 3, tuning.block_kv  # three q heads per kv head: 21 tokens a tile
+    prefill = [(70, 70), (40, 100), (1, 1)]
+    # the chunk from position 0 has a tile over positions 63-83: its first row sees only block 0
+    assert any(t < bk <= t + tpw - 1 for t in range(0, 70, tpw))
+    step = make_step(
+        23,
+        decode_kv_lens=[1, bk + 1, 3 * bk + 5],
+        prefill=prefill,
+        page_size=16,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=jnp.float32,
+    )
+    kw = dict(sm_scale=32**-0.5, soft_cap=None)
+    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*step.args, **kw)
+    _check(out, ref, jnp.float32)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+    plain = ragged_paged_attention_pallas(
+        *step.args, **kw, tuning=dataclasses.replace(tuning, prefill_interleave=False)
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=0, atol=2e-5)
 
 
 # fp8 pages' value path (V^T pages, kv_layout.py; the 8-bit V^T stage as P V's operand) checked
@@ -678,6 +720,14 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(compute_wgs=True)
     with pytest.raises(ValueError, match="mma_row_sums=1"):  # picks a kernel form: a bool
         TuningConfig(mma_row_sums=1)
+    with pytest.raises(ValueError, match="prefill_interleave=1"):
+        TuningConfig(prefill_interleave=1)
+    with pytest.raises(ValueError, match="pingpong=True"):  # the two compute different blocks
+        TuningConfig(pingpong=True, prefill_interleave=True)
+    with pytest.raises(ValueError, match="compute_wgs=3"):
+        TuningConfig(compute_wgs=3, prefill_interleave=True)
+    with pytest.raises(ValueError, match="prefill_kv_splits=2"):
+        TuningConfig(prefill_kv_splits=2, prefill_interleave=True)
     with pytest.raises(ValueError, match="decode_interleave=True"):  # a block count, not a bool
         TuningConfig(decode_interleave=True)
     with pytest.raises(ValueError, match="decode_interleave=-1"):

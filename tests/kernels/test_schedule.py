@@ -186,7 +186,7 @@ def test_merge_weighs_parts_by_their_log_sum_exp():
             dist,
             group=g,
             tokens_per_wg=tpw,
-            compute_wgs=wgs,
+            boxes_per_tile=wgs,
         )
     )
     expected = out[0].copy()
@@ -229,7 +229,7 @@ def test_step_metadata_has_no_while_loop():
     out = jnp.zeros((k, 512, 2, g, 64), jnp.bfloat16)
     lse = jnp.zeros((k, 2, (512 // 32 + 256) * wgs, 64), jnp.float32)
     tiles = jnp.zeros(512 // 32 + 256, jnp.int32)
-    merge = functools.partial(merge_prefill_parts, group=g, tokens_per_wg=tpw, compute_wgs=wgs)
+    merge = functools.partial(merge_prefill_parts, group=g, tokens_per_wg=tpw, boxes_per_tile=wgs)
     texts.append(_lowered_text(merge, out, lse, tiles, tiles, cu, dist))
     for text in texts:
         assert "while" not in text
