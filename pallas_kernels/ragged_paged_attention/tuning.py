@@ -93,7 +93,8 @@ class TuningConfig:
                    warpgroups compute different blocks, so their softmaxes do not meet) and
                    prefill_kv_splits=1.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
-    producer_warps on where the H200 measured them faster.
+    producer_warps on where the H200 measured them faster, and prefill_interleave where the
+    H100 did (RULES).
     """
 
     block_kv: int = 128
@@ -280,6 +281,16 @@ def _few_tiles(b: Bucket) -> bool:
     return -(-b.num_tokens // tokens_per_tile) * b.num_kv_heads < b.num_ctas
 
 
+def _one_round_of_boxes(b: Bucket) -> bool:
+    """A full bucket of one-box prefill tiles (prefill_interleave) has no more (tile, kv head)
+    items than SMs: interleaving doubles the items, and where that needs a second round the
+    longest CTA's chain of blocks grows instead of halving."""
+    if b.num_q_heads is None:
+        return False
+    tokens_per_box = ROWS // max(1, b.num_q_heads // b.num_kv_heads)
+    return -(-b.num_tokens // tokens_per_box) * b.num_kv_heads <= b.num_ctas
+
+
 # The tuning table. Evidence: docs/benchmarks.md, "Attention kernels", kernel run N (H200, page
 # 16, 32q/8kv/128 unless a row says otherwise); percentages are of the measured copy or matmul rate.
 
@@ -353,6 +364,8 @@ _THREE_WGS = dict(block_kv=128, num_stages=2, decode_splits=1, compute_wgs=3, de
 _HEADLINE = _h200(num_seqs=256, num_kv_heads=8, head_dim=128, pages_per_seq=64, num_tokens=256)
 _PREFILL_128 = _h200(num_seqs=8, num_kv_heads=8, head_dim=128, pages_per_seq=512, num_tokens=8192)
 _PREFILL_64 = {**_PREFILL_128, "head_dim": 64, "num_q_heads": 32}
+_SHORT_CHUNK_64 = _h200(num_seqs=256, num_kv_heads=3, head_dim=64, pages_per_seq=128,
+                        num_tokens=512, num_q_heads=9, page_size=64)  # fmt: skip
 _FP8_DECODE_64 = _h200(num_seqs=1024, num_kv_heads=3, head_dim=64, pages_per_seq=64,
                        num_tokens=1024, num_q_heads=9, kv_dtype="float8_e4m3fn")  # fmt: skip
 
@@ -386,6 +399,17 @@ RULES: tuple[Rule, ...] = (
          "against 0.103-0.104 ms; where tiles are plenty (32q/8kv/64 at 4,096 and 8,192 "
          "tokens) the merge only added time",
          {**_PREFILL_64, "num_kv_heads": 3, "num_q_heads": 9, "num_tokens": 2048}),
+    Rule("head_dim <= 64, bf16 pages, under 2,048 tokens: prefill tiles on both warpgroups",
+         lambda b, k: not b.prefill and b.head_dim <= 64 and not b.kv_fp8 and k == 1
+         and _one_round_of_boxes(b),
+         dict(prefill_interleave=True, pingpong=False),
+         "forty-first session, H100 calls 5-7 (64-token pages, bf16, the bucket's 128 x 3 "
+         "blocks): 9q/3kv/64 at 512 tokens kernel 7.7-7.9 against 10.0-10.1 us (cuDNN 7.5-7.6), "
+         "512 after 7,680 cached 47.7-47.9 against 78.2; where one-box tiles need a second round "
+         "(_one_round_of_boxes) the chain grows instead: 9q/3kv/64 at 1,024 after 7,168 "
+         "83.7-84.7 against 78.5-78.7 (from 0: 10.5-10.7 against 14.6-14.8), 32q/8kv/64 at "
+         "1,024 22.2-22.4 against 17.5-17.7, at 512 even (9.9-10.1); not measured on fp8 pages",
+         _SHORT_CHUNK_64),
     Rule("fp8 pages, decode bucket", lambda b, k: b.fp8_decode,
          dict(fp8_convert_early=True),
          "run 11 calls R1, R2: decode at B=1024 x ctx 1024 with bf16's blocks, 9q/3kv/64 0.299-"

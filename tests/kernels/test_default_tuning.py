@@ -98,3 +98,22 @@ def test_rules_set_only_tuning_fields():
     names = {f.name for f in dataclasses.fields(TuningConfig)}
     for rule in RULES:
         assert set(rule.fields) <= names and rule.evidence, rule.when
+
+
+def test_prefill_interleave_only_where_one_box_tiles_fit_one_round():
+    """The 135M layout's 512-token bucket interleaves its prefill tiles and keeps its KV blocks
+    (the staging fits beside them); where one-box tiles would need a second round of CTAs (1,024
+    tokens, or 32 q heads at 512), fp8 pages (not measured) and prefill buckets do not."""
+    shape = dict(num_seqs=256, head_dim=64, page_size=64, pages_per_seq=128, dtype=jnp.bfloat16)
+    short = default_tuning(**shape, num_kv_heads=3, num_q_heads=9, num_tokens=512)
+    assert short.prefill_interleave and not short.pingpong
+    plain = dataclasses.replace(short, prefill_interleave=False, pingpong=True)
+    assert (short.block_kv, short.num_stages, short.decode_wgs) == (128, 3, 2)
+    assert plain.smem_bytes(64, jnp.bfloat16) < short.smem_bytes(64, jnp.bfloat16)
+    for changes in (
+        dict(num_kv_heads=3, num_q_heads=9, num_tokens=1024),
+        dict(num_kv_heads=8, num_q_heads=32, num_tokens=512),
+        dict(num_kv_heads=3, num_q_heads=9, num_tokens=512, kv_dtype=jnp.float8_e4m3fn),
+        dict(num_kv_heads=3, num_q_heads=9, num_tokens=2048),
+    ):
+        assert not default_tuning(**shape, **changes).prefill_interleave, changes
