@@ -20,8 +20,10 @@
 #              at each launch (--no-async-scheduling, so no wait on the device is in the launch
 #              clock), TFRT against the default client, then TFRT with overlapped steps
 #   pil        issue 22 item 3: prefill tiles of one Q box on both compute warpgroups
-#              (prefill_interleave) against the default schedule and cuDNN, chunks of 512-2,048
-#              tokens at 64-token pages, two rounds in one call
+#              (prefill_interleave, which default_tuning gives the 135M layout's 512-token
+#              bucket) against the same buckets without it and cuDNN, chunks of 512-2,048 tokens
+#              from position 0 and after a cached prefix, 64-token pages, two rounds in one call
+#              (measured on an H100 only)
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -69,8 +71,8 @@ for part in $PARTS; do
       for round in 1 2; do
         timeout ${T_PIL:-280} python3 "$here/kernels/attention_bench.py" --out "$OUT/pil$round" \
           --phase prefill --page-size 64 --layouts 9q/3kv/64,32q/8kv/64,32q/8kv/128 \
-          --chunks 512,1024,2048 --device-times --cudnn-baseline $dry \
-          --prefill-tunings "defaultxpil,128x4x1xpilxwg2xpw4,64x3x1xpilxwg2xpw4,64x3x1xppxwg2xpw4" \
+          --chunks 512,1024,2048,512+7680,1024+7168 --device-times --cudnn-baseline $dry \
+          --prefill-tunings "defaultxnopilxpp,defaultxpil,128x4x1xpilxwg2xpw4" \
           > "$OUT/pil$round.log" 2>&1
         echo "--- round $round: rc $?"
         python3 - "$OUT/pil$round.log" <<'PY'
