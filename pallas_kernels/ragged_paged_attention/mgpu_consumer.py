@@ -345,11 +345,10 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
 
     # The hand-over of an interleaved item (decode_interleave, prefill_interleave, whose owner is
     # warpgroup 0): the non-owner stages its partial state in the one staging buffer and the
-    # owner reads it. Barriers per owner, so that
-    # each has one kind of waiter: mix_full[o] only owner o waits on, mix_free[o] (o's releases,
-    # and one arrival of o's at the start) only the other. The buffer is free for a hand-over to
-    # either: a warpgroup writes it only after it has read the last one handed to it, its items
-    # being in order.
+    # owner reads it. Barriers per owner, so that each has one kind of waiter: mix_full[o] only
+    # owner o waits on, mix_free[o] (o's releases, and one arrival of o's at the start) only the
+    # other. The buffer is free for a hand-over to either: a warpgroup writes it only after it
+    # has read the last one handed to it, its items being in order.
     def hand_over(owner, acc, m, denom):
         plgpu.barrier_wait(r.mix_free.at[owner])
         r.mix_smem[...] = acc
