@@ -89,7 +89,13 @@ for line in open(sys.argv[1]):
         print(f"{r['layout']:>12} {r['chunk']:>5} {r['impl']:>5} kernel {k * 1e3 if k else -1:7.1f} us"
               f" call {r.get('ms', -1) * 1e3:7.1f} us err {r.get('err', -1):.1e} {t} {r.get('error', '')[:80]}")
 PY
-      done ;;
+      done
+      echo "--- fp8 pages (e4m3), the 512- and 1,024-token buckets with and without it"
+      timeout ${T_PILFP8:-240} python3 "$here/kernels/fp8_kv_check.py" --skip-checks --device-times \
+        --page-size 64 --alternations 2 --out "$OUT/pilfp8" $dry --decode-list "" \
+        --prefill-list "9q/3kv/64,512,0;9q/3kv/64,512,7680;9q/3kv/64,1024,0" \
+        --fp8-tunings "defaultxpil" > "$OUT/pilfp8.log" 2>&1
+      echo "rc $?"; quiet < "$OUT/pilfp8.log" | grep -v "^{" | tail -12 ;;
     client)
       OUT="$OUT/client" ROUNDS=1 timeout ${T_CLIENT:-500} bash "$here/engine/pjrt_client_ab.sh" ;;
     fp8decode)
