@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -49,6 +50,23 @@ os.environ.setdefault("NORI_JAX_CACHE_DIR", str(Path("~/.cache/nori_jax/xla-test
 # CPU device first: the kernel test file alone took 240 against 411 s from an empty cache on the
 # 2-core machine (interpret_callbacks.py).
 interpret_callbacks.install()
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_undone():
+    """Tests that call the CLI in-process (nori_jax.cli.main) run cli_logging.configure, whose
+    logging.basicConfig(force=True) gives the root logger a StreamHandler on the stream of that
+    moment: a test's capsys buffer, closed when the test ends. Every later record of the worker
+    then went there (lost, or a "Logging error" in the output when the buffer was closed).
+    Remove what a test added, and restore the root level."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+        if handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
+
 
 TINY_COMMON = dict(
     vocab_size=320,
