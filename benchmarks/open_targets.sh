@@ -24,6 +24,10 @@
 #              bucket) against the same buckets without it and cuDNN, chunks of 512-2,048 tokens
 #              from position 0 and after a cached prefix, 64-token pages, two rounds in one call
 #              (measured on an H100 only)
+#   pils       issue 22 item 3: prefill_interleave="per_step" (each call's plan picks
+#              interleaved one-box tiles or paired ones with ping-pong) against both static
+#              forms and cuDNN, 9q/3kv/64 and 32q/8kv/64, chunks of 512-2,048 tokens from
+#              position 0 and after a cached prefix, 64-token pages, two rounds in one call
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -75,20 +79,7 @@ for part in $PARTS; do
           --prefill-tunings "defaultxnopilxpp,defaultxpil,128x4x1xpilxwg2xpw4" \
           > "$OUT/pil$round.log" 2>&1
         echo "--- round $round: rc $?"
-        python3 - "$OUT/pil$round.log" <<'PY'
-import json, re, sys
-for line in open(sys.argv[1]):
-    if not line.startswith("{"):
-        continue
-    r = json.loads(line)
-    if r.get("kind") == "prefill":
-        f = dict(re.findall(r"(\w+)=(\w+)", r.get("tuning") or ""))
-        t = f"{f.get('block_kv')}x{f.get('num_stages')} cw{f.get('compute_wgs')}" if f else ""
-        t += " pil" * (f.get("prefill_interleave") == "True") + " pp" * (f.get("pingpong") == "True")
-        k = r.get("kernel_ms")
-        print(f"{r['layout']:>12} {r['chunk']:>5} {r['impl']:>5} kernel {k * 1e3 if k else -1:7.1f} us"
-              f" call {r.get('ms', -1) * 1e3:7.1f} us err {r.get('err', -1):.1e} {t} {r.get('error', '')[:80]}")
-PY
+        python3 "$here/kernels/prefill_rows.py" "$OUT/pil$round.log"
       done
       echo "--- fp8 pages (e4m3), the 512- and 1,024-token buckets with and without it"
       timeout ${T_PILFP8:-240} python3 "$here/kernels/fp8_kv_check.py" --skip-checks --device-times \
@@ -141,6 +132,16 @@ else:
     print("fp8 greedy tokens: not compared (a run did not finish)")
 PY
       ;;
+    pils)
+      for round in $(seq ${PILS_ROUNDS:-2}); do
+        timeout ${T_PILS:-270} python3 "$here/kernels/attention_bench.py" --out "$OUT/pils$round" \
+          --phase prefill --page-size 64 --layouts 9q/3kv/64,32q/8kv/64 \
+          --chunks 512,1024,2048,512+7680,1024+7168 --device-times --cudnn-baseline $dry \
+          --prefill-tunings "defaultxnopilxcw2xks1xpp,defaultxpil,defaultxpilsxpp" \
+          > "$OUT/pils$round.log" 2>&1
+        echo "--- round $round: rc $?"
+        python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
+      done ;;
     *) echo "unknown part: $part" ;;
   esac
 done

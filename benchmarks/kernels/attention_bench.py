@@ -636,6 +636,9 @@ TUNING_FLAGS = {
         "prefill_kv_splits": 1,
     },
     "nopil": {"prefill_interleave": False},
+    # each call's plan picks interleaved one-box tiles or paired ones (schedule.interleave_pays);
+    # ping-pong stays as set (add "pp" for the paired tiles' turns)
+    "pils": {"prefill_interleave": "per_step", "compute_wgs": 2, "prefill_kv_splits": 1},
 }
 
 

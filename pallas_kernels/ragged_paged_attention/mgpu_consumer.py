@@ -71,8 +71,9 @@ def _dequantize(st: Statics, src, dst) -> None:
 
 
 def _online_softmax(
-    st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale, q_scale=None
-):
+    st: Statics, s, b, row_pos0, acc, m, denom, *, masked: bool, k_scale, q_scale=None,
+    empty_rows=None,
+):  # fmt: skip
     """One block's scores s [64, bk] f32 into P (st.p_dtype) with the running max m (log2
     units), the denominator and the accumulator rescaled; returns (p, acc, m_new, denom), p in
     st.p_dtype (fp8 pages: e4m3 scaled by 2^PROBS_LOG2_SCALE, and so are denom's new terms).
@@ -106,7 +107,9 @@ def _online_softmax(
         s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1) * (to_log2 if row_to_log2 is None else row_to_log2))
     m_ref = m_new  # what exp2 subtracts
-    if masked and (st.tuning.prefill_kv_splits > 1 or st.tuning.prefill_interleave):
+    if empty_rows is None:  # (decode items: as the launch's prefill forms)
+        empty_rows = st.tuning.prefill_kv_splits > 1 or st.tuning.prefill_interleave is not False
+    if masked and empty_rows:
         # A part of a split tile, or warpgroup 1's half of an interleaved tile (which starts at
         # its second block), may start past a row's position: the row sees no key so far,
         # m_new is -inf, and -inf - -inf would be NaN. Subtract 0 instead: alpha and p are 0,
@@ -185,6 +188,7 @@ def _attend(
     turns,
     q_scale=None,
     half=None,
+    empty_rows=None,
 ):
     """Online-softmax attention of 64 query rows over K/V blocks [b_start, b_end) of the stream.
 
@@ -196,9 +200,12 @@ def _attend(
     P V), or None. kvc: stream index of block b_start. Row r is at query position row_pos0 + r
     // group; blocks before b_full need no causal mask.
     turns: how this warpgroup takes turns on the tensor cores with the others (mgpu_turns.py).
-    half: None (every block), or with tuning.decode_interleave an int32 scalar: -1 (every
-    block), or h in {0, 1}: this warpgroup computes the blocks b_start + h, b_start + h + 2, ...
-    and only waits for and releases the others.
+    half: None (every block), or in an interleaved form (decode_interleave, prefill_interleave)
+    an int32 scalar: -1 (every block), or h in {0, 1}: this warpgroup computes the blocks
+    b_start + h, b_start + h + 2, ... and only waits for and releases the others.
+    empty_rows: whether a row can meet a masked block before any key it sees (a part of a split
+    tile, warpgroup 1's half of an interleaved one), whose -inf max is then guarded; None: as
+    the launch's prefill forms need (decode items).
     Returns (acc [64, D] f32, m [64] running max in log2 units, denom [64] softmax denominator);
     with fp8 pages acc and denom are both 2^PROBS_LOG2_SCALE times their values (P's scale).
     The named scopes are the spans of Mosaic GPU's profiler (attention_profile.py); they cost
@@ -259,8 +266,9 @@ def _attend(
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
         with jax.named_scope("softmax"):
             p, acc, m_new, denom = _online_softmax(
-                st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale, q_scale=q_scale
-            )
+                st, s, b, row_pos0, acc, m, denom, masked=masked, k_scale=k_scale,
+                q_scale=q_scale, empty_rows=empty_rows,
+            )  # fmt: skip
             if not st.p_in_regs:  # staged before V is waited for (and the turn handed over)
                 p_smem[...] = p
                 plgpu.commit_smem()
@@ -301,8 +309,11 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
     splits = st.tuning.decode_splits
     # decode items of at least this many blocks are both compute warpgroups' (0: none)
     interleave = st.tuning.decode_interleave
-    prefill_mix = st.tuning.prefill_interleave  # both compute warpgroups on each prefill tile
-    turns = make_turns(r.turn, wg)  # prefill tiles only
+    # both compute warpgroups on each prefill tile: always (True), in calls whose plan says so
+    # (per_step: items.step_mix), or never
+    static_mix = st.tuning.prefill_interleave is True
+    per_step = st.tuning.prefill_per_step
+    turns = make_turns(r.turn, wg)  # prefill tiles only (per_step: paired ones)
     p_smem = None if r.pa_smem is None else r.pa_smem.at[wg]
     # [WGS, bk, D]: this warpgroup's dequantized K tile (fp8 pages without fp8_qk)
     dq = None if r.dq_smem is None else r.dq_smem.at[wg]
@@ -448,19 +459,20 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             with jax.named_scope("skip"):
                 _skip_blocks(st, r, kvc, b1 - b0, NoTurns())
 
-        @pl.when(~is_dec)
-        def _prefill():
+        def prefill(interleaved: bool, box, turns):
+            """A prefill tile in one static form: `interleaved` (both warpgroups on its one box,
+            every other block each) or one box per warpgroup; `box`: this warpgroup's Q box in
+            the slot."""
             with jax.named_scope("wait_q"):
                 plgpu.barrier_wait(r.qp_full.at[qs])
             turns.item_start()
-            box = 0 if prefill_mix else wg  # this warpgroup's Q box of the tile
-            first_tok = it["tok0"] + box * tpw
+            first_tok = it["tok0"] + (0 if interleaved else wg * tpw)  # its box's first token
             start = tile_rows(st, first_tok)  # token of row 0 (== first_tok unless clamped)
             n_tok = jnp.clip(it["seq_end"] - first_tok, 0, tpw)
             pos_offset = it["kv_len"] - it["q_len"] - it["seq_start"]  # position = token + offset
             first_pos = first_tok + pos_offset
             b_end = jnp.where(n_tok > 0, jnp.clip(cdiv(first_pos + n_tok, bk), b0, b1), b0)
-            if prefill_mix:  # both warpgroups on a tile of two blocks or more; else wg 0 alone
+            if interleaved:  # both warpgroups on a tile of two blocks or more; else wg 0 alone
                 mixed = b_end - b0 >= 2
                 active = (n_tok > 0) & (mixed | (wg == 0))
             else:
@@ -501,10 +513,15 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
                 b_full = jnp.clip(lax.div(first_pos + 1, jnp.int32(bk)), b0, b_end)
                 row_pos0 = start + pos_offset
                 # interleaved: warpgroup h computes blocks b0 + h, b0 + h + 2, ...; -1: all
-                half = jnp.where(mixed, wg, -1) if prefill_mix else None
+                half = jnp.where(mixed, wg, -1) if interleaved else None
                 args = (kvc, b0, b_full, b_end, row_pos0, turns, q_scale)
-                acc, m, denom = _attend(st, r, q, p_smem, ones, dq, *args, half=half)
-                if not prefill_mix:
+                # Rows with no key yet: a part of a split tile, or warpgroup 1's half of an
+                # interleaved tile (_online_softmax).
+                empty_rows = interleaved or st.tuning.prefill_kv_splits > 1
+                acc, m, denom = _attend(
+                    st, r, q, p_smem, ones, dq, *args, half=half, empty_rows=empty_rows
+                )
+                if not interleaved:
                     epilogue(acc, m, denom)
                     return
                 pl.when(~mixed)(lambda: epilogue(acc, m, denom))  # (warpgroup 0: only it is here)
@@ -515,6 +532,13 @@ def consumer(st: Statics, items: Items, cta, wg, r: Refs) -> None:
             _skip_blocks(st, r, kvc + (b_stop - b0), b1 - b_stop, turns)
             turns.item_end()
             plgpu.barrier_arrive(r.qp_free.at[qs])
+
+        if per_step:  # each form's own code, as the static forms have it (no per-block tests)
+            # (the producer copies an interleaved tile's box into both: each reads its own)
+            pl.when(items.is_prefill(w) & items.step_mix)(lambda: prefill(True, wg, NoTurns()))
+            pl.when(items.is_prefill(w) & items.step_paired)(lambda: prefill(False, wg, turns))
+        else:
+            pl.when(~is_dec)(lambda: prefill(static_mix, 0 if static_mix else wg, turns))
 
         return kvc + (b1 - b0)
 

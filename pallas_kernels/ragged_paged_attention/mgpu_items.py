@@ -9,7 +9,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention import schedule
-from pallas_kernels.ragged_paged_attention.schedule import META_NUM_DECODE, META_NUM_PARTS
+from pallas_kernels.ragged_paged_attention.schedule import (
+    META_INTERLEAVE,
+    META_NUM_DECODE,
+    META_NUM_PARTS,
+)
 from pallas_kernels.ragged_paged_attention.tuning import ROWS, TuningConfig
 
 
@@ -127,6 +131,13 @@ class Items:
         self.num_decode_items = r.meta[META_NUM_DECODE] * (hkv * splits)
         self.num_items = self.num_decode_items + self.num_parts * hkv
         self.kv_lens_ref, self.cu_ref, self.parts_ref = r.kv_lens, r.cu_q_lens, r.parts
+        # tuning.prefill_interleave="per_step": whether this call's prefill tiles are one box
+        # on both compute warpgroups (schedule.per_step_parts), and its negation (a boolean
+        # not has no warp-level lowering); None in the static forms
+        self.step_mix = self.step_paired = None
+        if st.tuning.prefill_per_step:
+            self.step_mix = r.meta[META_INTERLEAVE] != 0
+            self.step_paired = r.meta[META_INTERLEAVE] == 0
 
     def item_at(self, cta, i, num_ctas: int):
         return snake_item(cta, i, num_ctas)

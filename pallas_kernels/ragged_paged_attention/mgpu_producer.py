@@ -142,8 +142,13 @@ def _produce(st: Statics, items: Items, cta, r: Refs, warp, lanes: int = 1) -> N
             """Tokens first, first + every, ... of each warpgroup's Q rows: one copy each."""
             for wg in range(st.tuning.prefill_boxes):
                 # tokens_per_wg tokens from `start` (clamped into [0, T), tile_rows), one copy
-                # of G heads each (a [G, D] slab of q) into rows token * G + g.
-                start = tile_rows(st, it["tok0"] + wg * tpw)
+                # of G heads each (a [G, D] slab of q) into rows token * G + g. Per-step
+                # interleaving: a call of one-box tiles copies the box into each warpgroup's
+                # (the same copies per tile either way: qp_full's arrival count is static).
+                offset = wg * tpw
+                if wg and items.step_mix is not None:
+                    offset = jnp.where(items.step_mix, 0, offset)
+                start = tile_rows(st, it["tok0"] + offset)
 
                 def one(j, _, wg=wg, start=start):
                     k = first + j * every

@@ -183,17 +183,18 @@ def ragged_paged_attention_pallas(
     kv_lens, cu_q_lens, distribution = schedule.with_padding_sequence(
         kv_lens, cu_q_lens, distribution, num_tokens=num_tokens
     )
-    plan = schedule.prefill_parts(
-        cu_q_lens,
-        kv_lens,
-        distribution,
-        num_tokens=num_tokens,
-        tokens_per_tile=st.tokens_per_tile,
-        block_kv=tuning.block_kv,
-        num_kv_heads=hkv,
-        num_ctas=tuning.num_ctas,
-        max_splits=tuning.prefill_kv_splits,
-    )
+    plan_args = dict(num_tokens=num_tokens, block_kv=tuning.block_kv, num_kv_heads=hkv,
+                     num_ctas=tuning.num_ctas)  # fmt: skip
+    if tuning.prefill_per_step:  # interleaved one-box tiles or paired ones, as this step pays
+        plan = schedule.per_step_parts(
+            cu_q_lens, kv_lens, distribution, tokens_per_wg=tpw,
+            decode_splits=tuning.decode_splits, **plan_args,
+        )  # fmt: skip
+    else:
+        plan = schedule.prefill_parts(
+            cu_q_lens, kv_lens, distribution, tokens_per_tile=st.tokens_per_tile,
+            max_splits=tuning.prefill_kv_splits, **plan_args,
+        )  # fmt: skip
     interp = plgpu.InterpretGPUParams() if interpret else False
     out, opart, lse, part_lse = launch(
         st,

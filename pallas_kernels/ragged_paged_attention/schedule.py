@@ -28,6 +28,7 @@ import jax.numpy as jnp
 META_NUM_DECODE = 0
 META_NUM_SEQS = 1
 META_NUM_PARTS = 2
+META_INTERLEAVE = 3  # tuning.prefill_interleave="per_step": 1 where this call's tiles interleave
 META_SIZE = 4
 
 # Columns of the parts table (int32[MP, PART_COLUMNS]), one row per part in the kernel's order.
@@ -38,6 +39,17 @@ PART_COLUMNS = 8  # one spare column: rows of 32 bytes
 # takes about four, and the longest-first snake evens them out), never below MIN_PART_BLOCKS.
 PARTS_PER_CTA = 4
 MIN_PART_BLOCKS = 2
+
+# The per-step choice's cost model (interleave_pays), in units of one 64-row Q box over one KV
+# block of the paired form (with ping-pong). An interleaved box-block costs a fifth more: no
+# ping-pong, and each warpgroup also waits for and releases the other's blocks. An item costs
+# about one box-block of its own (its Q, epilogue and, interleaved, the hand-over). Fitted to
+# the forty-first session's H100 A/B of the two forms (docs/benchmarks.md, "Prefill tiles on
+# both compute warpgroups"): at 9q/3kv/64 and 32q/8kv/64, chunks of 512 and 1,024 tokens from
+# position 0 and after 7,168-7,680 cached tokens, it picks the faster form of every pair that
+# differed by more than the spread.
+INTERLEAVED_BLOCK_COST = 1.2
+ITEM_COST = 1.0
 
 
 def with_padding_sequence(
@@ -170,3 +182,96 @@ def prefill_parts(
     num_parts = part_end[-1]
     table = jnp.where((p < num_parts)[:, None], jnp.stack(cols, axis=1), 0).astype(jnp.int32)
     return Parts(meta_of(num_parts), table, tile_tok, k)
+
+
+def longest_chain(costs: jax.Array, num_ctas: int) -> jax.Array:
+    """The largest per-CTA sum of item costs (f32[N], in the kernel's order) under the kernel's
+    snake (mgpu_items.snake_item): rounds of num_ctas items, every other round reversed."""
+    n = costs.shape[0]
+    rounds = -(-n // num_ctas)
+    c = jnp.pad(costs, (0, rounds * num_ctas - n)).reshape(rounds, num_ctas)
+    c = jnp.where((jnp.arange(rounds) % 2 == 1)[:, None], c[:, ::-1], c)
+    return c.sum(axis=0).max()
+
+
+def _item_costs(decode: jax.Array, num_decode_items, prefill: jax.Array, num_prefill_items):
+    """Costs in the kernel's item order: decode items [0, num_decode_items), then the prefill
+    items; zero past them. decode, prefill: f32 per item of their kind (static lengths)."""
+    n = decode.shape[0] + prefill.shape[0]
+    w = jnp.arange(n, dtype=jnp.int32)
+    wp = w - num_decode_items
+    dec = decode[jnp.minimum(w, decode.shape[0] - 1)]
+    pre = prefill[jnp.clip(wp, 0, prefill.shape[0] - 1)]
+    return jnp.where(w < num_decode_items, dec, jnp.where(wp < num_prefill_items, pre, 0.0))
+
+
+def interleave_pays(
+    paired: Parts,
+    boxes: Parts,
+    kv_lens: jax.Array,  # int32[S]
+    distribution: jax.Array,  # int32[2]
+    *,
+    num_kv_heads: int,
+    decode_splits: int,
+    block_kv: int,
+    num_ctas: int,
+) -> jax.Array:
+    """Whether this step's longest CTA chain (longest_chain, the cost model above) is shorter
+    with interleaved one-box tiles (`boxes`, tuning.prefill_interleave) than with paired tiles of
+    one box per compute warpgroup (`paired`): a bool scalar. Interleaving halves each tile's
+    chain of blocks and doubles the items, so it pays where the longest tile bounds the call
+    (few tiles, or a chunk from position 0) and costs where the doubled items need another
+    round of the SMs."""
+    hkv = num_kv_heads
+    s = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    nb = (kv_lens + block_kv - 1) // block_kv
+    dec_blocks = jnp.where(s < distribution[0], nb, 0) / decode_splits
+    dec = jnp.repeat(ITEM_COST + dec_blocks, hkv * decode_splits)  # item = (seq, head, split)
+    num_dec = distribution[0] * (hkv * decode_splits)
+
+    def chain(plan: Parts, box_block_cost):
+        blocks = (plan.parts[:, PART_B1] - plan.parts[:, PART_B0]).astype(jnp.float32)
+        pre = jnp.repeat(ITEM_COST + box_block_cost(blocks), hkv)  # item = (part, head)
+        return longest_chain(
+            _item_costs(dec, num_dec, pre, plan.meta[META_NUM_PARTS] * hkv), num_ctas
+        )
+
+    # Interleaved: a tile of one block is warpgroup 0's alone (mgpu_consumer.py).
+    mixed = chain(boxes, lambda b: jnp.where(b >= 2, INTERLEAVED_BLOCK_COST * b, b))
+    return mixed < chain(paired, lambda b: 2.0 * b)  # two boxes over the tile's blocks
+
+
+def per_step_parts(
+    cu_q_lens: jax.Array,  # int32[S + 1]
+    kv_lens: jax.Array,  # int32[S]
+    distribution: jax.Array,  # int32[2]
+    *,
+    num_tokens: int,
+    tokens_per_wg: int,
+    block_kv: int,
+    num_kv_heads: int,
+    num_ctas: int,
+    decode_splits: int,
+) -> Parts:
+    """The plan of tuning.prefill_interleave="per_step": the parts of one-box tiles where
+    interleave_pays, else of two-box tiles, with meta[META_INTERLEAVE] saying which. Both
+    tables are computed (static shapes; the two-box one padded to the other's rows) and one is
+    selected: no branch, so no host round trip."""
+    kw = dict(num_tokens=num_tokens, block_kv=block_kv, num_kv_heads=num_kv_heads,
+              num_ctas=num_ctas)  # fmt: skip
+    boxes = prefill_parts(cu_q_lens, kv_lens, distribution, tokens_per_tile=tokens_per_wg, **kw)
+    paired = prefill_parts(
+        cu_q_lens, kv_lens, distribution, tokens_per_tile=2 * tokens_per_wg, **kw
+    )
+    mix = interleave_pays(
+        paired, boxes, kv_lens, distribution, num_kv_heads=num_kv_heads,
+        decode_splits=decode_splits, block_kv=block_kv, num_ctas=num_ctas,
+    )  # fmt: skip
+
+    def pick(a, b):  # a where mix, else b padded to a's rows
+        b = jnp.pad(b, [(0, a.shape[0] - b.shape[0])] + [(0, 0)] * (b.ndim - 1))
+        return jnp.where(mix, a, b)
+
+    meta = jnp.where(mix, boxes.meta, paired.meta).at[META_INTERLEAVE].set(mix.astype(jnp.int32))
+    return Parts(meta, pick(boxes.parts, paired.parts), pick(boxes.tile_tok, paired.tile_tok),
+                 pick(boxes.tile_parts, paired.tile_parts))  # fmt: skip

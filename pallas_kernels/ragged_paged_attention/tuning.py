@@ -21,6 +21,7 @@ import jax.numpy as jnp
 ROWS = 64  # query rows per compute warpgroup (wgmma M)
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on Hopper
 SMEM_SLACK = 4 * 1024  # barriers, reduction scratch and alignment
+PER_STEP = "per_step"  # TuningConfig.prefill_interleave: the schedule picks the form per call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,13 @@ class TuningConfig:
                    chain and doubles the tiles. Needs compute_wgs=2, no pingpong (the two
                    warpgroups compute different blocks, so their softmaxes do not meet) and
                    prefill_kv_splits=1.
+                   "per_step": the schedule picks, for each call, between that form and tiles of
+                   one box per compute warpgroup (with pingpong, if set): interleaved where
+                   schedule.interleave_pays finds the CTAs' longest chain of blocks shorter with
+                   it (few, long tiles: a short chunk, or a chunk from position 0, whose last
+                   tiles see the most blocks), paired otherwise (tiles enough for two rounds of
+                   the SMs, each of them long). The kernel reads the choice from the plan's
+                   metadata. Needs compute_wgs=2 and prefill_kv_splits=1.
     The field defaults are the plain forms; default_tuning turns decode_wgs, pingpong and
     producer_warps on where the H200 measured them faster, and prefill_interleave where the
     H100 did (RULES).
@@ -110,7 +118,7 @@ class TuningConfig:
     fp8_convert_early: bool = False
     fp8_qk: bool = False
     decode_interleave: int = 0
-    prefill_interleave: bool = False
+    prefill_interleave: bool | str = False  # or PER_STEP
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -148,27 +156,37 @@ class TuningConfig:
             raise ValueError(f"{self.decode_interleave=} must be an int >= 0 (a block count)")
         if self.decode_interleave and self.compute_wgs != 2:
             raise ValueError(f"decode_interleave needs compute_wgs=2, not {self.compute_wgs=}")
-        if not isinstance(self.prefill_interleave, bool):
-            raise ValueError(f"{self.prefill_interleave=} must be a bool")
-        if self.prefill_interleave and (
-            self.compute_wgs != 2 or self.pingpong or self.prefill_kv_splits != 1
-        ):
+        pil = self.prefill_interleave
+        if not (isinstance(pil, bool) or (isinstance(pil, str) and pil == PER_STEP)):
+            raise ValueError(f"{self.prefill_interleave=} must be a bool or {PER_STEP!r}")
+        if pil is True and (self.compute_wgs != 2 or self.pingpong or self.prefill_kv_splits != 1):
             raise ValueError(
                 "prefill_interleave needs compute_wgs=2, pingpong=False and prefill_kv_splits=1, "
                 f"not {self.compute_wgs=}, {self.pingpong=}, {self.prefill_kv_splits=}"
+            )
+        if pil == PER_STEP and (self.compute_wgs != 2 or self.prefill_kv_splits != 1):
+            raise ValueError(
+                f"prefill_interleave={PER_STEP!r} needs compute_wgs=2 and prefill_kv_splits=1, "
+                f"not {self.compute_wgs=}, {self.prefill_kv_splits=}"
             )
 
     @property
     def hands_over(self) -> bool:
         """Whether one compute warpgroup hands a partial softmax state to the other (the
         interleaved forms), which takes a staging buffer and its two barrier pairs."""
-        return bool(self.decode_interleave) or self.prefill_interleave
+        return bool(self.decode_interleave) or self.prefill_interleave is not False
+
+    @property
+    def prefill_per_step(self) -> bool:
+        """Whether each call picks interleaved or paired prefill tiles (prefill_interleave)."""
+        return self.prefill_interleave == PER_STEP
 
     @property
     def prefill_boxes(self) -> int:
         """64-row Q boxes per prefill tile: one per compute warpgroup, or one shared by both
-        (prefill_interleave)."""
-        return 1 if self.prefill_interleave else self.compute_wgs
+        (prefill_interleave=True). The per-step form keeps one per compute warpgroup: a step
+        of interleaved tiles copies its box into both (mgpu_producer.py)."""
+        return 1 if self.prefill_interleave is True else self.compute_wgs
 
     def smem_bytes(self, head_dim: int, dtype, *, a_in_smem: bool = False, kv_dtype=None) -> int:
         """Shared memory the launch asks for (K/V stages in the pages' dtype `kv_dtype`, default

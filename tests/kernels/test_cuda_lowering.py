@@ -22,6 +22,8 @@ PREFILL_64_SPLIT = dict(
 INTERLEAVE = dict(decode_interleave=4, decode_wgs=2, pingpong=True, producer_warps=4)
 # both compute warpgroups on every prefill tile, with a short-chunk bucket's other fields
 PREFILL_INTERLEAVE = dict(prefill_interleave=True, decode_wgs=2, producer_warps=4)
+# interleaved or paired tiles (with ping-pong) as each call's plan picks
+PER_STEP = dict(prefill_interleave="per_step", decode_wgs=2, producer_warps=4, pingpong=True)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,7 @@ PREFILL_INTERLEAVE = dict(prefill_interleave=True, decode_wgs=2, producer_warps=
         (TuningConfig(128, 3, 1, 132, **PREFILL_INTERLEAVE), 64),
         (TuningConfig(64, 3, 1, 132, **PREFILL_INTERLEAVE), 128),
         (TuningConfig(128, 2, 1, 132, **PREFILL_INTERLEAVE, mma_row_sums=True), 64),
+        (TuningConfig(128, 3, 1, 132, **PER_STEP), 64),
     ],
     ids=[
         "default-form",
@@ -60,6 +63,7 @@ PREFILL_INTERLEAVE = dict(prefill_interleave=True, decode_wgs=2, producer_warps=
         "prefill-interleave",
         "prefill-interleave-head-dim-128",
         "prefill-interleave-row-sums",
+        "prefill-interleave-per-step",
     ],
 )
 def test_kernel_lowers_for_cuda(tuning, head_dim):

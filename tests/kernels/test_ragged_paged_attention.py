@@ -100,8 +100,9 @@ FACTORS = {
     "fp8_qk": (False, True),
     "fp8_convert_early": (False, True),
     "decode_interleave": (0, 1, 2),
-    # prefill tiles of one Q box, both compute warpgroups on every other block of each
-    "prefill_interleave": (False, True),
+    # prefill tiles of one Q box, both compute warpgroups on every other block of each; or
+    # (per_step) that or one box each, as each call's plan picks (schedule.interleave_pays)
+    "prefill_interleave": (False, True, "per_step"),
 }
 # (parameter, parameter, pair allowed): what the kernel supports, and values that change nothing
 # in a step kind (no decode items in a prefill step, no prefill tiles in a decode step).
@@ -123,9 +124,9 @@ CONSTRAINTS = [
     ("fp8_convert_early", "page_size", lambda early, ps: not early or ps >= 32),
     ("compute_wgs", "decode_interleave", lambda wgs, k: wgs == 2 or k == 0),
     ("kind", "decode_interleave", lambda kind, k: kind != "prefill" or k == 0),
-    ("compute_wgs", "prefill_interleave", lambda wgs, pil: wgs == 2 or not pil),
-    ("pingpong", "prefill_interleave", lambda pp, pil: not (pp and pil)),
-    ("kind", "prefill_interleave", lambda kind, pil: kind != "decode" or not pil),
+    ("compute_wgs", "prefill_interleave", lambda wgs, pil: wgs == 2 or pil is False),
+    ("pingpong", "prefill_interleave", lambda pp, pil: not (pp and pil is True)),
+    ("kind", "prefill_interleave", lambda kind, pil: kind != "decode" or pil is False),
 ]
 
 
@@ -157,7 +158,7 @@ def _case_id(c) -> str:
         "qk" * tn.fp8_qk,
         "early" * tn.fp8_convert_early,
         f"il{tn.decode_interleave}" * bool(tn.decode_interleave),
-        "pil" * tn.prefill_interleave,
+        {False: "", True: "pil", "per_step": "pils"}[tn.prefill_interleave],
         f"ctas{tn.num_ctas}",
     ]
     pages = "" if c["pages"] == "same" else f"-{jnp.dtype(c['pages']).name}"
@@ -436,6 +437,42 @@ def test_interleaved_prefill_matches_reference():
         *step.args, **kw, tuning=dataclasses.replace(tuning, prefill_interleave=False)
     )
     np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=0, atol=2e-5)
+
+
+# The per-step form (prefill_interleave="per_step"): one launch, the tile form read from the plan.
+# The existing step above picks paired tiles (with ping-pong) on three CTAs, a step of two
+# chunks after a prefix picks interleaved ones (schedule.interleave_pays); both must match the
+# reference and the static form the plan chose.
+@pytest.mark.parametrize(
+    "decode, prefill, interleaved",
+    [([1, 65, 197], [(70, 70), (40, 100), (1, 1)], False), ([5], [(100, 700), (60, 600)], True)],
+    ids=["paired", "interleaved"],
+)
+def test_per_step_prefill_matches_reference(decode, prefill, interleaved):
+    tuning = TuningConfig(64, 3, 1, 3, prefill_interleave="per_step", decode_wgs=2, pingpong=True)
+    hq, hkv = 6, 2
+    step = make_step(29, decode_kv_lens=decode, prefill=prefill, page_size=16, num_q_heads=hq,
+                     num_kv_heads=hkv, head_dim=32, dtype=jnp.float32)  # fmt: skip
+    t = step.q.shape[0]
+    kv_lens, cu, dist = schedule.with_padding_sequence(
+        step.kv_lens, step.cu_q_lens, step.distribution, num_tokens=t
+    )
+    plan = schedule.per_step_parts(
+        cu, kv_lens, dist, num_tokens=t, tokens_per_wg=64 // 3, block_kv=64, num_kv_heads=hkv,
+        num_ctas=3, decode_splits=1,
+    )  # fmt: skip
+    assert int(plan.meta[schedule.META_INTERLEAVE]) == interleaved
+    kw = dict(sm_scale=32**-0.5, soft_cap=None)
+    out = ragged_paged_attention_pallas(*step.args, **kw, tuning=tuning)
+    ref = ragged_paged_attention_reference(*step.args, **kw)
+    _check(out, ref, jnp.float32)
+    assert np.all(np.asarray(out[step.num_valid_tokens :]) == 0)
+    static = dict(prefill_interleave=True, pingpong=False) if interleaved else {}
+    static.setdefault("prefill_interleave", False)
+    chosen = ragged_paged_attention_pallas(
+        *step.args, **kw, tuning=dataclasses.replace(tuning, **static)
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(chosen), rtol=0, atol=2e-5)
 
 
 # fp8 pages' value path (V^T pages, kv_layout.py; the 8-bit V^T stage as P V's operand) checked
@@ -728,6 +765,14 @@ def test_bad_backend_and_tuning_raise_value_error():
         TuningConfig(compute_wgs=3, prefill_interleave=True)
     with pytest.raises(ValueError, match="prefill_kv_splits=2"):
         TuningConfig(prefill_kv_splits=2, prefill_interleave=True)
+    with pytest.raises(ValueError, match="prefill_interleave='auto'"):  # per_step is the word
+        TuningConfig(prefill_interleave="auto")
+    with pytest.raises(ValueError, match="per_step.*compute_wgs=3"):  # pairs need two
+        TuningConfig(compute_wgs=3, prefill_interleave="per_step")
+    with pytest.raises(ValueError, match="per_step.*prefill_kv_splits=4"):
+        TuningConfig(prefill_kv_splits=4, prefill_interleave="per_step")
+    # its paired tiles take turns: ping-pong is allowed
+    assert TuningConfig(pingpong=True, prefill_interleave="per_step").prefill_boxes == 2
     with pytest.raises(ValueError, match="decode_interleave=True"):  # a block count, not a bool
         TuningConfig(decode_interleave=True)
     with pytest.raises(ValueError, match="decode_interleave=-1"):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import schedule
+from pallas_kernels.ragged_paged_attention.mgpu_items import snake_count, snake_item
 from pallas_kernels.ragged_paged_attention.partial_merge import merge_prefill_parts
 from pallas_kernels.ragged_paged_attention.reference import token_metadata
 
@@ -200,6 +201,70 @@ def test_merge_weighs_parts_by_their_log_sum_exp():
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_longest_chain_follows_the_kernels_snake():
+    """The cost model's per-CTA sums are those of the items each CTA takes in the kernel
+    (mgpu_items.snake_item / snake_count), for item counts short of, at and past a round."""
+    rng = np.random.default_rng(5)
+    for n, ctas in ((5, 7), (7, 7), (30, 7), (301, 132)):
+        costs = rng.uniform(0.5, 9.0, size=n).astype(np.float32)
+        loads = []
+        for cta in range(ctas):
+            count = int(snake_count(jnp.int32(n), jnp.int32(cta), ctas))
+            loads.append(sum(costs[int(snake_item(jnp.int32(cta), jnp.int32(i), ctas))]
+                             for i in range(count)))  # fmt: skip
+        got = float(schedule.longest_chain(jnp.asarray(costs), ctas))
+        assert got == pytest.approx(max(loads), rel=1e-6)
+
+
+def _one_chunk(q_len: int, prefix: int, *, hq: int, hkv: int, choose=schedule.per_step_parts):
+    """The per-step plan of one prefill chunk in its own bucket (64-token pages' 128-token
+    blocks, 132 CTAs), as pallas_attention builds it."""
+    cu = jnp.asarray([0, q_len, q_len], jnp.int32)  # the chunk and one empty padding sequence
+    kv_lens = jnp.asarray([prefix + q_len, 0], jnp.int32)
+    lens, cu, dist = schedule.with_padding_sequence(
+        kv_lens, cu, jnp.asarray([0, 1], jnp.int32), num_tokens=q_len
+    )
+    return choose(cu, lens, dist, num_tokens=q_len, tokens_per_wg=64 // (hq // hkv),
+                  block_kv=128, num_kv_heads=hkv, num_ctas=132, decode_splits=1)  # fmt: skip
+
+
+# The H100 A/B the cost model was fitted to (docs/benchmarks.md, "Prefill tiles on both compute
+# warpgroups", kernel us): every pair whose forms differed beyond their spread. 32q/8kv/64 at 512
+# tokens was even (9.9-10.1 both) and is not asserted.
+@pytest.mark.parametrize(
+    "hq, hkv, q_len, prefix, interleaved",
+    [
+        (9, 3, 512, 0, True),  # 7.7-7.9 interleaved, 10.0-10.1 paired
+        (9, 3, 1024, 0, True),  # 10.5-10.7 against 14.6-14.8
+        (9, 3, 512, 7680, True),  # 47.7-47.9 against 78.2
+        (9, 3, 1024, 7168, False),  # 83.7-84.7 against 78.5-78.7
+        (32, 8, 1024, 0, False),  # 22.2-22.4 against 17.5-17.7
+    ],
+)
+def test_interleave_pays_where_it_measured_faster(hq, hkv, q_len, prefix, interleaved):
+    plan = _one_chunk(q_len, prefix, hq=hq, hkv=hkv)
+    assert int(plan.meta[schedule.META_INTERLEAVE]) == interleaved
+
+
+def test_per_step_parts_are_one_of_the_two_plans():
+    """The selected plan is the one-box tiles' or the two-box tiles' (padded), as meta says."""
+    for q_len, prefix in ((512, 0), (1024, 7168)):
+        plan = _one_chunk(q_len, prefix, hq=9, hkv=3)
+        tpw = 64 // 3
+        boxes = 1 if int(plan.meta[schedule.META_INTERLEAVE]) else 2
+
+        def static_plan(*a, tokens_per_wg, decode_splits, boxes=boxes, **kw):
+            return schedule.prefill_parts(*a, tokens_per_tile=tokens_per_wg * boxes, **kw)
+
+        static = _one_chunk(q_len, prefix, hq=9, hkv=3, choose=static_plan)
+        rows = static.parts.shape[0]
+        np.testing.assert_array_equal(plan.parts[:rows], static.parts)
+        np.testing.assert_array_equal(plan.parts[rows:], 0)
+        np.testing.assert_array_equal(plan.meta[:3], static.meta[:3])
+        # the one-box tiles' rows: the chunk, the empty sequence and the padding one
+        assert plan.parts.shape[0] == schedule.max_prefill_tiles(q_len, 3, tpw)
+
+
 def test_token_metadata_matches_a_plain_loop():
     cu = jnp.asarray([0, 1, 2, 7, 10, 10], jnp.int32)  # 2 decodes, prefills of 5 and 3, 1 unused
     kv_lens = jnp.asarray([9, 4, 5, 20, 0], jnp.int32)
@@ -225,6 +290,11 @@ def test_step_metadata_has_no_while_loop():
             num_ctas=132, max_splits=m,
         )  # fmt: skip
         texts.append(_lowered_text(plan, cu, cu[:-1], dist))
+    per_step = lambda c, k, d: schedule.per_step_parts(  # noqa: E731
+        c, k, d, num_tokens=512, tokens_per_wg=16, block_kv=64, num_kv_heads=2, num_ctas=132,
+        decode_splits=2,
+    )  # fmt: skip
+    texts.append(_lowered_text(per_step, cu, cu[:-1], dist))
     k, g, tpw, wgs = 4, 2, 16, 2
     out = jnp.zeros((k, 512, 2, g, 64), jnp.bfloat16)
     lse = jnp.zeros((k, 2, (512 // 32 + 256) * wgs, 64), jnp.float32)
