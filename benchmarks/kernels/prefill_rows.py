@@ -29,8 +29,9 @@ def main(path: str) -> None:
             continue
         k = r.get("kernel_ms")
         kernel_us = k * 1e3 if k else -1
+        chunk = f"{r['chunk']}+{r['prefix']}" if r.get("prefix") else str(r["chunk"])
         print(
-            f"{r['layout']:>12} {r['chunk']:>9} {r['impl']:>5} kernel {kernel_us:7.1f} us"
+            f"{r['layout']:>12} {chunk:>9} {r['impl']:>5} kernel {kernel_us:7.1f} us"
             f" call {r.get('ms', -1) * 1e3:7.1f} us err {r.get('err', -1):.1e}"
             f" {describe(r.get('tuning'))} {r.get('error', '')[:80]}"
         )
