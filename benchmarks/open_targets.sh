@@ -28,6 +28,7 @@
 #              interleaved one-box tiles or paired ones with ping-pong) against both static
 #              forms and cuDNN, 9q/3kv/64 and 32q/8kv/64, chunks of 512-2,048 tokens from
 #              position 0 and after a cached prefix, 64-token pages, two rounds in one call
+#              (PILS_ROUNDS; PILS_TUNINGS replaces the list of tunings)
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -137,7 +138,7 @@ PY
         timeout ${T_PILS:-270} python3 "$here/kernels/attention_bench.py" --out "$OUT/pils$round" \
           --phase prefill --page-size 64 --layouts 9q/3kv/64,32q/8kv/64 \
           --chunks 512,1024,2048,512+7680,1024+7168 --device-times --cudnn-baseline $dry \
-          --prefill-tunings "defaultxnopilxcw2xks1xpp,defaultxpil,defaultxpilsxpp" \
+          --prefill-tunings "${PILS_TUNINGS:-defaultxnopilxcw2xks1xpp,defaultxpil,defaultxpilsxpp}" \
           > "$OUT/pils$round.log" 2>&1
         echo "--- round $round: rc $?"
         python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
