@@ -29,6 +29,9 @@
 #              forms and cuDNN, 9q/3kv/64 and 32q/8kv/64, chunks of 512-2,048 tokens from
 #              position 0 and after a cached prefix, 64-token pages, two rounds in one call
 #              (PILS_ROUNDS; PILS_TUNINGS replaces the list of tunings)
+#   pilsengine issue 22 item 3: the engine with prefill tiles picked per call in every bucket
+#              under 2,048 tokens (--attention-tuning) against its default schedule, the 135M
+#              shape's offline workload (2,000 requests), alternated twice in one call
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -143,6 +146,14 @@ PY
         echo "--- round $round: rc $?"
         python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
       done ;;
+    pilsengine)
+      timeout ${T_PILSENGINE:-560} python3 "$here/engine/ab_offline.py" --tree default="$here/.." \
+        --tree pils="$here/.." --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} \
+        --cache-dir /tmp/nori_xla_ab --out "$OUT/pilsengine" \
+        --tree-args "pils:--attention-tuning 'tokens<2048: prefill_interleave=per_step'" \
+        -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+        --num-prompts 2000 > "$OUT/pilsengine.log" 2>&1
+      echo "rc $?"; tail -6 "$OUT/pilsengine.log" ;;
     *) echo "unknown part: $part" ;;
   esac
 done

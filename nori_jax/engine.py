@@ -45,6 +45,11 @@ from nori_jax.weights.update import Tensors
 from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
 from pallas_kernels.ragged_paged_attention.pallas_attention import FP8_MIN_PAGE_SIZE
+from pallas_kernels.ragged_paged_attention.tuning_overrides import (
+    TuningOverrides,
+    format_overrides,
+    parse_tuning_overrides,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,19 @@ def resolve_attention_backend(name: str) -> str:
             raise ValueError(f"attention_backend={name!r} is not available; built: {BACKENDS}")
         return name
     return "pallas" if jax.default_backend() == "gpu" and "pallas" in BACKENDS else "reference"
+
+
+def resolve_attention_tuning(text: str | None, attention_backend: str) -> TuningOverrides:
+    """EngineConfig.attention_tuning as the kernel's (field, value) pairs; ValueError where it is
+    malformed or the attention is not the Pallas kernel's (the reference has no schedule)."""
+    if text is None:
+        return ()
+    if attention_backend != "pallas":
+        raise ValueError(
+            f"attention_tuning={text!r} sets the Pallas attention kernel's schedule; "
+            f"attention_backend resolves to {attention_backend!r} (set attention_backend='pallas')"
+        )
+    return parse_tuning_overrides(text)
 
 
 def resolve_quantized_matmul(config: EngineConfig) -> str:
@@ -220,6 +238,7 @@ def build_engine(
             f"{jax.device_count()} (all devices)"
         )
     attention_backend = resolve_attention_backend(config.attention_backend)
+    attention_tuning = resolve_attention_tuning(config.attention_tuning, attention_backend)
     page_size = config.scheduler.page_size
     if attention_backend == "pallas" and is_fp8(kv_page_dtype(config.kv_cache_dtype, jnp.float32)):
         if page_size < FP8_MIN_PAGE_SIZE:
@@ -241,6 +260,7 @@ def build_engine(
         param_cache=config.param_cache and not multihost.enabled,
         quantization=config.quantization,
         small_matmul=resolve_quantized_matmul(config),
+        attention_tuning=attention_tuning,
     )
     load_seconds = time.perf_counter() - start
     if tokenizer is not None:
@@ -309,7 +329,7 @@ def build_engine(
     )
     logger.info(
         "engine%s ready in %.1fs: %s, %s (%.2f GiB), max_model_len %d, %d sequences, %d KV pages "
-        "of %d tokens in %s, buckets %s, attention=%s%s",
+        "of %d tokens in %s, buckets %s, attention=%s%s%s",
         f" replica {replica} of {config.mesh.data}" if config.mesh.data > 1 else "",
         time.perf_counter() - started,
         model.source,
@@ -322,6 +342,7 @@ def build_engine(
         jnp.dtype(kv_dtype).name,
         scheduler.buckets,
         attention_backend,
+        f" ({format_overrides(attention_tuning)})" if attention_tuning else "",
         f", gpu client {client}" if client != "none" else "",
     )
     return EngineParts(config, core, model, runner, scfg, scfg.max_model_len, load_seconds, client)

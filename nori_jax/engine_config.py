@@ -99,6 +99,14 @@ class EngineConfig:
         help="auto: the Pallas kernel on GPU, the jnp reference elsewhere",
         choices=ATTENTION_BACKENDS,
     )
+    attention_tuning: str | None = option(
+        None,
+        help="the Pallas attention kernel's schedule, TuningConfig fields set over the buckets' "
+        "defaults, for trying a schedule on the whole engine: '[tokens<N: | tokens>=N:] "
+        "field=value,...; ...', e.g. 'tokens<2048: prefill_interleave=per_step'; a combination "
+        "a bucket cannot take fails at start-up, naming the bucket (docs/kernels.md, Trying a "
+        "schedule on the engine)",
+    )
     async_scheduling: bool = option(
         True,
         help="plan step N+1 while the device runs step N (outputs trail the device by one step)",

@@ -23,18 +23,48 @@ def test_pallas_logits_match_transformers(hf_checkpoints, name):
     np.testing.assert_allclose(ours, hf_logits(path, tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_pallas_engine_greedy_tokens_match_transformers(hf_checkpoints):
+ENGINE = dict(
+    dtype="float32",
+    page_size=16,
+    num_pages=48,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=128,
+    attention_backend="pallas",
+)
+
+
+# attention_tuning: the bucket's default schedule with its prefill tiles picked per call
+# (tests/kernels/test_tuning_overrides.py checks the override becomes that schedule)
+@pytest.mark.parametrize(
+    "tuning", [None, "prefill_interleave=per_step"], ids=["default", "per_step"]
+)
+def test_pallas_engine_greedy_tokens_match_transformers(hf_checkpoints, tuning):
     path = hf_checkpoints["llama"]
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=48,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        max_model_len=128,
-        attention_backend="pallas",
-    )
+    llm = LLM(str(path), **ENGINE, attention_tuning=tuning)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, PROMPTS, 5)
     assert llm.engine.num_recompiles == 0
+
+
+def test_a_schedule_a_bucket_cannot_take_fails_at_start_naming_it(hf_checkpoints):
+    """The override reaches the kernel calls: three compute warpgroups beside the bucket's
+    two-warpgroup form (its interleaved prefill tiles) fail while the engine compiles, naming the
+    override and the bucket."""
+    path = str(hf_checkpoints["llama"])
+    with pytest.raises(ValueError, match=r"attention_tuning 'compute_wgs=3' does not fit the "
+                       r"bucket of 16 tokens x 4 sequences .* needs compute_wgs=2"):  # fmt: skip
+        LLM(path, **ENGINE, attention_tuning="compute_wgs=3")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(attention_backend="reference"), "attention_backend resolves to 'reference'"),
+        (dict(attention_tuning="stages=3"), "'stages' is not a TuningConfig field"),
+    ],
+)
+def test_attention_tuning_errors_before_the_model_loads(hf_checkpoints, changes, message):
+    kw = {**ENGINE, "attention_tuning": "num_stages=3", **changes}
+    with pytest.raises(ValueError, match=message):
+        LLM(str(hf_checkpoints["llama"]), **kw)

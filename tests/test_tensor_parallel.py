@@ -78,6 +78,7 @@ def test_penalties_and_prompt_logprobs_match_one_device(report):
 
 
 def test_pallas_kernel_engine_under_shard_map_matches_one_device(report):
+    """With an attention_tuning override, which reaches each device's interpreted kernel."""
     engines = report["engines"]
     pallas = engines["kernel-model pallas tp2"]
     assert pallas["tokens"] == engines["kernel-model reference tp1"]["tokens"]

@@ -9,7 +9,9 @@ one call compare), each in a fresh process with the tree first on PYTHONPATH and
 compilation cache (warm from the second round on; `--cache-dir` gives them one, which is sound:
 XLA's cache is keyed by the program, and it spares each tree its cold first run when the trees
 differ on the host side only). `--env NAME:KEY=VALUE` sets a variable for one tree's runs, so
-one tree can run twice under two settings (`--tree on=. --tree off=. --env off:X=0`). Prints one
+one tree can run twice under two settings (`--tree on=. --tree off=. --env off:X=0`), and
+`--tree-args NAME:ARGS` adds bench flags to one tree's runs (`--tree-args "pils:--attention-tuning
+'tokens<2048: prefill_interleave=per_step'"`, split as a shell would). Prints one
 table row per run: total and output tok/s, steps, and the engine's stage split; writes each run's
 JSON and log under --out.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -34,6 +37,7 @@ def run_one(
     timeout: float,
     cache_dir: str | None = None,
     extra_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ):
     out = out.resolve()
     result = out / f"{name}_{r}.json"
@@ -43,6 +47,7 @@ def run_one(
     env.update(extra_env or {})
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "nori_jax.cli", "bench", "offline", *bench_args]
+    cmd += extra_args or []
     cmd += ["--result-json", str(result)]
     t0 = time.perf_counter()
     with (out / f"{name}_{r}.log").open("w") as log:
@@ -80,6 +85,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=400, help="seconds per run")
     p.add_argument("--cache-dir", help="one compilation cache for every tree (default: one each)")
     p.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE for tree NAME")
+    p.add_argument(
+        "--tree-args", action="append", default=[], help="NAME:ARGS, bench flags for tree NAME"
+    )
     args, bench_args = p.parse_known_args()
     if bench_args and bench_args[0] == "--":
         bench_args = bench_args[1:]
@@ -93,13 +101,27 @@ def main() -> None:
         if not sep or name not in dict(trees):
             p.error(f"--env {item!r}: expected NAME:KEY=VALUE for a --tree NAME")
         envs.setdefault(name, {})[key] = value
+    tree_args: dict[str, list[str]] = {}
+    for item in args.tree_args:
+        name, sep, flags = item.partition(":")
+        if not sep or name not in dict(trees):
+            p.error(f"--tree-args {item!r}: expected NAME:ARGS for a --tree NAME")
+        tree_args.setdefault(name, []).extend(shlex.split(flags))
     rows = []
     header = f"{'tree':<8}{'rnd':>3}{'total/s':>11}{'out/s':>10}{'steps':>7}{'ms/st':>8}"
     header += f"{'sch/lau/wai/pp%':>16}{'rec':>5}{'wall':>7}"
     for r in range(args.rounds):
         for name, path in trees:
             d = run_one(
-                name, Path(path), bench_args, out, r, args.timeout, args.cache_dir, envs.get(name)
+                name,
+                Path(path),
+                bench_args,
+                out,
+                r,
+                args.timeout,
+                args.cache_dir,
+                envs.get(name),
+                tree_args.get(name),
             )
             rows.append(d)
             print(row(d), flush=True)

@@ -42,6 +42,7 @@ from nori_jax.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nori_jax.quantization.scheme import WeightQuantization
 from pallas_kernels import attention_step, attention_step_sharded
 from pallas_kernels.page_constants import stored_kv_heads
+from pallas_kernels.ragged_paged_attention.tuning_overrides import TuningOverrides
 
 ATTENTION_SCOPE = "paged_attention"
 # The row-parallel layers, whose partial sums are all-reduced under tensor parallelism: named in
@@ -111,6 +112,8 @@ class Attention(nnx.Module):
         self.has_bias = cfg.attention_bias
         self.sm_scale = d**-0.5
         self.backend = backend
+        # Kernel schedule fields over each bucket's default (use_attention_tuning)
+        self.tuning_overrides: TuningOverrides = ()
 
     def __call__(self, x, cos, sin, kv_pages, meta: AttentionInputs, kv_scales=None):
         """`kv_scales`: f32[2] (k_scale, v_scale) of fp8 pages; None: the default scales."""
@@ -133,6 +136,7 @@ class Attention(nnx.Module):
         args += (meta.cu_q_lens, meta.distribution)
         with jax.named_scope(ATTENTION_SCOPE):
             kw = dict(sm_scale=self.sm_scale, backend=self.backend, kv_scales=kv_scales)
+            kw["tuning_overrides"] = self.tuning_overrides
             if self.mesh is None:
                 out, kv_pages = attention_step(*args, **kw)
             else:
@@ -183,13 +187,15 @@ class LlamaForCausalLM(nnx.Module):
         quantization: WeightQuantization | None = None,
         mesh: Mesh | None = None,
         small_matmul: str = "xla",
+        attention_tuning: TuningOverrides = (),
     ):
         """`quantization`: how the decoder's linear layers store their weights (None: float
         kernels in `dtype`); embeddings, LM head and norms stay in `dtype`. `mesh`: the mesh the
         parameters will live on (None: one device); its `model` axis splits the attention step.
         `small_matmul`: how quantized layers multiply in calls of few tokens (linear.py,
         SMALL_MATMULS); "pallas" (kernels) on one device only: XLA partitions a dot over the mesh,
-        not a kernel call."""
+        not a kernel call. `attention_tuning`: the Pallas attention kernel's schedule fields set
+        over each bucket's default (use_attention_tuning)."""
         if small_matmul == "pallas" and mesh is not None and mesh.shape[MODEL] > 1:
             tp = mesh.shape[MODEL]
             raise ValueError(f"small_matmul='pallas' on a mesh of {tp=}: one device only")
@@ -205,6 +211,7 @@ class LlamaForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL))
         use_small_matmul(self, small_matmul)
+        use_attention_tuning(self, attention_tuning)
 
     def __call__(
         self,
@@ -230,3 +237,12 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = hidden @ self.lm_head[...]
         return logits.astype(jnp.float32)
+
+
+def use_attention_tuning(model: nnx.Module, overrides: TuningOverrides) -> None:
+    """Set the Pallas attention kernel's schedule fields over each bucket's default in every
+    attention layer (EngineConfig.attention_tuning; parsed by parse_tuning_overrides). The
+    reference backend has no schedule and ignores them."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Attention):
+            node.tuning_overrides = tuple(overrides)

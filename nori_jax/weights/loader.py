@@ -35,6 +35,7 @@ from nori_jax.quantization.scheme import WeightQuantization, default_scheme
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weights import checkpoint_cache, generation_config, hf_names
 from nori_jax.weights.safetensors_dir import is_hf_dir, iter_safetensors, read_hf_config
+from pallas_kernels.ragged_paged_attention.tuning_overrides import TuningOverrides
 
 logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
@@ -119,12 +120,21 @@ def abstract_model(
     quantization: WeightQuantization | None = None,
     mesh: Mesh | None = None,
     small_matmul: str = "xla",
+    attention_tuning: TuningOverrides = (),
 ):
     """The model's graph and abstract state; `mesh` decides how its attention is split,
-    `small_matmul` how its quantized layers multiply in calls of few tokens."""
+    `small_matmul` how its quantized layers multiply in calls of few tokens, `attention_tuning`
+    the Pallas attention kernel's schedule fields."""
     model = nnx.eval_shape(
         lambda: LlamaForCausalLM(
-            cfg, dtype, nnx.Rngs(0), attention_backend, quantization, mesh, small_matmul
+            cfg,
+            dtype,
+            nnx.Rngs(0),
+            attention_backend,
+            quantization,
+            mesh,
+            small_matmul,
+            attention_tuning,
         )
     )
     return nnx.split(model)
@@ -435,6 +445,7 @@ def load_model(
     param_cache: bool = True,
     quantization: str | WeightQuantization | None = None,
     small_matmul: str = "xla",
+    attention_tuning: TuningOverrides = (),
 ) -> LoadedModel:
     """Build the model named by `model`: a HF directory, a .gguf file, or (dummy) a shape preset.
 
@@ -443,7 +454,8 @@ def load_model(
     stores the decoder's linear layers quantized (quantization/scheme.py); a GGUF file whose
     blocks fit the mode keeps them (weights/gguf_quantized.py). `small_matmul`: how quantized
     layers multiply in calls of few tokens (models/linear.py, SMALL_MATMULS; "xla" where the
-    mode has no such form, `resolve_small_matmul`).
+    mode has no such form, `resolve_small_matmul`). `attention_tuning`: the Pallas attention
+    kernel's schedule fields over each bucket's default (parse_tuning_overrides).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {LOAD_FORMATS}")
@@ -491,7 +503,9 @@ def load_model(
     start = time.perf_counter()
     logger.info("loading model %s", source)
     small_matmul = resolve_small_matmul(small_matmul, scheme, jdtype)
-    graphdef, abstract = abstract_model(cfg, jdtype, attention_backend, scheme, mesh, small_matmul)
+    graphdef, abstract = abstract_model(
+        cfg, jdtype, attention_backend, scheme, mesh, small_matmul, attention_tuning
+    )
     if scheme is not None:
         check_quantized_sharding(abstract, mesh)
     from_cache = False

@@ -23,6 +23,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
 from pallas_kernels.ragged_paged_attention.tuning import reads_fp8_query
+from pallas_kernels.ragged_paged_attention.tuning_overrides import TuningOverrides
 
 BACKENDS = ("reference", "pallas")
 
@@ -44,17 +45,19 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
     backend: str = "reference",
+    tuning_overrides: TuningOverrides = (),
 ) -> jax.Array:
     """Attention of a ragged step over paged KV that already holds the step's K/V.
 
     kv_pages of an fp8 dtype (kv_layout.kv_page_dtype) hold quantized K/V: kv_scales, f32[2]
-    (k_scale, v_scale), or None for the default scales."""
+    (k_scale, v_scale), or None for the default scales. tuning_overrides: fields of the kernel's
+    schedule set over each bucket's default (tuning_overrides.py; the pallas backend only)."""
     _check_backend(backend)
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, kv_scales=kv_scales)
     on_gpu = jax.default_backend() == "gpu"
     if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
-        return ragged_paged_attention_pallas(*args, **kw)
+        return ragged_paged_attention_pallas(*args, **kw, tuning_overrides=tuning_overrides)
     if reads_fp8_query(kv_pages.dtype):  # as the kernel's default schedule does
         args = (quantize_query_rows(q, QUERY_DTYPE), *args[1:])
     return ragged_paged_attention_reference(*args, **kw, fp8_probs=is_fp8(kv_pages.dtype))
@@ -75,6 +78,7 @@ def attention_step(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[2] for fp8 pages (None: the default scales)
     backend: str = "reference",
+    tuning_overrides: TuningOverrides = (),  # the kernel's schedule fields (pallas only)
 ) -> tuple[jax.Array, jax.Array]:
     """What one model layer calls: write the step's K/V into the pages, then attend.
 
@@ -95,5 +99,6 @@ def attention_step(
         soft_cap=soft_cap,
         kv_scales=kv_scales,
         backend=backend,
+        tuning_overrides=tuning_overrides,
     )
     return out, kv_pages

@@ -28,6 +28,12 @@ from pallas_kernels.ragged_paged_attention.tuning import (
     TuningConfig,
     default_tuning,
 )
+from pallas_kernels.ragged_paged_attention.tuning_overrides import (
+    TuningOverrides,
+    fields_for,
+    format_overrides,
+    with_overrides,
+)
 from pallas_kernels.ragged_paged_attention.validate import check_inputs
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -89,7 +95,15 @@ def bucket_tuning(q, kv_pages, page_table, *, interpret: bool = False) -> Tuning
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "tuning", "interpret", "a_operands", "profile_dir"),
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "tuning",
+        "tuning_overrides",
+        "interpret",
+        "a_operands",
+        "profile_dir",
+    ),
 )
 def ragged_paged_attention_pallas(
     q: jax.Array,  # [T, Hq, D]
@@ -103,6 +117,7 @@ def ragged_paged_attention_pallas(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[2] (k_scale, v_scale) of fp8 pages; None: default
     tuning: TuningConfig | None = None,
+    tuning_overrides: TuningOverrides = (),
     interpret: bool | None = None,
     a_operands: str = "regs",
     profile_dir: str | None = None,
@@ -116,6 +131,10 @@ def ragged_paged_attention_pallas(
     fp8 pages (float8_e4m3fn or float8_e5m2, kv_layout.py, V stored transposed) with q of any
     of those dtypes, head_dim 32, 64 or 128 and page_size >= 32: P V in fp8 (P rounded to e4m3),
     Q K^T in fp8 or on K dequantized to float16 (tuning.fp8_qk; mgpu_consumer.py).
+
+    tuning_overrides (tuning_overrides.py): fields set over `tuning`, or over the bucket's
+    default schedule where `tuning` is None, by the clauses that select this bucket's token
+    count (EngineConfig.attention_tuning).
 
     profile_dir (GPU only): write a Mosaic GPU profiler trace of each call there (per compute
     warpgroup: spans wait_k, qk, softmax, wait_v, pv of every KV block, up to 1,024 per call;
@@ -141,9 +160,19 @@ def ragged_paged_attention_pallas(
     if a_operands not in ("regs", "smem"):
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
     a_in_smem = a_operands == "smem"
-    tuning.check_fits(
-        d, page_size, q.dtype, on_chip=not interpret, a_in_smem=a_in_smem, kv_dtype=kv_pages.dtype
-    )
+    fits = dict(on_chip=not interpret, a_in_smem=a_in_smem, kv_dtype=kv_pages.dtype)
+    if fields_for(tuning_overrides, num_tokens):
+        try:
+            tuning = with_overrides(tuning, tuning_overrides, num_tokens)
+            tuning.check_fits(d, page_size, q.dtype, **fits)
+        except ValueError as e:
+            raise ValueError(
+                f"attention_tuning {format_overrides(tuning_overrides)!r} does not fit the "
+                f"bucket of {num_tokens} tokens x {num_seqs} sequences x {pages_per_seq} pages "
+                f"of {page_size} (q {hq} heads, kv {hkv} heads of {d}, {kv_pages.dtype} pages): "
+                f"{e}"
+            ) from None
+    tuning.check_fits(d, page_size, q.dtype, **fits)
     if profile_dir is not None:
         if interpret:
             raise ValueError(f"{profile_dir=}: the profiler runs on a GPU, not in interpret mode")

@@ -39,6 +39,7 @@ from pallas_kernels.kv_layout import KVLayout, write_kv_step
 from pallas_kernels.page_constants import stored_kv_heads
 from pallas_kernels.ragged_paged_attention.api import attention_step
 from pallas_kernels.ragged_paged_attention.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention.tuning_overrides import TuningOverrides
 
 # One interpreted kernel at a time in this process (see the module docstring).
 _INTERPRETER_LOCK = threading.Lock()
@@ -61,6 +62,7 @@ def attention_step_sharded(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,
     backend: str = "reference",
+    tuning_overrides: TuningOverrides = (),
 ) -> tuple[jax.Array, jax.Array]:
     """attention_step over `mesh`'s axis `axis`: (out [T, Hq, D] split over heads, kv_pages)."""
     tp = mesh.shape[axis]
@@ -88,7 +90,7 @@ def attention_step_sharded(
         if backend == "pallas" and jax.default_backend() == "cpu":
             kv_pages = write_kv_step(kv_pages, k, v, slot_mapping, sc)
             meta = (kv_lens, page_table, cu_q_lens, distribution)
-            out = _interpreted_kernel(q, kv_pages, *meta, sm_scale, soft_cap, sc)
+            out = _interpreted_kernel(q, kv_pages, *meta, sm_scale, soft_cap, sc, tuning_overrides)
             return out, kv_pages
         return attention_step(
             q,
@@ -104,6 +106,7 @@ def attention_step_sharded(
             soft_cap=soft_cap,
             kv_scales=sc,
             backend=backend,
+            tuning_overrides=tuning_overrides,
         )
 
     sharded = jax.shard_map(
@@ -120,12 +123,23 @@ def attention_step_sharded(
 
 
 def _interpreted_kernel(
-    q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, sm_scale, soft_cap, kv_scales
+    q,
+    kv_pages,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    distribution,
+    sm_scale,
+    soft_cap,
+    kv_scales,
+    tuning_overrides,
 ):
     """The interpret-mode kernel on this device's shard, run on the host as a one-device
     program (one device at a time): out [T, Hq_local, D]."""
     scales = () if kv_scales is None else (kv_scales,)
-    run = functools.partial(_run_interpreted, sm_scale=sm_scale, soft_cap=soft_cap)
+    run = functools.partial(
+        _run_interpreted, sm_scale=sm_scale, soft_cap=soft_cap, tuning_overrides=tuning_overrides
+    )
     return jax.pure_callback(
         run,
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -140,7 +154,16 @@ def _interpreted_kernel(
 
 
 def _run_interpreted(
-    q, kv_pages, kv_lens, page_table, cu_q_lens, distribution, *scales, sm_scale, soft_cap
+    q,
+    kv_pages,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    distribution,
+    *scales,
+    sm_scale,
+    soft_cap,
+    tuning_overrides,
 ):
     with _INTERPRETER_LOCK:
         out = ragged_paged_attention_pallas(
@@ -153,6 +176,7 @@ def _run_interpreted(
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             kv_scales=scales[0] if scales else None,
+            tuning_overrides=tuning_overrides,
             interpret=True,
         )
         return np.asarray(out)
