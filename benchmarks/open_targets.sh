@@ -147,10 +147,11 @@ PY
         python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
       done ;;
     pilsengine)
+      rule="tokens<2048: prefill_interleave=per_step,pingpong=true"  # the candidate RULES row
       timeout ${T_PILSENGINE:-560} python3 "$here/engine/ab_offline.py" --tree default="$here/.." \
         --tree pils="$here/.." --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} \
         --cache-dir /tmp/nori_xla_ab --out "$OUT/pilsengine" \
-        --tree-args "pils:--attention-tuning 'tokens<2048: prefill_interleave=per_step'" \
+        --tree-args "pils:--attention-tuning '$rule'" \
         -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --num-prompts 2000 > "$OUT/pilsengine.log" 2>&1
       echo "rc $?"; tail -6 "$OUT/pilsengine.log" ;;
