@@ -90,7 +90,8 @@ def attention_step_sharded(
         if backend == "pallas" and jax.default_backend() == "cpu":
             kv_pages = write_kv_step(kv_pages, k, v, slot_mapping, sc)
             meta = (kv_lens, page_table, cu_q_lens, distribution)
-            out = _interpreted_kernel(q, kv_pages, *meta, sm_scale, soft_cap, sc, tuning_overrides)
+            statics = dict(sm_scale=sm_scale, soft_cap=soft_cap, tuning_overrides=tuning_overrides)
+            out = _interpreted_kernel(q, kv_pages, *meta, kv_scales=sc, **statics)
             return out, kv_pages
         return attention_step(
             q,
@@ -122,61 +123,25 @@ def attention_step_sharded(
     )
 
 
-def _interpreted_kernel(
-    q,
-    kv_pages,
-    kv_lens,
-    page_table,
-    cu_q_lens,
-    distribution,
-    sm_scale,
-    soft_cap,
-    kv_scales,
-    tuning_overrides,
-):
+def _interpreted_kernel(q, kv_pages, *meta, kv_scales, **statics):
     """The interpret-mode kernel on this device's shard, run on the host as a one-device
-    program (one device at a time): out [T, Hq_local, D]."""
+    program (one device at a time): out [T, Hq_local, D]. `meta`: kv_lens, page_table,
+    cu_q_lens, distribution; `statics`: the kernel's static keyword arguments."""
     scales = () if kv_scales is None else (kv_scales,)
-    run = functools.partial(
-        _run_interpreted, sm_scale=sm_scale, soft_cap=soft_cap, tuning_overrides=tuning_overrides
-    )
-    return jax.pure_callback(
-        run,
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        q,
-        kv_pages,
-        kv_lens,
-        page_table,
-        cu_q_lens,
-        distribution,
-        *scales,
-    )
+    run = functools.partial(_run_interpreted, **statics)
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    return jax.pure_callback(run, out_shape, q, kv_pages, *meta, *scales)
 
 
-def _run_interpreted(
-    q,
-    kv_pages,
-    kv_lens,
-    page_table,
-    cu_q_lens,
-    distribution,
-    *scales,
-    sm_scale,
-    soft_cap,
-    tuning_overrides,
-):
+def _run_interpreted(q, kv_pages, *meta_and_scales, **statics):
+    meta, scales = meta_and_scales[:4], meta_and_scales[4:]
     with _INTERPRETER_LOCK:
         out = ragged_paged_attention_pallas(
             q,
             kv_pages,
-            kv_lens,
-            page_table,
-            cu_q_lens,
-            distribution,
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
+            *meta,
             kv_scales=scales[0] if scales else None,
-            tuning_overrides=tuning_overrides,
             interpret=True,
+            **statics,
         )
         return np.asarray(out)
