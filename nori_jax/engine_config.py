@@ -174,6 +174,19 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.attention_tuning is not None:
+            if self.attention_backend == "reference":
+                raise ValueError(
+                    f"attention_tuning={self.attention_tuning!r} sets the Pallas attention "
+                    "kernel's schedule; attention_backend='reference' has none"
+                )
+            # Imported here: the parser reads TuningConfig, whose module imports JAX, and a
+            # config without the field (every --help) must not.
+            from pallas_kernels.ragged_paged_attention.tuning_overrides import (
+                parse_tuning_overrides,
+            )
+
+            parse_tuning_overrides(self.attention_tuning)  # ValueError naming what is wrong
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError(
                 "calculate_kv_scales=True needs fp8 KV pages (kv_cache_dtype='auto' has no scales)"

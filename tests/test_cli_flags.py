@@ -130,6 +130,20 @@ def test_generate_refuses_a_bad_min_p_before_starting_an_engine():
         run_generate(_parse("--min-p", "2"))
 
 
+def test_attention_tuning_is_read_as_written_and_refused_by_name_at_parse():
+    """--attention-tuning reaches the config as its text; a malformed one is a ValueError of the
+    config (before any model or engine), as is one beside the reference backend."""
+    text = "tokens<2048: prefill_interleave=per_step,pingpong=true"
+    cfg = engine_config_from_args(_parse("--config", "tiny-cpu", "--attention-tuning", text))
+    assert cfg.attention_tuning == text
+    with pytest.raises(ValueError, match="selector 'tokens<=2048' must be tokens<N or tokens>=N"):
+        engine_config_from_args(_parse("--attention-tuning", "tokens<=2048: pingpong=true"))
+    with pytest.raises(ValueError, match="attention_backend='reference' has none"):
+        engine_config_from_args(
+            _parse("--attention-backend", "reference", "--attention-tuning", "pingpong=true")
+        )
+
+
 def test_generate_prints_each_prompts_samples(capsys):
     """--n 2: each text after its `[prompt i, sample j]` line, sample j seeded with the seed + j
     (so sample 1 of seed 5 is sample 0 of seed 6); --n 0 is refused before an engine starts."""
