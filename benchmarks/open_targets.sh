@@ -28,7 +28,8 @@
 #              interleaved one-box tiles or paired ones with ping-pong) against both static
 #              forms and cuDNN, 9q/3kv/64 and 32q/8kv/64, chunks of 512-2,048 tokens from
 #              position 0 and after a cached prefix, 64-token pages, two rounds in one call
-#              (PILS_ROUNDS; PILS_TUNINGS replaces the list of tunings)
+#              (PILS_ROUNDS; PILS_TUNINGS replaces the list of tunings, which also times
+#              paired tiles cut into two KV parts)
 #   pilsengine issue 22 item 3: the engine with prefill tiles picked per call in every bucket
 #              under 2,048 tokens (--attention-tuning) against its default schedule, the 135M
 #              shape's offline workload (2,000 requests), alternated twice in one call
@@ -137,11 +138,14 @@ else:
 PY
       ;;
     pils)
+      # paired, interleaved, per call; and paired tiles cut in two KV parts, for the 32q/8kv/64
+      # 512-token chunk (128 paired tiles for 132 SMs, 2 us behind cuDNN)
+      pils_tunings="defaultxnopilxcw2xks1xpp,defaultxpil,defaultxpilsxpp,defaultxnopilxcw2xks2xpp"
       for round in $(seq ${PILS_ROUNDS:-2}); do
         timeout ${T_PILS:-270} python3 "$here/kernels/attention_bench.py" --out "$OUT/pils$round" \
           --phase prefill --page-size 64 --layouts 9q/3kv/64,32q/8kv/64 \
           --chunks 512,1024,2048,512+7680,1024+7168 --device-times --cudnn-baseline $dry \
-          --prefill-tunings "${PILS_TUNINGS:-defaultxnopilxcw2xks1xpp,defaultxpil,defaultxpilsxpp}" \
+          --prefill-tunings "${PILS_TUNINGS:-$pils_tunings}" \
           > "$OUT/pils$round.log" 2>&1
         echo "--- round $round: rc $?"
         python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
