@@ -22,6 +22,9 @@ ROWS = 64  # query rows per compute warpgroup (wgmma M)
 SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on Hopper
 SMEM_SLACK = 4 * 1024  # barriers, reduction scratch and alignment
 PER_STEP = "per_step"  # TuningConfig.prefill_interleave: the schedule picks the form per call
+MAX_STAGES = 16  # KV buffers; the table measured 2-7
+MAX_DECODE_SPLITS = 64  # default_tuning takes at most 16
+MAX_CTAS = 1024  # persistent CTAs, one per SM (an H100 or H200 has 132)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +126,14 @@ class TuningConfig:
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
             raise ValueError(f"{self.block_kv=} must be a multiple of 64 in [64, 256]")
-        if self.num_stages < 2:
-            raise ValueError(f"{self.num_stages=} must be >= 2")
-        if self.decode_splits < 1:
-            raise ValueError(f"{self.decode_splits=} must be >= 1")
-        if self.num_ctas < 1:
-            raise ValueError(f"{self.num_ctas=} must be >= 1")
+        # Upper bounds too: a schedule can come from a user (attention_tuning), and interpret
+        # mode, which has no SMEM to run out of, would allocate whatever count it is given.
+        if not 2 <= self.num_stages <= MAX_STAGES:
+            raise ValueError(f"{self.num_stages=} must be in [2, {MAX_STAGES}]")
+        if not 1 <= self.decode_splits <= MAX_DECODE_SPLITS:
+            raise ValueError(f"{self.decode_splits=} must be in [1, {MAX_DECODE_SPLITS}]")
+        if not 1 <= self.num_ctas <= MAX_CTAS:
+            raise ValueError(f"{self.num_ctas=} must be in [1, {MAX_CTAS}]")
         # Counts are ints, not bools: True == 1 would pass the membership tests below.
         if isinstance(self.compute_wgs, bool) or self.compute_wgs not in (2, 3):
             raise ValueError(f"{self.compute_wgs=} must be 2 or 3")

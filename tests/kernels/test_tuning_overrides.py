@@ -62,6 +62,8 @@ def test_selectors_pick_buckets_by_token_count_and_later_clauses_win():
         ("block_kv=true", "block_kv='true' must be an integer"),
         ("block_kv=100", "block_kv=100: .* must be a multiple of 64"),
         ("producer_warps=2", "producer_warps=2: .* must be 1 or 4"),
+        ("num_stages=17", "num_stages=17: .* must be in \\[2, 16\\]"),
+        ("decode_splits=99999999999", "decode_splits=99999999999: .* must be in \\[1, 64\\]"),
         ("prefill_interleave=sometimes", r"must be a bool or 'per_step'"),
         ("num_stages=3,num_stages=4", "'num_stages' is given twice in one clause"),
         ("tokens<=2048: pingpong=true", "selector 'tokens<=2048' must be tokens<N or tokens>=N"),
