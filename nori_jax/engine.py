@@ -40,7 +40,7 @@ from nori_jax.prompts import encode_prompt
 from nori_jax.sampling_params import SamplingParams
 from nori_jax.tokenizer import Tokenizer
 from nori_jax.weight_control import WeightControl, swap_refusal
-from nori_jax.weights.loader import LoadedModel, load_model
+from nori_jax.weights.loader import LoadedModel, load_model, resolve_dtype
 from nori_jax.weights.update import Tensors
 from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
 from pallas_kernels.ragged_paged_attention.api import BACKENDS
@@ -73,15 +73,24 @@ def resolve_attention_backend(name: str) -> str:
     return "pallas" if jax.default_backend() == "gpu" and "pallas" in BACKENDS else "reference"
 
 
-def resolve_attention_tuning(text: str | None, attention_backend: str) -> TuningOverrides:
+def resolve_attention_tuning(
+    text: str | None, attention_backend: str, dtype=jnp.bfloat16, platform: str = "gpu"
+) -> TuningOverrides:
     """EngineConfig.attention_tuning as the kernel's (field, value) pairs; ValueError where it is
-    malformed or the attention is not the Pallas kernel's (the reference has no schedule)."""
+    malformed or the attention is not the Pallas kernel's: the reference has no schedule, and a
+    float32 model on a GPU attends on the reference path (api.py: wgmma takes float32 only as
+    tf32), so an override there would do nothing."""
     if text is None:
         return ()
     if attention_backend != "pallas":
         raise ValueError(
             f"attention_tuning={text!r} sets the Pallas attention kernel's schedule; "
             f"attention_backend resolves to {attention_backend!r} (set attention_backend='pallas')"
+        )
+    if platform == "gpu" and jnp.dtype(dtype) == jnp.float32:
+        raise ValueError(
+            f"attention_tuning={text!r} sets the Pallas attention kernel's schedule; a float32 "
+            "model on a GPU attends on the reference path, which has none (set dtype='bfloat16')"
         )
     return parse_tuning_overrides(text)
 
@@ -238,7 +247,12 @@ def build_engine(
             f"{jax.device_count()} (all devices)"
         )
     attention_backend = resolve_attention_backend(config.attention_backend)
-    attention_tuning = resolve_attention_tuning(config.attention_tuning, attention_backend)
+    attention_tuning = resolve_attention_tuning(
+        config.attention_tuning,
+        attention_backend,
+        resolve_dtype(config.dtype),
+        mesh.devices.flat[0].platform,
+    )
     page_size = config.scheduler.page_size
     if attention_backend == "pallas" and is_fp8(kv_page_dtype(config.kv_cache_dtype, jnp.float32)):
         if page_size < FP8_MIN_PAGE_SIZE:

@@ -70,3 +70,15 @@ def test_attention_tuning_errors_before_the_model_loads(hf_checkpoints, changes,
     kw = {**ENGINE, "attention_tuning": "num_stages=3", **changes}
     with pytest.raises(ValueError, match=message):
         LLM(str(hf_checkpoints["llama"]), **kw)
+
+
+def test_attention_tuning_on_a_float32_gpu_model_is_refused():
+    """A float32 model on a GPU attends on the reference path (api.py), where a schedule would
+    silently do nothing; the same dtype on a CPU runs the kernel interpreted and keeps it."""
+    from nori_jax.engine import resolve_attention_tuning
+
+    with pytest.raises(ValueError, match="float32 model on a GPU attends on the reference path"):
+        resolve_attention_tuning("num_stages=3", "pallas", np.float32, "gpu")
+    kept = resolve_attention_tuning("num_stages=3", "pallas", np.float32, "cpu")
+    assert kept == resolve_attention_tuning("num_stages=3", "pallas", "bfloat16", "gpu")
+    assert kept and kept[0].fields == (("num_stages", 3),)
