@@ -32,7 +32,8 @@
 #              paired tiles cut into two KV parts)
 #   pilsengine issue 22 item 3: the engine with prefill tiles picked per call in every bucket
 #              under 2,048 tokens (--attention-tuning) against its default schedule, the 135M
-#              shape's offline workload (2,000 requests), alternated twice in one call
+#              shape's offline workload (2,000 requests), alternated twice in one call;
+#              PILSENGINE_RULE replaces the override
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -151,7 +152,8 @@ PY
         python3 "$here/kernels/prefill_rows.py" "$OUT/pils$round.log"
       done ;;
     pilsengine)
-      rule="tokens<2048: prefill_interleave=per_step,pingpong=true"  # the candidate RULES row
+      # the candidate RULES row, or PILSENGINE_RULE (an attention_tuning string)
+      rule=${PILSENGINE_RULE:-"tokens<2048: prefill_interleave=per_step,pingpong=true"}
       timeout ${T_PILSENGINE:-560} python3 "$here/engine/ab_offline.py" --tree default="$here/.." \
         --tree pils="$here/.." --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} \
         --cache-dir /tmp/nori_xla_ab --out "$OUT/pilsengine" \
