@@ -159,7 +159,7 @@ PY
         --cache-dir /tmp/nori_xla_ab --out "$OUT/pilsengine" \
         --tree-args "pils:--attention-tuning '$rule'" \
         -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
-        --num-prompts 2000 > "$OUT/pilsengine.log" 2>&1
+        --num-prompts ${PILSENGINE_PROMPTS:-2000} > "$OUT/pilsengine.log" 2>&1
       echo "rc $?"; tail -6 "$OUT/pilsengine.log" ;;
     *) echo "unknown part: $part" ;;
   esac
