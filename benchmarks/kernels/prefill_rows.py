@@ -1,5 +1,7 @@
 """One line per prefill row of an attention_bench.py log (its JSON lines): layout, chunk,
-implementation, kernel and call time, error and the tuning's distinguishing fields.
+implementation, the kernel's device time and that of the call's other device ops (the plan's
+small XLA ops, a split tile's merge; per step or per layer in an engine, docs/benchmarks.md),
+the call's wall time, error and the tuning's distinguishing fields.
     python3 benchmarks/kernels/prefill_rows.py LOG"""
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ def main(path: str) -> None:
             continue
         k = r.get("kernel_ms")
         kernel_us = k * 1e3 if k else -1
+        others_us = r["others_ms"] * 1e3 if "others_ms" in r else -1
         chunk = f"{r['chunk']}+{r['prefix']}" if r.get("prefix") else str(r["chunk"])
         print(
             f"{r['layout']:>12} {chunk:>9} {r['impl']:>5} kernel {kernel_us:7.1f} us"
+            f" others {others_us:5.1f} us"
             f" call {r.get('ms', -1) * 1e3:7.1f} us err {r.get('err', -1):.1e}"
             f" {describe(r.get('tuning'))} {r.get('error', '')[:80]}"
         )
