@@ -74,7 +74,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def resolve_attention_tuning(
-    text: str | None, attention_backend: str, dtype=jnp.bfloat16, platform: str = "gpu"
+    text: str | None, attention_backend: str, *, dtype, platform: str
 ) -> TuningOverrides:
     """EngineConfig.attention_tuning as the kernel's (field, value) pairs; ValueError where it is
     malformed or the attention is not the Pallas kernel's: the reference has no schedule, and a
@@ -250,8 +250,8 @@ def build_engine(
     attention_tuning = resolve_attention_tuning(
         config.attention_tuning,
         attention_backend,
-        resolve_dtype(config.dtype),
-        mesh.devices.flat[0].platform,
+        dtype=resolve_dtype(config.dtype),
+        platform=mesh.devices.flat[0].platform,
     )
     page_size = config.scheduler.page_size
     if attention_backend == "pallas" and is_fp8(kv_page_dtype(config.kv_cache_dtype, jnp.float32)):

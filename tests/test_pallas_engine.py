@@ -78,7 +78,8 @@ def test_attention_tuning_on_a_float32_gpu_model_is_refused():
     from nori_jax.engine import resolve_attention_tuning
 
     with pytest.raises(ValueError, match="float32 model on a GPU attends on the reference path"):
-        resolve_attention_tuning("num_stages=3", "pallas", np.float32, "gpu")
-    kept = resolve_attention_tuning("num_stages=3", "pallas", np.float32, "cpu")
-    assert kept == resolve_attention_tuning("num_stages=3", "pallas", "bfloat16", "gpu")
+        resolve_attention_tuning("num_stages=3", "pallas", dtype=np.float32, platform="gpu")
+    kept = resolve_attention_tuning("num_stages=3", "pallas", dtype=np.float32, platform="cpu")
+    on_gpu = resolve_attention_tuning("num_stages=3", "pallas", dtype="bfloat16", platform="gpu")
+    assert kept == on_gpu
     assert kept and kept[0].fields == (("num_stages", 3),)
