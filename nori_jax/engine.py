@@ -43,7 +43,7 @@ from nori_jax.weight_control import WeightControl, swap_refusal
 from nori_jax.weights.loader import LoadedModel, load_model, resolve_dtype
 from nori_jax.weights.update import Tensors
 from pallas_kernels.kv_layout import is_fp8, kv_page_dtype
-from pallas_kernels.ragged_paged_attention.api import BACKENDS
+from pallas_kernels.ragged_paged_attention.api import BACKENDS, kernel_runs
 from pallas_kernels.ragged_paged_attention.pallas_attention import FP8_MIN_PAGE_SIZE
 from pallas_kernels.ragged_paged_attention.tuning_overrides import (
     TuningOverrides,
@@ -87,7 +87,7 @@ def resolve_attention_tuning(
             f"attention_tuning={text!r} sets the Pallas attention kernel's schedule; "
             f"attention_backend resolves to {attention_backend!r} (set attention_backend='pallas')"
         )
-    if platform == "gpu" and jnp.dtype(dtype) == jnp.float32:
+    if not kernel_runs(dtype, platform):
         raise ValueError(
             f"attention_tuning={text!r} sets the Pallas attention kernel's schedule; a float32 "
             "model on a GPU attends on the reference path, which has none (set dtype='bfloat16')"

@@ -33,6 +33,12 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"{backend=} must be one of {BACKENDS}")
 
 
+def kernel_runs(dtype, platform: str) -> bool:
+    """Whether the "pallas" backend runs the kernel for a model of `dtype` on `platform` ("gpu",
+    "cpu"): float32 on a GPU takes the reference path (module docstring)."""
+    return not (platform == "gpu" and jnp.dtype(dtype) == jnp.float32)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -55,8 +61,7 @@ def ragged_paged_attention(
     _check_backend(backend)
     args = (q, kv_pages, kv_lens, page_table, cu_q_lens, distribution)
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, kv_scales=kv_scales)
-    on_gpu = jax.default_backend() == "gpu"
-    if backend == "pallas" and not (on_gpu and q.dtype == jnp.float32):
+    if backend == "pallas" and kernel_runs(q.dtype, jax.default_backend()):
         return ragged_paged_attention_pallas(*args, **kw, tuning_overrides=tuning_overrides)
     if reads_fp8_query(kv_pages.dtype):  # as the kernel's default schedule does
         args = (quantize_query_rows(q, QUERY_DTYPE), *args[1:])

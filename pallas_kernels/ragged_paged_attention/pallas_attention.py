@@ -161,7 +161,9 @@ def ragged_paged_attention_pallas(
         raise ValueError(f"{a_operands=} must be 'regs' or 'smem'")
     a_in_smem = a_operands == "smem"
     fits = dict(on_chip=not interpret, a_in_smem=a_in_smem, kv_dtype=kv_pages.dtype)
-    if fields_for(tuning_overrides, num_tokens):
+    if not fields_for(tuning_overrides, num_tokens):
+        tuning.check_fits(d, page_size, q.dtype, **fits)
+    else:  # the same check, its error naming the override and the bucket
         try:
             tuning = with_overrides(tuning, tuning_overrides, num_tokens)
             tuning.check_fits(d, page_size, q.dtype, **fits)
@@ -172,7 +174,6 @@ def ragged_paged_attention_pallas(
                 f"of {page_size} (q {hq} heads, kv {hkv} heads of {d}, {kv_pages.dtype} pages): "
                 f"{e}"
             ) from None
-    tuning.check_fits(d, page_size, q.dtype, **fits)
     if profile_dir is not None:
         if interpret:
             raise ValueError(f"{profile_dir=}: the profiler runs on a GPU, not in interpret mode")
