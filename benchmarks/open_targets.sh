@@ -39,6 +39,7 @@
 #              tokens, none at 1,024) against paired tiles in two parts in both (the candidate
 #              RULES row) and against no parts at 2,048 (no merge after the kernel), the 135M
 #              shape's offline workload (2,000 requests), alternated twice in one call
+#              (SPLITENGINE_ARMS picks among "default ks2 ks1")
 #   tfrt       what the TFRT client (gpu_client="auto" on one GPU) has not been run on: served
 #              load (4 API servers, 1,000 requests at 128 and 256 req/s, auto against
 #              --gpu-client default) and fp8 weights + fp8 pages (greedy tokens, tfrt against
@@ -171,11 +172,17 @@ PY
       # the bucket (partial_merge.py), decode-only steps included: only the engine weighs it
       ks2="tokens>=1024: compute_wgs=2,pingpong=true,prefill_kv_splits=2"
       ks2="$ks2; tokens>=4096: compute_wgs=3,pingpong=false,prefill_kv_splits=1"
-      timeout ${T_SPLITENGINE:-550} python3 "$here/engine/ab_offline.py" --tree default="$here/.." \
-        --tree ks2="$here/.." --tree ks1="$here/.." --rounds ${SPLITENGINE_ROUNDS:-2} \
-        --timeout ${T_SPLITRUN:-170} --cache-dir /tmp/nori_xla_ab --out "$OUT/splitengine" \
-        --tree-args "ks2:--attention-tuning '$ks2'" \
-        --tree-args "ks1:--attention-tuning 'tokens>=2048: prefill_kv_splits=1'" \
+      arms=()
+      for arm in ${SPLITENGINE_ARMS:-default ks2 ks1}; do
+        arms+=(--tree "$arm=$here/..")
+        case $arm in
+          ks2) arms+=(--tree-args "ks2:--attention-tuning '$ks2'") ;;
+          ks1) arms+=(--tree-args "ks1:--attention-tuning 'tokens>=2048: prefill_kv_splits=1'") ;;
+        esac
+      done
+      timeout ${T_SPLITENGINE:-550} python3 "$here/engine/ab_offline.py" "${arms[@]}" \
+        --rounds ${SPLITENGINE_ROUNDS:-2} --timeout ${T_SPLITRUN:-170} \
+        --cache-dir /tmp/nori_xla_ab --out "$OUT/splitengine" \
         -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
         --num-prompts ${SPLITENGINE_PROMPTS:-2000} > "$OUT/splitengine.log" 2>&1
       echo "rc $?"; tail -9 "$OUT/splitengine.log" ;;
