@@ -420,7 +420,8 @@ RULES: tuple[Rule, ...] = (
          lambda b, k: _hd64_prefill(b, k) and _few_tiles(b), dict(prefill_kv_splits=4),
          "run 9 calls AN, AP: 9q/3kv/64 at 2,048 tokens after 6,144 cached, kernel 0.077 "
          "against 0.103-0.104 ms; where tiles are plenty (32q/8kv/64 at 4,096 and 8,192 "
-         "tokens) the merge only added time",
+         "tokens) the merge only added time; kernel evidence only, the merge of every layer "
+         "not weighed in an engine (open_targets.sh splitengine, not run yet)",
          {**_PREFILL_64, "num_kv_heads": 3, "num_q_heads": 9, "num_tokens": 2048}),
     Rule("head_dim <= 64, bf16 pages, under 2,048 tokens: prefill tiles on both warpgroups",
          lambda b, k: not b.prefill and b.head_dim <= 64 and not b.kv_fp8 and k == 1
