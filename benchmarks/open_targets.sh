@@ -170,6 +170,7 @@ PY
     splitengine)
       # the merge of a cut tile's parts runs after the kernel in every layer of every step of
       # the bucket (partial_merge.py), decode-only steps included: only the engine weighs it
+      # (a selector has one bound: the second clause gives buckets of 4,096+ their default back)
       ks2="tokens>=1024: compute_wgs=2,pingpong=true,prefill_kv_splits=2"
       ks2="$ks2; tokens>=4096: compute_wgs=3,pingpong=false,prefill_kv_splits=1"
       arms=()
