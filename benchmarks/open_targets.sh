@@ -58,6 +58,15 @@ fi
 echo "=== $gpu: $PARTS ($(date +%T))"
 dry=""; [ -n "${DRY:-}" ] && dry=--dry  # DRY=1: the kernel parts' CPU dry runs (flow only)
 quiet() { grep -v "^W1\|^I0000\|INFO"; }
+# engine_ab NAME LIMIT_S PROMPTS ARGS...: ab_offline.py's engines (ARGS: its --tree and
+# --tree-args) alternating on the 135M shape's offline workload, logs under $OUT/NAME
+engine_ab() {
+  local name=$1 limit=$2 prompts=$3; shift 3
+  timeout "$limit" python3 "$here/engine/ab_offline.py" "$@" --cache-dir /tmp/nori_xla_ab \
+    --out "$OUT/$name" -- --config h200-throughput --max-num-seqs 1024 \
+    --max-num-batched-tokens 8192 --num-prompts "$prompts" > "$OUT/$name.log" 2>&1
+  echo "rc $?"; tail -9 "$OUT/$name.log"
+}
 for part in $PARTS; do
   echo "=== $part ($(date +%T))"
   case $part in
@@ -160,13 +169,9 @@ PY
     pilsengine)
       # the candidate RULES row, or PILSENGINE_RULE (an attention_tuning string)
       rule=${PILSENGINE_RULE:-"tokens<2048: prefill_interleave=per_step,pingpong=true"}
-      timeout ${T_PILSENGINE:-560} python3 "$here/engine/ab_offline.py" --tree default="$here/.." \
-        --tree pils="$here/.." --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} \
-        --cache-dir /tmp/nori_xla_ab --out "$OUT/pilsengine" \
-        --tree-args "pils:--attention-tuning '$rule'" \
-        -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
-        --num-prompts ${PILSENGINE_PROMPTS:-2000} > "$OUT/pilsengine.log" 2>&1
-      echo "rc $?"; tail -6 "$OUT/pilsengine.log" ;;
+      engine_ab pilsengine ${T_PILSENGINE:-560} ${PILSENGINE_PROMPTS:-2000} \
+        --tree default="$here/.." --tree pils="$here/.." --tree-args "pils:--attention-tuning '$rule'" \
+        --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} ;;
     splitengine)
       # the merge of a cut tile's parts runs after the kernel in every layer of every step of
       # the bucket (partial_merge.py), decode-only steps included: only the engine weighs it
@@ -181,12 +186,8 @@ PY
           ks1) arms+=(--tree-args "ks1:--attention-tuning 'tokens>=2048: prefill_kv_splits=1'") ;;
         esac
       done
-      timeout ${T_SPLITENGINE:-550} python3 "$here/engine/ab_offline.py" "${arms[@]}" \
-        --rounds ${SPLITENGINE_ROUNDS:-2} --timeout ${T_SPLITRUN:-170} \
-        --cache-dir /tmp/nori_xla_ab --out "$OUT/splitengine" \
-        -- --config h200-throughput --max-num-seqs 1024 --max-num-batched-tokens 8192 \
-        --num-prompts ${SPLITENGINE_PROMPTS:-2000} > "$OUT/splitengine.log" 2>&1
-      echo "rc $?"; tail -9 "$OUT/splitengine.log" ;;
+      engine_ab splitengine ${T_SPLITENGINE:-550} ${SPLITENGINE_PROMPTS:-2000} "${arms[@]}" \
+        --rounds ${SPLITENGINE_ROUNDS:-2} --timeout ${T_SPLITRUN:-170} ;;
     *) echo "unknown part: $part" ;;
   esac
 done
