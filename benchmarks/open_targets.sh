@@ -170,7 +170,8 @@ PY
       # the candidate RULES row, or PILSENGINE_RULE (an attention_tuning string)
       rule=${PILSENGINE_RULE:-"tokens<2048: prefill_interleave=per_step,pingpong=true"}
       engine_ab pilsengine ${T_PILSENGINE:-560} ${PILSENGINE_PROMPTS:-2000} \
-        --tree default="$here/.." --tree pils="$here/.." --tree-args "pils:--attention-tuning '$rule'" \
+        --tree default="$here/.." --tree pils="$here/.." \
+        --tree-args "pils:--attention-tuning '$rule'" \
         --rounds ${PILSENGINE_ROUNDS:-2} --timeout ${T_PILSRUN:-200} ;;
     splitengine)
       # the merge of a cut tile's parts runs after the kernel in every layer of every step of
